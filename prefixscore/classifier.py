@@ -1,0 +1,140 @@
+"""Classifier: the public API for "which of N labels does this LLM pick for this text?"."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .batch import plan_classify
+from .engine import Engine
+from .errors import ConfigError, InputError
+from .labels import LabelTrie, check_labels
+from .loading import LoadedModel, load
+from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_template
+
+MODES = ("logprobs", "logits")
+
+
+@dataclass
+class Result:
+    query: str
+    label: str
+    scores: dict[str, float]  # log-probabilities (mode "logprobs") or raw first-token logits
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def resolve_device(device) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ConfigError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+    return names[dtype]
+
+
+class Classifier:
+    """Classifier(model=None, template=None, labels=None): None means the bundled SmolLM2-135M-Instruct,
+    the seed prompt and the nine seed labels. `model` is a HF folder or a .gguf file (or an already
+    loaded `LoadedModel` to share weights between classifiers)."""
+
+    def __init__(self, model=None, template: str | None = None, labels=None, *, device=None,
+                 dtype=None, chat: bool | None = None, mode: str = "logprobs", truncate: bool = False,
+                 max_batch_tokens: int = 16384):
+        template = SEED_TEMPLATE if template is None else template
+        labels = check_labels(SEED_LABELS if labels is None else labels)
+        check_template(template, ("query",))  # fail fast, before loading a model
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        if max_batch_tokens < 1:
+            raise ConfigError("max_batch_tokens must be positive")
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            dev = resolve_device(device)
+            self.loaded = load(model, dev, resolve_dtype(dtype, dev))
+        self.engine = Engine(self.loaded)
+        tok = self.loaded.tokenizer
+        self.prompt = Prompt(tok, template, chat=chat)
+        self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)
+        # Branch tokens follow the suffix, so the prompt itself must leave room for them.
+        self.prompt.context_limit = self.engine.config.context_limit - self.trie.max_len
+        if mode == "logits" and not self.trie.first_distinct:
+            raise ConfigError("mode 'logits' needs labels whose first tokens differ; these share a "
+                              "first token, so use mode 'logprobs'")
+        self.labels, self.mode, self.truncate = labels, mode, truncate
+        self.max_batch_tokens = max_batch_tokens
+        self.prefix_kv = self.engine.prefill(self.prompt.prefix_ids)
+        self.weight = self.engine.label_weight(self.trie.columns)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prompt.prefix_ids)
+
+    def encode(self, query: str) -> Encoded:
+        return self.prompt.encode(truncate=self.truncate, query=query)
+
+    def classify(self, query: str) -> Result:
+        return self.classify_batch([query])[0]
+
+    def classify_batch(self, queries, progress=None) -> list[Result]:
+        if isinstance(queries, str):
+            raise InputError("classify_batch takes a list of strings; use classify() for one")
+        return self.classify_encoded([self.encode(q) for q in queries], progress)
+
+    def classify_encoded(self, encoded: list[Encoded], progress=None) -> list[Result]:
+        """Run pre-tokenized requests (see encode) in as few flat batches as fit max_batch_tokens."""
+        out: list[Result | None] = [None] * len(encoded)
+        for chunk in self._chunks(encoded):
+            for i, r in zip(chunk, self._run([encoded[i] for i in chunk])):
+                out[i] = r
+            if progress is not None:
+                progress(len(chunk))
+        return out
+
+    def _chunks(self, encoded):
+        """Group request indices by prefix use (cached / exact) and by a token budget per batch."""
+        branch = sum(len(p) for p in self.trie.branch_paths()) if self.mode == "logprobs" else 0
+        for cached in (True, False):
+            chunk, size = [], 0
+            for i, e in enumerate(encoded):
+                if (e.start > 0) != cached:
+                    continue
+                n = len(e.ids) - e.start + branch
+                if chunk and size + n > self.max_batch_tokens:
+                    yield chunk
+                    chunk, size = [], 0
+                chunk.append(i)
+                size += n
+            if chunk:
+                yield chunk
+
+    def _run(self, batch: list[Encoded]) -> list[Result]:
+        logprobs = self.mode == "logprobs"
+        plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch], self.trie,
+                             branches=logprobs)
+        prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
+        scores, best = self.engine.run(plan, prefix, self.weight, logprobs)
+        if logprobs:
+            label_scores, decision = self.trie.assemble(scores, best, len(batch))
+        else:
+            label_scores, decision = self.trie.assemble_logits(scores, best)
+        label_scores, decision = label_scores.cpu().tolist(), decision.cpu().tolist()
+        return [Result(e.values["query"], self.labels[d], dict(zip(self.labels, s)))
+                for e, d, s in zip(batch, decision, label_scores)]

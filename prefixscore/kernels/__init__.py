@@ -1,0 +1,5 @@
+"""Kernels with a torch reference and (on CUDA) a Triton implementation behind the same call."""
+from .attention import attention, attention_ref
+from .label_head import label_head, label_head_ref
+
+__all__ = ["attention", "attention_ref", "label_head", "label_head_ref"]

@@ -1,0 +1,71 @@
+"""Shared-prefix attention over a flat token batch.
+
+Every flat token t attends to
+  * all P keys of the pinned prefix (shared by the whole batch, computed once), and
+  * the in-batch keys j with  base_start[t] <= j < base_end[t]  or  own_start[t] <= j <= t.
+
+Plain classification: base range empty, own range = the request's suffix. Label-trie branches and
+multi-item scoring: base = the shared part (suffix / query), own range = the branch / item.
+
+Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; prefix_k, prefix_v [P, Hkv, D] (P may be 0);
+base_start, base_end, own_start int32 [T]. Hq is a multiple of Hkv (GQA). Returns [T, Hq, D].
+"""
+from __future__ import annotations
+
+import torch
+
+
+def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
+                  seg_offsets=None):
+    """Plain torch: scores over (prefix keys) ++ (visible in-batch keys), softmax in fp32.
+
+    seg_offsets (optional, [S+1], on the CPU) splits the flat batch into spans that no visibility
+    range crosses (one span per request); it only bounds the work to O(sum of span^2) instead of T^2.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qf = q.float().view(T, Hkv, G, D)
+    if seg_offsets is None:
+        seg_offsets = torch.tensor([0, T])
+    offs = seg_offsets.tolist()
+    starts, lens = offs[:-1], [b - a for a, b in zip(offs[:-1], offs[1:])]
+    S, L = len(lens), max(lens)
+    # Pad spans to [S, L]: index of each padded slot into the flat arrays (clamped), and validity.
+    ar = torch.arange(L, device=q.device)
+    idx = torch.tensor(starts, device=q.device)[:, None] + ar[None, :]  # [S, L]
+    valid = ar[None, :] < torch.tensor(lens, device=q.device)[:, None]
+    idx = idx.clamp(max=T - 1)
+    # In-batch visibility, per query slot i and key slot j of the same span.
+    j = idx[:, None, :]  # key flat index [S, 1, L]
+    bs, be, os_ = (x.long()[idx][:, :, None] for x in (base_start, base_end, own_start))
+    t = idx[:, :, None]
+    vis = ((j >= bs) & (j < be)) | ((j >= os_) & (j <= t))
+    vis &= valid[:, None, :]  # [S, Lq, Lk]
+
+    qs = qf[idx]  # [S, L, Hkv, G, D]
+    ks, vs = k.float()[idx], v.float()[idx]  # [S, L, Hkv, D]
+    s_in = torch.einsum("sihgd,sjhd->shgij", qs, ks) * scale
+    s_in = s_in.masked_fill(~vis[:, None, None], float("-inf"))
+    if prefix_k.shape[0] > 0:
+        s_pre = torch.einsum("sihgd,phd->shgip", qs, prefix_k.float()) * scale
+        s = torch.cat([s_pre, s_in], dim=-1)
+    else:
+        s = s_in
+    p = torch.softmax(s, dim=-1)
+    P = prefix_k.shape[0]
+    out = torch.einsum("shgij,sjhd->sihgd", p[..., P:], vs)
+    if P > 0:
+        out = out + torch.einsum("shgip,phd->sihgd", p[..., :P], prefix_v.float())
+    out = out.reshape(S, L, Hq, D)[valid]  # back to flat order: spans are contiguous and in order
+    return out.to(q.dtype)
+
+
+def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None):
+    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere."""
+    if q.is_cuda:
+        from .attention_triton import attention_triton
+
+        return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale)
+    return attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
+                         seg_offsets)

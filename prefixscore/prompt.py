@@ -1,0 +1,143 @@
+"""Prompt template -> cached prefix tokens + per-request suffix tokens (DESIGN.md §2.1).
+
+The guarantee: the tokens fed to the model are exactly the tokenizer's tokens for the whole prompt.
+We tokenize the whole prompt per request and check it starts with the cached prefix; the split point
+is chosen at startup (moved back past any token that a probe query merges across the boundary), and
+a request that still disagrees is flagged so the engine computes it without the cache.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError, InputError
+
+SEED_TEMPLATE = (
+    "Analyze the category intent of the given query. Output exactly one label from: Dress, Jeans, "
+    "Shirt, Trench Coat, Skirt, T-shirt, Hoodie, Knitwear, Other. Output nothing else\n"
+    "query:{query}"
+)
+SEED_LABELS = ["Dress", "Jeans", "Shirt", "Trench Coat", "Skirt", "T-shirt", "Hoodie", "Knitwear", "Other"]
+
+_SLOT = re.compile(r"\{(\w+)\}")
+# Queries chosen to provoke merges across the prefix boundary: letters, digits, spaces, punctuation,
+# CJK, emoji, newlines, long runs.
+PROBES = ["a", "A", " a", "  x", "1", "2024", "中文", "😀", "!", ".", "-", "'s", "\n", "\tx", "é", "x" * 40, ":", "Q"]
+
+
+def sentinel(name: str) -> str:
+    return f"\x1eSLOT-{name}\x1e"
+
+
+def check_template(template, slots: tuple[str, ...]) -> None:
+    if not isinstance(template, str):
+        raise ConfigError(f"template must be a string, got {type(template).__name__}")
+    found = _SLOT.findall(template)
+    for s in slots:
+        n = found.count(s)
+        if n != 1:
+            raise ConfigError(
+                f"template must contain the slot {{{s}}} exactly once (found {n}): {template[:80]!r}"
+            )
+    extra = sorted(set(found) - set(slots))
+    if extra:
+        raise ConfigError(f"template has unknown slot(s) {', '.join('{%s}' % e for e in extra)}; "
+                          f"allowed: {', '.join('{%s}' % s for s in slots)}")
+
+
+@dataclass
+class Encoded:
+    """One request, tokenized: `ids` is the whole prompt; the model computes ids[start:]."""
+    values: dict  # slot name -> text (after truncation, if any)
+    text: str  # the whole prompt
+    ids: list[int]
+    start: int  # = len(cached prefix) when the prefix matches, else 0 (computed exactly, no cache)
+
+
+class Prompt:
+    def __init__(self, tokenizer, template: str, chat: bool | None = None, slots=("query",),
+                 context_limit: int | None = None):
+        check_template(template, slots)
+        self.tokenizer, self.template, self.slots = tokenizer, template, slots
+        has_chat = bool(getattr(tokenizer, "chat_template", None))
+        if chat and not has_chat:
+            raise ConfigError("chat=True but the tokenizer has no chat template")
+        self.chat = has_chat if chat is None else bool(chat)
+        self.context_limit = context_limit
+        rendered = self._render_raw({s: sentinel(s) for s in slots})
+        pieces = re.split("(" + "|".join(re.escape(sentinel(s)) for s in slots) + ")", rendered)
+        if len(pieces) != 2 * len(slots) + 1:
+            raise ConfigError("the chat template altered the slot; pass chat=False")
+        self.pieces = pieces  # [text0, sentinel, text1, sentinel, text2, ...]
+        self.prefix_text = pieces[0]
+        prefix_ids = self.encode_text(self.prefix_text)
+        split = len(prefix_ids)
+        for probe in PROBES:
+            full = self.encode_text(self.render(**{s: probe for s in slots}))
+            split = min(split, _common(full, prefix_ids))
+        self.prefix_ids = prefix_ids[:split]
+
+    def _render_raw(self, values: dict) -> str:
+        text = self.template
+        for s, v in values.items():
+            text = text.replace("{%s}" % s, v)
+        if self.chat:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return text
+
+    def render(self, **values) -> str:
+        """The whole prompt text (template in the chat template) with the slots filled."""
+        out = []
+        for i, piece in enumerate(self.pieces):
+            out.append(values[piece[6:-1]] if i % 2 else piece)
+        return "".join(out)
+
+    def encode_text(self, text: str) -> list[int]:
+        # A chat template writes its own special tokens; a plain template gets the tokenizer's (BOS).
+        return self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"]
+
+    def encode(self, truncate: bool = False, **values) -> Encoded:
+        for s in self.slots:
+            v = values.get(s)
+            if not isinstance(v, str):
+                raise InputError(f"{s} must be a string, got {type(v).__name__}")
+            if not v.strip():
+                raise InputError(f"empty {s}")
+        text = self.render(**values)
+        ids = self.encode_text(text)
+        limit = self.context_limit
+        if limit and len(ids) > limit:
+            if not truncate:
+                raise InputError(
+                    f"prompt is {len(ids)} tokens, over the model's context limit of {limit} tokens "
+                    f"(the {self.slots[-1]} is {len(values[self.slots[-1]])} characters); shorten it or "
+                    f"enable truncation")
+            return self._truncated(values, limit)
+        P = len(self.prefix_ids)
+        start = P if ids[:P] == self.prefix_ids else 0
+        return Encoded(dict(values), text, ids, start)
+
+    def _truncated(self, values: dict, limit: int) -> Encoded:
+        """Cut the last slot's text from the end until the whole prompt fits (re-tokenized exactly)."""
+        s = self.slots[-1]
+        v = values[s]
+        lo, hi = 0, len(v)  # binary search on characters kept
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if len(self.encode_text(self.render(**{**values, s: v[:mid]}))) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0 or not v[:lo].strip():
+            raise InputError(f"the template alone nearly fills the context limit of {limit} tokens")
+        return self.encode(truncate=False, **{**values, s: v[:lo]})
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,96 @@
+import csv
+import os
+import random
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared beside the repo
+
+
+def dev_queries():
+    with open(SHARED / "data" / "intent_dev.csv", newline="", encoding="utf-8") as f:
+        return [row["query"] for row in csv.DictReader(f)]
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """The bundled SmolLM2-135M-Instruct, loaded once (fp32)."""
+    from prefixscore.loading import load
+
+    return load(None, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(bundled):
+    return bundled.tokenizer
+
+
+def tiny_hf_config(arch: str, **kw):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0)
+    if arch == "qwen3":
+        base["head_dim"] = 32  # Qwen3 sets head_dim explicitly (≠ hidden / heads)
+    if arch == "llama":
+        base["tie_word_embeddings"] = True
+    base.update(kw)
+    return AutoConfig.for_model(arch, **base)
+
+
+def make_tiny_model(path, arch, tokenizer, seed=0, **kw):
+    """A random tiny model of `arch` saved as a HF folder (safetensors) with the SmolLM2 tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(arch, **kw)
+    cfg.eos_token_id = tokenizer.eos_token_id
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init so logits are well separated
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.15)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smol_tokenizer):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = make_tiny_model(tmp_path_factory.mktemp(arch), arch, smol_tokenizer)
+        return made[arch]
+
+    return get
+
+
+def random_queries(n, seed):
+    rng = random.Random(seed)
+    words = ["dress", "jeans", "shirt", "trench", "coat", "skirt", "tee", "hoodie", "knit", "women",
+             "men", "blue", "red", "oversized", "vintage", "连衣裙", "牛仔裤", "卫衣", "毛衣", "风衣",
+             "2024新款", "size", "xl", "cotton", "😀", "black", "summer", "¿", "camisa", "ジーンズ"]
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, 6)
+        q = " ".join(rng.choice(words) for _ in range(k))
+        if rng.random() < 0.2:
+            q = "".join(rng.choice(string.printable[:94]) for _ in range(rng.randint(1, 30)))
+        if rng.random() < 0.1:
+            q = "  " + q
+        out.append(q)
+    return out
