@@ -115,26 +115,28 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def attn_config(T: int, G: int, Hkv: int, D: int, device) -> dict:
+def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
     """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
 
     Biggest row block that still gives ~2 programs per SM, so large batches reuse each K/V tile
     across many rows, while tiny batches (T=8: 56 rows) get 16-row blocks and a few programs that
     each finish quickly; the whole small-batch case is one short launch either way.
+    q, acc and the score tile live in registers: BLOCK_M * D is capped so nothing spills on sm_90
+    (fp32 IEEE dots run on FMA units and hold much more, so fp32 -- tests only -- uses 16 rows).
     """
+    budget = 8192 if dtype != torch.float32 else 1024
     rows = T * G
     target = 2 * _num_sms(device)
     block_m = 16
     for bm in (128, 64, 32):
-        # q, acc and the score tile live in registers: keep BLOCK_M * D <= 8K so nothing spills
-        if bm * D <= 8192 and triton.cdiv(rows, bm) * Hkv >= target:
+        if bm * D <= budget and triton.cdiv(rows, bm) * Hkv >= target:
             block_m = bm
             break
     return dict(
         BLOCK_M=block_m,
         BLOCK_N=64 if D <= 128 else 32,  # prefix key tile
         BLOCK_NI=32,  # in-batch key tile
-        num_warps=8 if block_m * D >= 8192 else 4,
+        num_warps=8 if block_m * D >= budget else 4,
         num_stages=2,
     )
 
@@ -166,7 +168,7 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
     if P == 0:  # never read; avoids handing the launcher an empty (null) pointer
         prefix_k, prefix_v = k, v
     G = Hq // Hkv
-    cfg = attn_config(T, G, Hkv, D, q.device)
+    cfg = attn_config(T, G, Hkv, D, q.dtype, q.device)
     cfg.update(config or {})
     grid = (triton.cdiv(T * G, cfg["BLOCK_M"]), Hkv)
     _prefix_attn_kernel[grid](

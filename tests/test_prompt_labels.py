@@ -1,0 +1,133 @@
+"""Prompt split and label trie: the tokens fed to the model are exactly the whole prompt's tokens."""
+import pytest
+import torch
+
+from conftest import random_queries
+from hf_reference import hf_scores
+from prefixscore import Classifier, ConfigError, InputError
+from prefixscore.labels import LabelTrie
+from prefixscore.prompt import Prompt
+
+TEMPLATES = {
+    "space": "Classify the query into a category. query: {query}",
+    "colon": "Classify the query into a category. query:{query}",
+    "newline": "Classify the query into a category.\n{query}",
+    "none": "Classify the query into a categoryabc{query}",
+    "trailing": "Classify: {query}\nAnswer:",
+}
+QUERIES = ["  leading spaces", "red dress 😀👗", "红色连衣裙 2024新款", "x" * 400,
+           "abc", "Über jacket", "a b c d e f g", "\tindented", "'s", "—dash"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_split_reproduces_whole_prompt_tokens(smol_tokenizer, name, chat):
+    tok = smol_tokenizer
+    p = Prompt(tok, TEMPLATES[name], chat=chat)
+    for q in QUERIES + random_queries(30, seed=1):
+        e = p.encode(query=q)
+        whole = tok(e.text, add_special_tokens=not chat)["input_ids"]
+        assert e.ids == whole
+        assert e.text.count(q) >= 1
+        if e.start:  # the cached prefix is literally the start of the whole prompt's tokens
+            assert e.ids[: e.start] == p.prefix_ids
+    assert len(p.prefix_ids) >= len(p.encode_text(p.prefix_text)) - 2  # at most a merge or two back
+
+
+@pytest.mark.parametrize("name", ["space", "none", "trailing"])
+def test_boundary_templates_match_hf(name, tiny_model):
+    """End to end through the cached prefix: scores equal HF's on the full prompt."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("qwen2")
+    clf = Classifier(str(path), TEMPLATES[name], ["Dress", "Jeans", "T-shirt", "Trench Coat"],
+                     chat=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    res = clf.classify_batch(QUERIES)
+    ref = hf_scores(hf, [clf.encode(q).ids for q in QUERIES], clf.trie)
+    for r, s in zip(res, ref):
+        assert max(abs(r.scores[l] - x) for l, x in zip(clf.labels, s)) < 1e-4
+
+
+def test_exact_fallback_equals_cached(tiny_model):
+    """A request whose tokens disagree with the cached prefix is computed without the cache; both
+    paths must give the same answer for a request where either could be used."""
+    clf = Classifier(str(tiny_model("llama")), chat=True)
+    e = clf.encode("wool trench coat")
+    assert e.start == clf.prefix_len > 0
+    exact = type(e)(e.values, e.text, e.ids, 0)
+    a, b = clf.classify_encoded([e])[0], clf.classify_encoded([exact])[0]
+    assert a.label == b.label
+    assert max(abs(a.scores[l] - b.scores[l]) for l in clf.labels) < 1e-4
+
+
+def test_shared_first_tokens_need_the_trie(smol_tokenizer):
+    """T-shirt / Trench Coat share their first token in SmolLM2's tokenizer: one branching node."""
+    p = Prompt(smol_tokenizer, "{query}", chat=True)
+    trie = LabelTrie.build(smol_tokenizer, ["T-shirt", "Trench Coat", "Dress"], p.render(query="x"),
+                           p.encode_text)
+    assert trie.paths[0][0] == trie.paths[1][0]
+    assert len(trie.nodes) == 2 and not trie.first_distinct
+
+
+def test_label_that_prefixes_another_uses_eos(smol_tokenizer):
+    p = Prompt(smol_tokenizer, "{query}", chat=True)
+    trie = LabelTrie.build(smol_tokenizer, ["Coat", "Coat Rack"], p.render(query="x"), p.encode_text)
+    eos = smol_tokenizer.eos_token_id
+    assert trie.paths[0][-1] == eos and trie.paths[1][-1] == eos
+
+
+@pytest.mark.parametrize("labels,msg", [
+    ([], "empty"), (["A", "A"], "duplicate"), (["A", ""], "non-empty"), ("A,B", "list"),
+])
+def test_bad_labels(labels, msg):
+    with pytest.raises(ConfigError, match=msg):
+        Classifier(model="/nonexistent", labels=labels)
+
+
+@pytest.mark.parametrize("template", ["no slot", "{query} and {query}", "{query} {other}", 42])
+def test_bad_templates(template):
+    with pytest.raises(ConfigError, match="slot|string"):
+        Classifier(model="/nonexistent", template=template)
+
+
+def test_bad_queries_and_context_limit(tiny_model):
+    clf = Classifier(str(tiny_model("mistral")), chat=False)  # max_position_embeddings = 512
+    with pytest.raises(InputError, match="empty"):
+        clf.classify("   ")
+    with pytest.raises(InputError, match="string"):
+        clf.classify(None)
+    with pytest.raises(InputError, match="list"):
+        clf.classify_batch("not a list")
+    long = "trench coat " * 400
+    with pytest.raises(InputError, match=r"context limit of \d+ tokens"):
+        clf.classify(long)
+    clf.truncate = True
+    r = clf.classify(long)
+    assert r.label in clf.labels and len(r.query) < len(long)
+    assert len(clf.encode(long).ids) <= clf.prompt.context_limit
+
+
+def test_model_errors(tmp_path):
+    from prefixscore import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        Classifier(model=str(tmp_path / "missing"))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        Classifier(model=str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        Classifier(model=str(tmp_path))
+
+
+def test_logits_mode(tiny_model):
+    labels = ["Dress", "Jeans", "Other"]
+    clf = Classifier(str(tiny_model("qwen3")), labels=labels, mode="logits")
+    lp = Classifier(clf.loaded, labels=labels)
+    for q in random_queries(20, seed=3):
+        a, b = clf.classify(q), lp.classify(q)
+        assert a.label == b.label  # single-token-distinct labels: argmax of logits = of log-probs
+        assert a.label == max(labels, key=a.scores.get)
+    with pytest.raises(ConfigError, match="first tokens"):
+        Classifier(clf.loaded, labels=["T-shirt", "Trench Coat"], mode="logits")
