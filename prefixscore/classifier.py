@@ -125,6 +125,22 @@ class Classifier:
             if chunk:
                 yield chunk
 
+    @torch.inference_mode()
+    def features(self, queries: list[str]) -> torch.Tensor:
+        """Final-normed hidden state at each query's read-out position (the root row), [B, hidden]
+        in fp32: the input of a trained N-way head (heads.py)."""
+        encoded = [self.encode(q) for q in queries]
+        out = torch.empty(len(encoded), self.engine.config.hidden_size)
+        for chunk in self._chunks(encoded):
+            batch = [encoded[i] for i in chunk]
+            plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch],
+                                 self.trie, branches=False)
+            prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
+            h, plan = self.engine.hidden(plan, prefix)
+            norm = self.engine.model.norm
+            out[chunk] = norm(h[plan.rows]).float().cpu()
+        return out
+
     def _run(self, batch: list[Encoded]) -> list[Result]:
         logprobs = self.mode == "logprobs"
         plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch], self.trie,

@@ -3,6 +3,8 @@ bundled model, the seed prompt and the nine seed labels."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import sys
 import time
@@ -170,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", default=None, help="also write the report as JSON")
     _model_args(e)
     e.set_defaults(func=cmd_eval)
+    # Other commands live beside what they drive: each module adds its own subcommand.
+    for name in ("scorer", "server", "heads"):
+        if importlib.util.find_spec(f"prefixscore.{name}") is not None:
+            importlib.import_module(f"prefixscore.{name}").add_command(sub, _model_args)
     return p
 
 

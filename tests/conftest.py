@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# PREFIXSCORE_TEST_THREADS=1 keeps parallel test runs from fighting over 2 cores (OpenMP spins).
+torch.set_num_threads(int(os.environ.get("PREFIXSCORE_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared beside the repo
