@@ -7,6 +7,7 @@ import torch
 
 from .batch import plan_classify
 from .engine import Engine
+from .kernels.label_head import rms_norm
 from .errors import ConfigError, InputError
 from .labels import LabelTrie, check_labels
 from .loading import LoadedModel, load
@@ -56,7 +57,7 @@ class Classifier:
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, device=None,
                  dtype=None, chat: bool | None = None, mode: str = "logprobs", truncate: bool = False,
-                 max_batch_tokens: int = 16384):
+                 max_batch_tokens: int = 16384, graphs: bool = True):
         template = SEED_TEMPLATE if template is None else template
         labels = check_labels(SEED_LABELS if labels is None else labels)
         check_template(template, ("query",))  # fail fast, before loading a model
@@ -82,6 +83,8 @@ class Classifier:
         self.max_batch_tokens = max_batch_tokens
         self.prefix_kv = self.engine.prefill(self.prompt.prefix_ids)
         self.weight = self.engine.label_weight(self.trie.columns)
+        self.capture_info = self.engine.capture(self.prefix_kv, self.weight, mode == "logprobs",
+                                                max_batch_tokens) if graphs else {}
 
     @property
     def prefix_len(self) -> int:
@@ -138,7 +141,7 @@ class Classifier:
             prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
             h, plan = self.engine.hidden(plan, prefix)
             norm = self.engine.model.norm
-            out[chunk] = norm(h[plan.rows]).float().cpu()
+            out[chunk] = rms_norm(h[plan.rows], norm.weight, norm.eps).float().cpu()
         return out
 
     def _run(self, batch: list[Encoded]) -> list[Result]:

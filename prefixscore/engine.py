@@ -1,9 +1,14 @@
 """Engine: owns the model, the pinned prefix KV and the label-head weights, and runs batch plans.
 
 The prefix KV is computed once per (model, template) and every batch attends to the same tensors
-(no per-request copies). CPU runs each plan eagerly with the torch reference kernels.
+(no per-request copies). CPU runs each plan eagerly with the torch reference kernels. On CUDA,
+`capture()` records one CUDA graph per token-count bucket over static buffers; a call then writes
+the plan into one pinned host buffer, copies it with one H2D copy, replays, and reads the result
+back with one sync.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -11,6 +16,8 @@ from .batch import Plan
 from .kernels import label_head
 from .loading import LoadedModel
 from .model import Context
+
+BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
 
 
 class Engine:
@@ -22,6 +29,7 @@ class Engine:
         self.dtype = self.lm_head.dtype
         empty = torch.empty(0, c.num_kv_heads, c.head_dim, device=self.device, dtype=self.dtype)
         self.no_prefix = [(empty, empty)] * c.num_layers
+        self.graphs: dict[tuple, GraphRunner] = {}
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,14 +48,97 @@ class Engine:
         return self.lm_head[torch.tensor(columns, device=self.device)].contiguous()
 
     @torch.inference_mode()
-    def hidden(self, plan: Plan, prefix_kv) -> torch.Tensor:
+    def hidden(self, plan: Plan, prefix_kv):
         plan = plan.to(self.device)
         ctx = Context(prefix_kv, plan.base_start, plan.base_end, plan.own_start, plan.seg_offsets)
         return self.model(plan.tokens, plan.positions, ctx), plan
 
     @torch.inference_mode()
-    def run(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
-        """-> (scores [R, N] fp32, best [R]) for the plan's read-out rows."""
-        h, plan = self.hidden(plan, prefix_kv)
+    def forward_scores(self, tokens, positions, ctx, rows, allowed, weight, logprobs):
         m = self.model
-        return label_head(h, plan.rows, m.norm.weight, m.norm.eps, weight, plan.allowed, logprobs)
+        h = m(tokens, positions, ctx)
+        return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs)
+
+    @torch.inference_mode()
+    def run(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
+        """-> (scores [R, N] fp32, best [R]) on the CPU for the plan's read-out rows."""
+        g = self.graphs.get((id(prefix_kv), id(weight), logprobs))
+        if g is not None and plan.num_tokens <= g.max_tokens:
+            return g.run(plan)
+        p = plan.to(self.device)
+        ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets)
+        scores, best = self.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, weight,
+                                           logprobs)
+        return scores.cpu(), best.cpu()
+
+    def capture(self, prefix_kv, weight, logprobs: bool, max_tokens: int) -> dict:
+        """CUDA graphs for every bucket up to max_tokens; returns capture time and memory."""
+        if self.device.type != "cuda":
+            return {}
+        torch.cuda.synchronize()
+        mem0, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+        runner = GraphRunner(self, prefix_kv, weight, logprobs, max_tokens)
+        self.graphs[(id(prefix_kv), id(weight), logprobs)] = runner
+        torch.cuda.synchronize()
+        return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets,
+                "graph_mem_mb": (torch.cuda.memory_allocated() - mem0) / 2**20}
+
+
+class GraphRunner:
+    """Static buffers + one CUDA graph per token bucket for one (prefix, label weight, mode).
+
+    Int inputs live in one [6, Tmax] int32 buffer (tokens, positions, base_start, base_end,
+    own_start, rows) so a call is one H2D copy. Padding tokens see only themselves and the prefix;
+    padding rows read token 0 with every label allowed; their outputs are never read.
+    """
+
+    def __init__(self, engine: Engine, prefix_kv, weight, logprobs, max_tokens):
+        self.engine, self.prefix_kv, self.weight, self.logprobs = engine, prefix_kv, weight, logprobs
+        self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
+        self.max_tokens = Tmax = self.buckets[-1]
+        N, dev = weight.shape[0], engine.device
+        self.host = torch.zeros(6, Tmax, dtype=torch.int32).pin_memory()
+        self.host_allowed = torch.ones(Tmax, N, dtype=torch.bool).pin_memory()
+        self.ints = torch.zeros(6, Tmax, dtype=torch.int32, device=dev)
+        self.allowed = torch.ones(Tmax, N, dtype=torch.bool, device=dev)
+        self.out_scores = torch.empty(Tmax, N).pin_memory()
+        self.out_best = torch.empty(Tmax, dtype=torch.int64).pin_memory()
+        self.pad = torch.arange(Tmax, dtype=torch.int32)
+        self.graphs, self.outputs = {}, {}
+        pool = None
+        for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
+            self.ints[4, :T] = self.pad[:T].to(dev)  # own_start = t: valid visibility everywhere
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                self._body(T)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.outputs[T] = self._body(T)
+            pool = g.pool()
+            self.graphs[T] = g
+
+    def _body(self, T):
+        tokens, pos, bs, be, own, rows = self.ints[:, :T]
+        ctx = Context(self.prefix_kv, bs, be, own)
+        return self.engine.forward_scores(tokens, pos, ctx, rows, self.allowed[:T], self.weight,
+                                          self.logprobs)
+
+    def run(self, plan: Plan):
+        T, R = plan.num_tokens, plan.rows.shape[0]
+        Tb = next(b for b in self.buckets if b >= T)
+        h = self.host
+        h[0, :T], h[1, :T], h[2, :T], h[3, :T], h[4, :T] = (
+            plan.tokens, plan.positions, plan.base_start, plan.base_end, plan.own_start)
+        h[:, T:Tb] = 0
+        h[4, T:Tb] = self.pad[T:Tb]
+        h[5, :R] = plan.rows
+        self.host_allowed[:R] = plan.allowed
+        self.host_allowed[R:Tb] = True
+        self.ints[:, :Tb].copy_(h[:, :Tb], non_blocking=True)
+        self.allowed[:Tb].copy_(self.host_allowed[:Tb], non_blocking=True)
+        self.graphs[Tb].replay()
+        scores, best = self.outputs[Tb]
+        self.out_scores[:R].copy_(scores[:R], non_blocking=True)
+        self.out_best[:R].copy_(best[:R], non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # the one host sync of the call
+        return self.out_scores[:R].clone(), self.out_best[:R].clone()

@@ -63,10 +63,11 @@ def load(model=None, device="cpu", dtype=torch.float32) -> LoadedModel:
     else:
         raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
     cfg = ModelConfig.from_hf(hf_config)
-    return _build(cfg, tensors, tokenizer, str(path), device, dtype)
+    return from_tensors(cfg, tensors, tokenizer, str(path), device, dtype)
 
 
-def _build(cfg, tensors, tokenizer, name, device, dtype) -> LoadedModel:
+def from_tensors(cfg, tensors, tokenizer, name, device, dtype) -> LoadedModel:
+    """A LoadedModel from HF-named tensors (a state dict), e.g. of a model built in memory."""
     with torch.device("meta"):
         model = Transformer(cfg)
     state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
@@ -81,7 +82,7 @@ def _build(cfg, tensors, tokenizer, name, device, dtype) -> LoadedModel:
     model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
     # The RoPE buffer is not in the checkpoint (still on meta); it stays fp32 like HF's.
     model.inv_freq = rope_inv_freq(cfg)[0]
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False).fuse()
     model.inv_freq = model.inv_freq.float()
     return LoadedModel(model, lm_head.to(device=device, dtype=dtype), tokenizer, name)
 

@@ -1,9 +1,14 @@
 """The transformer math, over a flat batch of tokens [T, hidden] with no padding.
 
-Llama / Mistral / Qwen2 / Qwen3 share this block: RMSNorm -> QKV (+bias for Qwen2) -> (per-head
-RMSNorm for Qwen3) -> RoPE -> attention (pinned prefix + in-batch ranges) -> O -> residual ->
-RMSNorm -> SiLU(gate) * up -> down -> residual. Module names follow Hugging Face so a HF state dict
-loads as is. The vocabulary head is not here: only its label-token rows are used (kernels/label_head).
+Llama / Mistral / Qwen2 / Qwen3 share this block:
+    h = RMSNorm(x + residual)                       (add_rms_norm: one kernel)
+    q, k, v = split(h @ Wqkv (+ bias, Qwen2))       (Q, K, V fused into one GEMM)
+    q, k = RoPE(RMSNorm_head(q), RMSNorm_head(k))   (per-head norm for Qwen3 only; rope_qk: one kernel)
+    o = attention(q, k, v | pinned prefix K/V, in-batch visibility ranges) @ Wo
+    h = RMSNorm(o + residual)
+    x = (silu(h @ Wgate) * (h @ Wup)) @ Wdown       (gate/up fused into one GEMM; silu_mul: one kernel)
+Module names follow Hugging Face so a HF state dict loads as is; `fuse()` then concatenates the
+weights. The vocabulary head is not here: only its label-token rows are used (kernels/label_head).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import attention
-from .kernels.label_head import rms_norm
+from .kernels.fused import add_rms_norm, rope_qk, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -23,9 +28,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -41,31 +43,40 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, c.rms_norm_eps)
             self.k_norm = RMSNorm(D, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx: "Context", layer: int):
-        T, c = x.shape[0], self.c
-        q = self.q_proj(x).view(T, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(T, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    def fuse(self):
+        p = (self.q_proj, self.k_proj, self.v_proj)
+        self.wqkv = torch.cat([m.weight for m in p]).contiguous()
+        self.bqkv = torch.cat([m.bias for m in p]).contiguous() if self.c.qkv_bias else None
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, h, cos, sin, ctx: "Context", layer: int):
+        c = self.c
+        qkv = F.linear(h, self.wqkv, self.bqkv)
+        qn = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
+        q, k, v = rope_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim, *qn, c.rms_norm_eps)
         if ctx.kv_out is not None:  # building the prefix cache: keep post-RoPE K/V
             ctx.kv_out.append((k, v))
         pk, pv = ctx.prefix_kv[layer]
         o = attention(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                       c.head_dim ** -0.5, ctx.seg_offsets)
-        return self.o_proj(o.reshape(T, -1))
+        return self.o_proj(o.reshape(h.shape[0], -1))
 
 
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
+        self.bias = c.mlp_bias
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self):
+        self.wgu = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
+        self.bgu = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.bias else None
+        del self.gate_proj, self.up_proj
+
+    def forward(self, h):
+        return self.down_proj(silu_mul(F.linear(h, self.wgu, self.bgu)))
 
 
 class Block(nn.Module):
@@ -76,19 +87,11 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def apply_rope(x, cos, sin):
-    """x [T, H, D]; cos/sin [T, D] (HF's non-interleaved layout)."""
-    return (x * cos[:, None] + rotate_half(x) * sin[:, None]).to(x.dtype)
+    def forward(self, x, residual, cos, sin, ctx, layer):
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = add_rms_norm(x, residual, n1.weight, n1.eps)
+        h, residual = add_rms_norm(self.self_attn(h, cos, sin, ctx, layer), residual, n2.weight, n2.eps)
+        return self.mlp(h), residual
 
 
 def rope_inv_freq(c: ModelConfig):
@@ -127,6 +130,13 @@ class Transformer(nn.Module):
         inv_freq, self.rope_scaling = rope_inv_freq(c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def fuse(self):
+        """Concatenate Q/K/V and gate/up weights (after loading HF-named weights)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
     def rope(self, positions, dtype):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -136,6 +146,7 @@ class Transformer(nn.Module):
         """tokens, positions [T] -> hidden states [T, hidden] before the final norm."""
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx, i)
-        return x
+            x, residual = layer(x, residual, cos, sin, ctx, i)
+        return x + residual

@@ -15,6 +15,13 @@ from __future__ import annotations
 import torch
 
 
+
+def use_triton() -> bool:
+    from . import USE_TRITON  # read at call time: bench/ flips it for the plain-torch baseline
+
+    return USE_TRITON
+
+
 def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
                   seg_offsets=None):
     """Plain torch: scores over (prefix keys) ++ (visible in-batch keys), softmax in fp32.
@@ -26,16 +33,19 @@ def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, 
     Hkv = k.shape[1]
     G = Hq // Hkv
     qf = q.float().view(T, Hkv, G, D)
-    if seg_offsets is None:
-        seg_offsets = torch.tensor([0, T])
-    offs = seg_offsets.tolist()
-    starts, lens = offs[:-1], [b - a for a, b in zip(offs[:-1], offs[1:])]
-    S, L = len(lens), max(lens)
-    # Pad spans to [S, L]: index of each padded slot into the flat arrays (clamped), and validity.
-    ar = torch.arange(L, device=q.device)
-    idx = torch.tensor(starts, device=q.device)[:, None] + ar[None, :]  # [S, L]
-    valid = ar[None, :] < torch.tensor(lens, device=q.device)[:, None]
-    idx = idx.clamp(max=T - 1)
+    if seg_offsets is None:  # one span: device-only ops, so a CUDA graph can capture it
+        S, L = 1, T
+        idx = torch.arange(T, device=q.device)[None, :]
+        valid = torch.ones(1, T, dtype=torch.bool, device=q.device)
+    else:
+        offs = seg_offsets.tolist()
+        starts, lens = offs[:-1], [b - a for a, b in zip(offs[:-1], offs[1:])]
+        S, L = len(lens), max(lens)
+        # Pad spans to [S, L]: index of each padded slot into the flat arrays (clamped), validity.
+        ar = torch.arange(L, device=q.device)
+        idx = torch.tensor(starts, device=q.device)[:, None] + ar[None, :]  # [S, L]
+        valid = ar[None, :] < torch.tensor(lens, device=q.device)[:, None]
+        idx = idx.clamp(max=T - 1)
     # In-batch visibility, per query slot i and key slot j of the same span.
     j = idx[:, None, :]  # key flat index [S, 1, L]
     bs, be, os_ = (x.long()[idx][:, :, None] for x in (base_start, base_end, own_start))
@@ -57,13 +67,14 @@ def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, 
     out = torch.einsum("shgij,sjhd->sihgd", p[..., P:], vs)
     if P > 0:
         out = out + torch.einsum("shgip,phd->sihgd", p[..., :P], prefix_v.float())
-    out = out.reshape(S, L, Hq, D)[valid]  # back to flat order: spans are contiguous and in order
+    out = out.reshape(S, L, Hq, D)
+    out = out[0] if S == 1 else out[valid]  # back to flat order: spans are contiguous, in order
     return out.to(q.dtype)
 
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None):
     """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere."""
-    if q.is_cuda:
+    if q.is_cuda and use_triton():
         from .attention_triton import attention_triton
 
         return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale)

@@ -60,6 +60,15 @@ def _prefix_attn_kernel(
     d = tl.arange(0, D)
 
     q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :])
+    # Visibility (loaded up front so the latency hides behind the prefix pass): base range
+    # [bs, be), ignored when empty, and own causal range [os, t]. The block's in-batch key range
+    # is [lo, hi): the smallest start to the largest end over its rows.
+    bs = tl.load(BS + tok)
+    be = tl.load(BE + tok)
+    os_ = tl.load(OS + tok)
+    has_base = bs < be
+    lo = tl.maximum(tl.min(tl.where(has_base, tl.minimum(bs, os_), os_), 0), 0)
+    hi = tl.minimum(tl.max(tl.where(has_base, tl.maximum(tok, be - 1), tok), 0) + 1, T)
 
     # Finite start for the running max: a row whose keys in a tile are all masked then gets
     # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
@@ -79,15 +88,8 @@ def _prefix_attn_kernel(
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
 
-    # 2) in-batch keys: base range [bs, be) (ignored when empty) and own causal range [os, t].
-    # A block spans only ~BLOCK_M / G tokens plus their requests' look-back, so narrower tiles
-    # (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
-    bs = tl.load(BS + tok)
-    be = tl.load(BE + tok)
-    os_ = tl.load(OS + tok)
-    has_base = bs < be
-    lo = tl.maximum(tl.min(tl.where(has_base, tl.minimum(bs, os_), os_), 0), 0)
-    hi = tl.minimum(tl.max(tl.where(has_base, tl.maximum(tok, be - 1), tok), 0) + 1, T)  # exclusive
+    # 2) in-batch keys, masked per row. A block spans only ~BLOCK_M / G tokens plus their
+    # requests' look-back, so narrower tiles (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
     for start in range(lo, hi, BLOCK_NI):
@@ -106,6 +108,10 @@ def _prefix_attn_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = O + tok.to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+# Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
+_INTERPRETED = type(_prefix_attn_kernel).__name__ == "InterpretedFunction"
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +183,7 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         out.stride(0), out.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
-        G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=not q.is_cuda,
+        G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         **cfg,
     )
     return out

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from .attention import use_triton
+
+
 
 def rms_norm(x, weight, eps):
     """HF Llama RMSNorm: normalise in fp32, cast back, then scale."""
@@ -30,7 +33,7 @@ def label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs=Tru
 
 
 def label_head(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True):
-    if hidden.is_cuda:
+    if hidden.is_cuda and use_triton():
         from .label_head_triton import label_head_triton
 
         return label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs)

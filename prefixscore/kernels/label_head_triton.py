@@ -73,6 +73,10 @@ def _label_head_kernel(
     tl.store(BEST + r, best.to(tl.int64), mask=r_ok)
 
 
+# Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
+_INTERPRETED = type(_label_head_kernel).__name__ == "InterpretedFunction"
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device) -> int:
     if device.type != "cuda":
@@ -136,7 +140,7 @@ def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=
         R, N, H, eps,
         LOGPROBS=bool(logprobs),
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
-        UPCAST=not hidden.is_cuda,
+        UPCAST=_INTERPRETED,
         **cfg,
     )
     return out_scores, out_best

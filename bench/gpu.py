@@ -1,0 +1,366 @@
+"""GPU correctness + latency/throughput for the DESIGN.md §6 workloads, with peers and floors, in one run.
+
+    python -m bench.gpu [--quick] [--skip-7b]      (on a CUDA machine; writes $OUT or bench/results)
+
+Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), bf16, a 48-token
+prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
+  correctness  ours (pinned prefix, flat batch, graphs, Triton) vs HF on the full 56-token prompt:
+               decisions and label log-probs, 500 random requests per shape
+  W1           batch 1: GPU time of one graph replay (CUDA events), and the whole engine call
+  W2           4096 requests at once: requests/s
+  W4           W1 on the 7B shape
+  peers        HF eager full prompt; HF eager with the prefix KV reused; our engine with plain torch
+               kernels in one CUDA graph ("plain graph"); vLLM / SGLang when importable
+  floors       weight bytes / measured copy bandwidth; 2*params*tokens / measured bf16 matmul rate
+Real form (W1b): the whole `Classifier.classify(query)` call on a 0.5B-shape model with the SmolLM2
+tokenizer (carried in .carry/), the seed prompt in its chat template, queries from intent_dev.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import prefixscore.kernels as K
+from prefixscore.batch import plan_classify
+from prefixscore.config import ModelConfig
+from prefixscore.engine import Engine
+from prefixscore.labels import LabelTrie
+from prefixscore.loading import from_tensors
+
+SHAPES = {
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+PREFIX, SUFFIX, LABELS = 48, 8, list(range(1000, 1009))
+OUT = Path(os.environ.get("OUT") or "bench/results")
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def stats(ms):
+    return {"p50_ms": statistics.median(ms), "p99_ms": pct(ms, 99), "n": len(ms)}
+
+
+def gpu_times(fn, iters=300, warmup=20):
+    """Per-iteration GPU time (ms) of fn() with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in ev]
+
+
+def wall_times(fn, iters=300, warmup=20):
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - t))
+    return out
+
+
+def hf_model(shape, vocab=None, seed=0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(SHAPES[shape])
+    if vocab:
+        kw["vocab_size"] = vocab
+    cfg = AutoConfig.for_model("qwen2", max_position_embeddings=4096, rms_norm_eps=1e-6, **kw)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # init on the GPU; std 0.02 like HF, norms around 1
+        for n, p in m.named_parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else (p.uniform_(0.8, 1.2) if "norm" in n else p.normal_(0, 0.02))
+    return m
+
+
+def measure_floors():
+    x = torch.empty(2 * 2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = statistics.median(gpu_times(lambda: y.copy_(x), 20, 3))
+    bw = 2 * x.numel() * 2 / (ms / 1e3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = statistics.median(gpu_times(lambda: a @ b, 10, 3))
+    flops = 2 * 8192**3 / (ms / 1e3)
+    del x, y, a, b
+    return {"copy_TBps": bw / 1e12, "matmul_TFLOPs": flops / 1e12}
+
+
+class Synthetic:
+    """Our engine on an in-memory HF model's weights, driven by token ids."""
+
+    def __init__(self, hf, max_tokens=32768):
+        cfg = ModelConfig.from_hf(hf.config)
+        self.loaded = from_tensors(cfg, hf.state_dict(), None, "random", torch.device("cuda"), torch.bfloat16)
+        self.engine = Engine(self.loaded)
+        self.trie = LabelTrie([str(t) for t in LABELS], [[t] for t in LABELS], None)
+        g = torch.Generator().manual_seed(1)
+        self.prefix_ids = torch.randint(100, 30000, (PREFIX,), generator=g).tolist()
+        self.prefix = self.engine.prefill(self.prefix_ids)
+        self.weight = self.engine.label_weight(self.trie.columns)
+        self.capture = self.engine.capture(self.prefix, self.weight, True, max_tokens)
+        self.runner = self.engine.graphs[(id(self.prefix), id(self.weight), True)]
+        p = sum(x.numel() for n, x in hf.named_parameters() if "embed" not in n and "lm_head" not in n)
+        self.nonemb_params = p
+
+    def classify_ids(self, suffixes):
+        plan = plan_classify(suffixes, [PREFIX] * len(suffixes), self.trie)
+        scores, best = self.engine.run(plan, self.prefix, self.weight, True)
+        return self.trie.assemble(scores, best, len(suffixes))
+
+    def replay_fn(self, suffixes):
+        """Load the plan into the static buffers once; return a function that only replays."""
+        self.classify_ids(suffixes)
+        T = len(suffixes) * SUFFIX
+        g = self.runner.graphs[next(b for b in self.runner.buckets if b >= T)]
+        return g.replay
+
+
+def random_suffixes(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 30000, (n, SUFFIX), generator=g).tolist()
+
+
+@torch.no_grad()
+def hf_reference(hf, prefix_ids, suffixes, batch=100):
+    out = []
+    for i in range(0, len(suffixes), batch):
+        ids = torch.tensor([prefix_ids + s for s in suffixes[i:i + batch]], device="cuda")
+        lg = hf(input_ids=ids, logits_to_keep=1).logits[:, -1, LABELS].float()
+        out.append(torch.log_softmax(lg, -1).cpu())
+    return torch.cat(out)
+
+
+def correctness(hf, ours, n=500):
+    sfx = random_suffixes(n, seed=123)
+    ref = hf_reference(hf, ours.prefix_ids, sfx)
+    got, dec = ours.classify_ids(sfx)
+    diff = (got - ref).abs().max().item()
+    ref_dec = ref.argmax(-1)
+    top2 = ref.topk(2, -1).values
+    margin = top2[:, 0] - top2[:, 1]
+    mismatch = (dec != ref_dec)
+    clear = margin > 0.05  # bf16 noise in a log-prob is ~1e-2: closer calls are ties at this precision
+    return {"n": n, "max_abs_score_diff": diff, "decision_agree": int((~mismatch).sum()),
+            "mismatch_on_clear_margin": int((mismatch & clear).sum()),
+            "near_ties": int((~clear).sum()), "ok": bool(diff < 5e-2 and not (mismatch & clear).any())}
+
+
+@torch.no_grad()
+def hf_peers(hf, prefix_ids, iters=100):
+    sfx = random_suffixes(1, seed=5)[0]
+    ids = torch.tensor([prefix_ids + sfx], device="cuda")
+    res = {"hf_eager_full_prompt": stats(gpu_times(lambda: hf(input_ids=ids, logits_to_keep=1), iters, 5))}
+    try:
+        pre = hf(input_ids=ids[:, :PREFIX], use_cache=True).past_key_values
+        s = ids[:, PREFIX:]
+
+        def reuse():
+            hf(input_ids=s, past_key_values=copy.deepcopy(pre), use_cache=True, logits_to_keep=1)
+
+        res["hf_eager_prefix_reused"] = stats(gpu_times(reuse, iters, 5))
+    except Exception as e:  # API differences across transformers versions
+        res["hf_eager_prefix_reused"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    return res
+
+
+def plain_graph(ours, suffix):
+    """The same engine with torch reference kernels (no Triton), captured in one CUDA graph."""
+    K.USE_TRITON = False
+    try:
+        w = ours.weight.clone()  # a distinct key for the engine's graph table
+        ours.engine.capture(ours.prefix, w, True, 16)
+        plan = plan_classify([suffix], [PREFIX], ours.trie)
+        ours.engine.run(plan, ours.prefix, w, True)
+        g = ours.engine.graphs[(id(ours.prefix), id(w), True)].graphs[16]
+        return stats(gpu_times(g.replay))
+    finally:
+        K.USE_TRITON = True
+
+
+def profile_kernels(ours, suffix):
+    """Kernel names, counts and GPU µs of one eager forward (what the graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plan = plan_classify([suffix], [PREFIX], ours.trie)
+    for _ in range(3):
+        ours.engine.run(plan, ours.prefix, ours.weight.clone(), True)  # eager (no graph for clone)
+    w = ours.weight.clone()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        ours.engine.run(plan, ours.prefix, w, True)
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
+            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            if t > 0:
+                rows[e.key[:90]] = {"count": e.count, "us": t}
+    top = sorted(rows.items(), key=lambda kv: -kv[1]["us"])
+    return {"kernels_total": sum(r["count"] for _, r in top), "gpu_us_total": sum(r["us"] for _, r in top),
+            "top": top[:25]}
+
+
+def run_shape(shape, floors, batches, quick):
+    hf = hf_model(shape)
+    ours = Synthetic(hf)
+    res = {"shape": shape, "capture": ours.capture, "nonemb_params": ours.nonemb_params}
+    res["correctness"] = correctness(hf, ours, 200 if quick else 500)
+    print(shape, "correctness", res["correctness"], flush=True)
+    floor_ms = ours.nonemb_params * 2 / (floors["copy_TBps"] * 1e12) * 1e3
+    res["weight_floor_ms"] = floor_ms
+    one = random_suffixes(1, seed=9)
+    res["w1_gpu_replay"] = stats(gpu_times(ours.replay_fn(one)))
+    res["w1_engine_call"] = stats(wall_times(lambda: ours.classify_ids(one)))
+    res["plain_graph"] = plain_graph(ours, one[0])
+    res.update(hf_peers(hf, ours.prefix_ids))
+    res["profile_w1"] = profile_kernels(ours, one[0])
+    sweep = {}
+    for B in batches:
+        sfx = random_suffixes(B, seed=B)
+        ms = statistics.median(gpu_times(ours.replay_fn(sfx), 30 if B > 256 else 100, 5))
+        call = statistics.median(wall_times(lambda: ours.classify_ids(sfx), 10 if B > 256 else 50, 3))
+        flop_floor = 2 * ours.nonemb_params * B * SUFFIX / (floors["matmul_TFLOPs"] * 1e12) * 1e3
+        sweep[B] = {"gpu_ms": ms, "call_ms": call, "req_per_s_gpu": B / ms * 1e3,
+                    "req_per_s_call": B / call * 1e3, "floor_ms": max(floor_ms, flop_floor)}
+        print(shape, "batch", B, sweep[B], flush=True)
+    res["sweep"] = sweep
+    del hf, ours
+    torch.cuda.empty_cache()
+    return res
+
+
+def real_form(quick):
+    """W1b: the whole classify(query) call, tokenizer and all, on a 0.5B-shape random model."""
+    carry = Path(".carry")
+    if not (carry / "tokenizer.json").exists():
+        return {"skipped": "no .carry/tokenizer.json"}
+    from prefixscore import Classifier
+
+    hf = hf_model("0.5B", vocab=49152)
+    folder = Path("/tmp/q05")
+    hf.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (carry / f).exists():
+            (folder / f).write_bytes((carry / f).read_bytes())
+    del hf
+    t0 = time.perf_counter()
+    clf = Classifier(str(folder), device="cuda")
+    ready = time.perf_counter() - t0
+    import csv
+
+    with open(carry / "intent_dev.csv", newline="") as f:
+        qs = [r["query"] for r in csv.DictReader(f)]
+    it = iter(qs * 10)
+    call = wall_times(lambda: clf.classify(next(it)), 100 if quick else 400, 20)
+    batch = wall_times(lambda: clf.classify_batch(qs[:64]), 20, 3)
+    return {"ready_s": ready, "prefix_tokens": clf.prefix_len, "capture": clf.capture_info,
+            "classify_call": stats(call), "classify_batch64_ms": stats(batch)}
+
+
+def peers_available():
+    out = {}
+    for name in ("vllm", "sglang"):
+        try:
+            __import__(name)
+            out[name] = "importable (adapter not run in this script)"
+        except ImportError:
+            out[name] = "not installed"
+    return out
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results["shapes"]:
+        bs = sorted(int(b) for b in r["sweep"])
+        ax.plot(bs, [r["sweep"][b]["gpu_ms"] for b in bs], "o-", label=f"prefixscore {r['shape']} (graph replay)")
+        ax.plot(bs, [r["sweep"][b]["floor_ms"] for b in bs], "--", label=f"floor {r['shape']} (weights / FLOPs)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("requests per batch (8 new tokens each)")
+    ax.set_ylabel("GPU time per batch (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-7b", action="store_true")
+    a = ap.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "floors": measure_floors(),
+               "peers": peers_available(), "shapes": []}
+    print(results["floors"], flush=True)
+    results["real_form"] = real_form(a.quick)
+    print("real form", results["real_form"], flush=True)
+    batches = [1, 4, 16, 64, 256, 1024, 4096]
+    for shape in ["0.5B"] + ([] if a.skip_7b else ["7B"]):
+        results["shapes"].append(run_shape(shape, results["floors"], batches if shape == "0.5B" else [1, 16, 256], a.quick))
+        (OUT / "gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    (OUT / "gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    plot(results, OUT / "gpu_latency.png")
+    print_table(results)
+
+
+def print_table(r):
+    print(f"\n{r['device']}  torch {r['torch']}  copy {r['floors']['copy_TBps']:.2f} TB/s  "
+          f"matmul {r['floors']['matmul_TFLOPs']:.0f} TFLOP/s")
+    for s in r["shapes"]:
+        print(f"\n== {s['shape']}  (non-embedding params {s['nonemb_params'] / 1e6:.0f}M)  correctness: {s['correctness']}")
+        print(f"{'row':34s} {'p50 ms':>9s} {'p99 ms':>9s}")
+        rows = [("weight-read floor", {"p50_ms": s["weight_floor_ms"], "p99_ms": float('nan')}),
+                ("prefixscore GPU (graph replay)", s["w1_gpu_replay"]),
+                ("prefixscore engine call (ids)", s["w1_engine_call"]),
+                ("plain torch kernels, one graph", s["plain_graph"]),
+                ("HF eager, full prompt", s["hf_eager_full_prompt"]),
+                ("HF eager, prefix KV reused", s["hf_eager_prefix_reused"])]
+        for name, v in rows:
+            if "p50_ms" in v:
+                print(f"{name:34s} {v['p50_ms']:9.3f} {v['p99_ms']:9.3f}")
+            else:
+                print(f"{name:34s} {str(v)[:60]}")
+        print(f"kernels per forward: {s['profile_w1']['kernels_total']}, GPU µs (eager, profiled): "
+              f"{s['profile_w1']['gpu_us_total']:.0f}")
+        print(f"{'batch':>6s} {'gpu ms':>8s} {'call ms':>8s} {'req/s gpu':>10s} {'req/s call':>11s} {'floor ms':>9s}")
+        for b, v in s["sweep"].items():
+            print(f"{b:>6} {v['gpu_ms']:8.3f} {v['call_ms']:8.3f} {v['req_per_s_gpu']:10.0f} "
+                  f"{v['req_per_s_call']:11.0f} {v['floor_ms']:9.3f}")
+    rf = r.get("real_form", {})
+    if "classify_call" in rf:
+        print(f"\nreal form: classify(query) p50 {rf['classify_call']['p50_ms']:.3f} ms p99 "
+              f"{rf['classify_call']['p99_ms']:.3f} ms; batch 64 p50 {rf['classify_batch64_ms']['p50_ms']:.2f} ms; "
+              f"capture {rf['capture']}")
+    print("peers:", r["peers"])
+
+
+if __name__ == "__main__":
+    main()

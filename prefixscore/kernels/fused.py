@@ -1,0 +1,70 @@
+"""Small fused kernels of the transformer block: each replaces 2-5 elementwise launches.
+
+  add_rms_norm(x, residual, w)  -> (norm(x + residual) * w, x + residual)
+  rope_qk(qkv, cos, sin, ...)   -> q, k with optional per-head RMSNorm (Qwen3), then RoPE
+  silu_mul(gate_up)             -> silu(gate) * up
+
+Torch references define the math (and run on CPU); the Triton versions run on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+
+import torch.nn.functional as F
+
+from .attention import use_triton
+from .label_head import rms_norm
+
+
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+# ---------------------------------------------------------------- torch references (CPU path)
+def add_rms_norm_ref(x, residual, weight, eps):
+    if residual is not None:
+        x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
+def rope_qk_ref(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
+    """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    T = qkv.shape[0]
+    q, k, v = qkv.view(T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=1)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    c, s = cos[:, None], sin[:, None]
+    q = (q * c + _rotate_half(q) * s).to(qkv.dtype)
+    k = (k * c + _rotate_half(k) * s).to(qkv.dtype)
+    return q, k, v
+
+
+def silu_mul_ref(gate_up):
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+# ---------------------------------------------------------------- dispatch
+def add_rms_norm(x, residual, weight, eps):
+    if x.is_cuda and use_triton():
+        from .fused_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rope_qk(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
+    if qkv.is_cuda and use_triton():
+        from .fused_triton import rope_qk_triton
+
+        return rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
+    return rope_qk_ref(qkv, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
+
+
+def silu_mul(gate_up):
+    if gate_up.is_cuda and use_triton():
+        from .fused_triton import silu_mul_triton
+
+        return silu_mul_triton(gate_up)
+    return silu_mul_ref(gate_up)

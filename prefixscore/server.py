@@ -1,0 +1,629 @@
+"""HTTP service: `prefixscore serve`. One engine per process behind a micro-batcher.
+
+A request's path: validate (event loop) -> tokenize (tokenizer thread) -> result cache -> bounded
+queue -> the batcher takes everything queued as soon as the engine is free (waiting at most
+`batch_window_ms` for more) -> one `classify_encoded` call on the engine thread -> answers.
+
+Every CLI command imports this module to register `serve`, and importing FastAPI costs about a
+second, so FastAPI and uvicorn are imported where the app is built, not at the top.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+import math
+import os
+import sys
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import ConfigError, InputError, PrefixScoreError
+
+log = logging.getLogger("prefixscore.server")
+PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi.json")
+
+
+# ---------------------------------------------------------------- request / response shapes
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "examples": [{"query": "beige trench coat women"}, {"query": ["levis 501", "红色连衣裙"]}]})
+    query: str | list[str] = Field(description="one query, or a list classified independently")
+
+
+class ClassifyResult(BaseModel):
+    query: str = Field(description="the query as the model saw it (cut if the server truncates)")
+    label: str = Field(description="what greedy decoding constrained to the labels outputs")
+    scores: dict[str, float] = Field(description="per label: log-probability (mode logprobs) or raw "
+                                                 "first-token logit (mode logits)")
+    cached: bool = Field(description="answered from the result cache")
+
+
+class Timing(BaseModel):
+    queue_ms: float = Field(description="waiting for the engine")
+    tokenize_ms: float
+    forward_ms: float = Field(description="the engine batch this request rode in")
+    total_ms: float = Field(description="from the parsed request to the answer")
+
+
+class ClassifyResponse(BaseModel):
+    results: list[ClassifyResult]
+    batch_size: int = Field(description="queries in the engine batch (0: all from the cache)")
+    timing: Timing
+
+
+class ScoreRequest(BaseModel):
+    """SGLang's /v1/score request; `labels` (label texts instead of token ids) is ours."""
+    query: str | list[int] | None = None
+    items: str | list[str] | list[list[int]] | None = None
+    label_token_ids: list[int] | None = None
+    labels: list[str] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+    model: str | None = Field(None, description="accepted for compatibility; never loads a model")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ScoreResponse(BaseModel):
+    scores: list[list[float]] = Field(description="per item, one score per label, in label order")
+    model: str
+    usage: Usage | None = None
+    object: Literal["scoring"] = "scoring"
+
+
+class Error(BaseModel):
+    detail: str
+
+
+# ---------------------------------------------------------------- metrics, cache
+
+class Metrics:
+    """Prometheus metrics on a registry of their own, so several apps can live in one process."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("prefixscore_http_requests", "HTTP responses by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.queue_depth = Gauge("prefixscore_queue_depth",
+                                 "queries admitted and not yet in an engine batch", registry=r)
+        self.batch_size = Histogram("prefixscore_batch_size", "queries per engine batch", registry=r,
+                                    buckets=[2 ** i for i in range(13)])
+        # Per request, so the stages of one request add up to its total.
+        self.latency = Histogram("prefixscore_latency_seconds",
+                                 "per request: queue, tokenize, forward (its batch), total",
+                                 ["stage"], registry=r,
+                                 buckets=[1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                                          0.1, 0.25, 0.5, 1, 2.5, 5, 10])
+        self.stage = {s: self.latency.labels(s) for s in ("queue", "tokenize", "forward", "total")}
+        self.cache_hits = Counter("prefixscore_cache_hits", "result cache hits", registry=r)
+        self.cache_misses = Counter("prefixscore_cache_misses", "result cache misses", registry=r)
+        self.cache_ratio = Gauge("prefixscore_cache_hit_ratio", "hits / lookups since start", registry=r)
+        self.cache_ratio.set_function(self._ratio)
+        self.engine_faults = Counter("prefixscore_engine_faults", "engine batches that raised", registry=r)
+
+    def _ratio(self) -> float:
+        hits, misses = self.cache_hits._value.get(), self.cache_misses._value.get()
+        return hits / (hits + misses) if hits + misses else 0.0
+
+
+class ResultCache:
+    """LRU of (label, scores) keyed by the prompt's token ids: the normalized form of a query that
+    provably gets the same answer, so results are identical with and without the cache."""
+
+    def __init__(self, size: int, ttl: float):
+        self.size, self.ttl = size, ttl
+        self.items: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, key):
+        hit = self.items.get(key)
+        if hit is None:
+            return None
+        if self.ttl and hit[0] < time.monotonic():
+            del self.items[key]
+            return None
+        self.items.move_to_end(key)
+        return hit[1]
+
+    def put(self, key, value) -> None:
+        self.items[key] = (time.monotonic() + self.ttl, value)
+        self.items.move_to_end(key)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
+# ---------------------------------------------------------------- micro-batcher
+
+class Overloaded(Exception):
+    pass
+
+
+class EngineFault(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    encoded: list  # [Encoded]
+    future: asyncio.Future  # -> (results, batch start time, forward seconds, batch size)
+    queued_at: float
+
+
+class Batcher:
+    """At most one batch in flight: the engine thread runs one `classify_encoded` call at a time and
+    everything that arrives meanwhile joins the next call."""
+
+    def __init__(self, clf, metrics: Metrics, max_queue: int, window: float):
+        self.clf, self.metrics, self.max_queue, self.window = clf, metrics, max_queue, window
+        self.engine = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-engine")
+        self.pending: deque[Job] = deque()
+        self.wake = asyncio.Event()
+        self.depth = 0  # queries admitted (tokenizing or queued), not yet handed to the engine
+        self.ready = False  # prefix built and one batch run (graphs captured, if the engine has any)
+        self.error: str | None = None  # set by an engine fault; unhealthy from then on
+        metrics.queue_depth.set_function(lambda: self.depth)
+
+    def admit(self, n: int) -> None:
+        if self.error:
+            raise EngineFault(self.error)
+        if self.depth + n > self.max_queue:
+            raise Overloaded(f"queue full ({self.depth} queries waiting, limit {self.max_queue}); "
+                             f"retry later")
+        self.depth += n
+
+    def submit(self, encoded: list) -> asyncio.Future:
+        """Queue pre-tokenized, already admitted queries as one job (never split across batches)."""
+        fut = asyncio.get_running_loop().create_future()
+        self.pending.append(Job(encoded, fut, time.perf_counter()))
+        self.wake.set()
+        return fut
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.engine, self._warmup)
+            self.ready = True
+        except Exception as e:
+            self._fail(e)
+        while True:
+            while not self.pending:
+                self.wake.clear()
+                await self.wake.wait()
+            if self.window:  # let the oldest job wait up to the window for company
+                await asyncio.sleep(self.pending[0].queued_at + self.window - time.perf_counter())
+            self.depth -= sum(len(j.encoded) for j in self.pending)
+            jobs = [j for j in self.pending if not j.future.done()]  # skip cancelled requests
+            self.pending.clear()
+            if self.error:
+                for j in jobs:
+                    j.future.set_exception(EngineFault(self.error))
+                continue
+            flat = [e for j in jobs for e in j.encoded]
+            t0 = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self.engine, self.clf.classify_encoded, flat)
+            except Exception as e:
+                self._fail(e)
+                for j in jobs:
+                    j.future.set_exception(EngineFault(self.error))
+                continue
+            forward = time.perf_counter() - t0
+            self.metrics.batch_size.observe(len(flat))
+            i = 0
+            for j in jobs:
+                if not j.future.done():
+                    j.future.set_result((results[i:i + len(j.encoded)], t0, forward, len(flat)))
+                i += len(j.encoded)
+
+    def _warmup(self) -> None:
+        warm = getattr(self.clf, "warmup", None)  # an engine with CUDA graphs captures them here
+        if warm is not None:
+            warm()
+        self.clf.classify_encoded([self.clf.encode("warm up")])
+
+    def _fail(self, e: BaseException) -> None:
+        log.error("engine fault, the server is unhealthy from now on", exc_info=e)
+        self.metrics.engine_faults.inc()
+        self.error = f"engine fault: {type(e).__name__}: {e}"
+
+    def run_on_engine(self, fn, *args):
+        """Anything else that needs the engine (scoring) queues behind the current batch."""
+        return asyncio.get_running_loop().run_in_executor(self.engine, fn, *args)
+
+
+# ---------------------------------------------------------------- ASGI guard
+
+class Guard:
+    """Outermost ASGI layer: counts responses by endpoint and status, and reads request bodies up to
+    the size limit (413 past it, before anything is parsed), so memory per request is bounded."""
+
+    def __init__(self, app, metrics: Metrics, max_body: int):
+        self.app, self.metrics, self.max_body = app, metrics, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        endpoint = scope["path"] if scope["path"] in PATHS else "other"
+        try:
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body, error = await self._read(scope, receive)
+                if error:
+                    return await _send_json(counted, *error)
+                receive = _replay(body, receive)
+            await self.app(scope, receive, counted)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+
+    async def _read(self, scope, receive):
+        too_big = (413, f"request body over the limit of {self.max_body} bytes (--max-body-bytes)")
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                return b"", too_big
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"", (400, "client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return b"", too_big
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")  # JSON is UTF-8 (RFC 8259); say so instead of a generic parse error
+        except UnicodeDecodeError as e:
+            return b"", (400, f"request body is not valid UTF-8 (byte {e.start})")
+        return body, None
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _send_json(send, status: int, detail: str) -> None:
+    import json
+
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+# ---------------------------------------------------------------- the app
+
+ERRORS = {s: {"model": Error, "description": d} for s, d in [
+    (400, "body is not UTF-8"), (401, "missing or wrong API key"),
+    (413, "body or query count over the limit"), (422, "invalid request or query"),
+    (429, "queue full: retry after Retry-After seconds"), (503, "engine fault or not ready")]}
+
+
+def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue: int = 1024,
+               batch_window_ms: float = 0.0, max_body_bytes: int = 1 << 20, max_queries: int = 256,
+               max_tokens: int = 512, cache_size: int = 0, cache_ttl: float = 0.0):
+    """The ASGI app around one Classifier (and optionally one multi-item scorer for /v1/score)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+    clf = classifier
+    for name, v in [("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
+                    ("max_queries", max_queries), ("max_tokens", max_tokens)]:
+        if v < 1:
+            raise ConfigError(f"{name} must be at least 1, got {v}")
+    if max_queries > max_queue:
+        raise ConfigError(f"max_queries ({max_queries}) must not exceed max_queue ({max_queue})")
+    metrics = Metrics()
+    batcher = Batcher(clf, metrics, max_queue, batch_window_ms / 1e3)
+    cache = ResultCache(cache_size, cache_ttl) if cache_size > 0 else None
+    # One tokenizer thread: a HF fast tokenizer is not safe to call from several threads at once.
+    tokenizer = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-tokenize")
+    model_name = str(getattr(getattr(clf, "loaded", None), "name", "prefixscore"))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(batcher.run())
+        yield
+        # uvicorn has already let the accepted requests finish; nothing is left to drain here.
+        task.cancel()
+        batcher.engine.shutdown(wait=False)
+        tokenizer.shutdown(wait=False)
+
+    app = FastAPI(title="prefixscore", version="0.1.0", lifespan=lifespan,
+                  description="Which of N labels does this causal LLM pick for this text.")
+    app.state.batcher, app.state.metrics = batcher, metrics
+
+    deps = []
+    if api_key:
+        bearer = HTTPBearer(auto_error=False)
+
+        def check_key(creds: HTTPAuthorizationCredentials | None = Depends(bearer)):
+            if creds is None or not hmac.compare_digest(creds.credentials.encode(), api_key.encode()):
+                raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                    headers={"WWW-Authenticate": "Bearer"})
+
+        deps = [Depends(check_key)]
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                  for e in exc.errors()]
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype:
+            detail += f" (the body must be JSON sent with content-type: application/json, got {ctype!r})"
+        return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
+
+    def encode_all(queries: list[str]) -> list:
+        """Tokenizer thread: every query of a request, or the first bad one as an InputError."""
+        out = []
+        for i, q in enumerate(queries):
+            where = f"query {i}" if len(queries) > 1 else "query"
+            try:
+                q.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InputError(f"{where} is not valid Unicode text (a lone surrogate)") from None
+            try:
+                e = clf.encode(q)
+            except InputError as err:
+                raise InputError(f"{where}: {err}") from None
+            n = len(e.ids) - clf.prefix_len
+            if n > max_tokens:
+                raise InputError(f"{where} is {n} tokens after the cached prefix, over the limit of "
+                                 f"{max_tokens} tokens per query (--max-tokens)")
+            out.append(e)
+        return out
+
+    @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS, dependencies=deps)
+    async def classify(req: ClassifyRequest):
+        """Label and per-label scores for one query or a list of queries."""
+        t0 = time.perf_counter()
+        queries = [req.query] if isinstance(req.query, str) else req.query
+        if not queries:
+            raise HTTPException(422, "query is an empty list")
+        if len(queries) > max_queries:
+            raise HTTPException(413, f"{len(queries)} queries in one request, over the limit of "
+                                     f"{max_queries} (--max-queries)")
+        try:
+            batcher.admit(len(queries))
+        except Overloaded as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+        except EngineFault as e:
+            raise HTTPException(503, str(e)) from None
+        try:
+            encoded = await asyncio.get_running_loop().run_in_executor(tokenizer, encode_all, queries)
+        except InputError as e:
+            raise HTTPException(422, str(e)) from None
+        finally:
+            batcher.depth -= len(queries)  # admitted again below, minus the cache hits
+        t1 = time.perf_counter()
+
+        hits = [cache.get(tuple(e.ids)) for e in encoded] if cache else [None] * len(encoded)
+        if cache:
+            metrics.cache_hits.inc(len(encoded) - hits.count(None))
+            metrics.cache_misses.inc(hits.count(None))
+        todo = [e for e, h in zip(encoded, hits) if h is None]
+        start, forward, size = t1, 0.0, 0
+        if todo:
+            batcher.depth += len(todo)
+            try:
+                results, start, forward, size = await batcher.submit(todo)
+            except EngineFault as e:
+                raise HTTPException(503, str(e)) from None
+            results = iter(results)
+        out = []
+        for e, h in zip(encoded, hits):
+            if h is None:
+                r = next(results)
+                h = (r.label, r.scores)
+                if cache:
+                    cache.put(tuple(e.ids), h)
+                out.append(ClassifyResult(query=r.query, label=h[0], scores=h[1], cached=False))
+            else:
+                out.append(ClassifyResult(query=e.values["query"], label=h[0], scores=h[1], cached=True))
+        t2 = time.perf_counter()
+        queue = start - t1
+        for stage, secs in (("queue", queue), ("tokenize", t1 - t0), ("forward", forward),
+                            ("total", t2 - t0)):
+            metrics.stage[stage].observe(secs)
+        timing = Timing(queue_ms=1e3 * queue, tokenize_ms=1e3 * (t1 - t0), forward_ms=1e3 * forward,
+                        total_ms=1e3 * (t2 - t0))
+        return ClassifyResponse(results=out, batch_size=size, timing=timing)
+
+    # Without a scorer the route answers 501 but stays out of the schema: the schema lists what
+    # this server can do.
+    @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS, dependencies=deps,
+              include_in_schema=scorer is not None)
+    async def score(req: ScoreRequest):
+        """SGLang-compatible multi-item scoring: per item, the label tokens' scores after query+item."""
+        if scorer is None:
+            raise HTTPException(501, "no multi-item scorer is configured on this server: start it with "
+                                     "--score-template TEMPLATE to enable /v1/score")
+        if batcher.error:
+            raise HTTPException(503, batcher.error)
+        items = [req.items] if isinstance(req.items, str) else req.items
+        if req.query is None or not items:
+            raise HTTPException(422, "query and items are required")
+        if len(items) > max_queries:
+            raise HTTPException(413, f"{len(items)} items in one request, over the limit of "
+                                     f"{max_queries} (--max-queries)")
+        try:
+            batcher.admit(len(items))
+        except Overloaded as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+        except EngineFault as e:
+            raise HTTPException(503, str(e)) from None
+        try:
+            scores = await batcher.run_on_engine(_score_call, scorer, req, items)
+        except PrefixScoreError as e:
+            raise HTTPException(422, str(e)) from None
+        except Exception as e:
+            batcher._fail(e)
+            raise HTTPException(503, batcher.error) from None
+        finally:
+            batcher.depth -= len(items)
+        return ScoreResponse(scores=scores, model=model_name)
+
+    @app.get("/healthz", responses={503: {"description": "starting, or unhealthy after an engine fault"}})
+    async def healthz():
+        """Ready once the prefix is cached and a first batch has run; unhealthy after an engine fault."""
+        if batcher.error:
+            return JSONResponse({"status": "unhealthy", "error": batcher.error}, status_code=503)
+        if not batcher.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return {"status": "ok", "model": model_name, "labels": list(clf.labels),
+                "mode": getattr(clf, "mode", None), "scorer": scorer is not None,
+                "queue_depth": batcher.depth}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus():
+        """Prometheus text format."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(Guard, metrics=metrics, max_body=max_body_bytes)
+    return app
+
+
+def _score_call(scorer, req: ScoreRequest, items: list) -> list[list[float]]:
+    """Engine thread: one multi-item scoring call."""
+    if req.labels is not None and req.label_token_ids is not None:
+        raise InputError("give labels or label_token_ids, not both")
+    kw = dict(apply_softmax=req.apply_softmax, item_first=req.item_first)
+    if req.labels is not None:
+        kw["labels"] = req.labels
+    if req.label_token_ids is not None:
+        kw["label_token_ids"] = req.label_token_ids
+    out = scorer.score(req.query, items, **kw)
+    return [list(map(float, row)) for row in getattr(out, "scores", out)]
+
+
+# ---------------------------------------------------------------- command line
+
+def add_command(subparsers, model_args) -> None:
+    p = subparsers.add_parser(
+        "serve", help="HTTP service: POST /v1/classify, /v1/score; GET /healthz, /metrics, /docs",
+        description="Serve one classifier over HTTP with micro-batching. Options can also come from "
+                    "a TOML file (--config); flags given on the command line win.")
+    g = p.add_argument_group("server")
+    g.add_argument("--config", default=None,
+                   help="TOML file of options: keys are the long flags without '--' (port = 8000, "
+                        "labels = [\"yes\", \"no\"], ...)")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSCORE_API_KEY)")
+    g.add_argument("--max-queue", type=int, default=1024,
+                   help="queries waiting for the engine; beyond it requests get 429")
+    g.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="how long a batch may wait for more requests (default 0: run when the engine is free)")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")
+    g.add_argument("--max-queries", type=int, default=256, help="queries (or items) per request (413)")
+    g.add_argument("--max-tokens", type=int, default=512,
+                   help="tokens per query after the cached prefix (422)")
+    g.add_argument("--cache-size", type=int, default=0, help="result cache entries (default 0: off)")
+    g.add_argument("--cache-ttl", type=float, default=0.0, help="result cache TTL in seconds (0: none)")
+    g.add_argument("--score-template", default=None,
+                   help="template with {query} and {item} slots: enables /v1/score")
+    g.add_argument("--max-connections", type=int, default=1000,
+                   help="concurrent connections; beyond it uvicorn answers 503")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to finish accepted requests on SIGTERM/SIGINT")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+    model_args(p)
+    p.set_defaults(func=lambda a: cmd_serve(a, p))
+
+
+def apply_config(a, parser) -> None:
+    """Fill options from a TOML file where the command line left the default."""
+    import tomllib
+
+    try:
+        with open(a.config, "rb") as f:
+            cfg = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {a.config}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {a.config}: {e}") from None
+    known = set(vars(a)) - {"func", "command", "config"}
+    for key, value in cfg.items():
+        dest = key.replace("-", "_")
+        if dest not in known:
+            raise ConfigError(f"config file {a.config}: unknown option {key!r}; known: "
+                              f"{', '.join(sorted(k.replace('_', '-') for k in known))}")
+        if dest == "labels" and isinstance(value, list):
+            value = ",".join(value)
+        if getattr(a, dest) == parser.get_default(dest):
+            setattr(a, dest, value)
+
+
+def cmd_serve(a, parser) -> int:
+    import uvicorn
+
+    from .cli import make_classifier
+
+    if a.config:
+        apply_config(a, parser)
+    api_key = a.api_key or os.environ.get("PREFIXSCORE_API_KEY") or None
+    try:
+        loopback = ipaddress.ip_address(a.host).is_loopback
+    except ValueError:
+        loopback = a.host == "localhost"
+    if not loopback and not api_key:
+        print(f"prefixscore: warning: listening on {a.host} without an API key: anyone who can reach "
+              f"this port can use the model (set --api-key or PREFIXSCORE_API_KEY)", file=sys.stderr)
+    clf = make_classifier(a)
+    scorer = make_scorer(a, clf) if a.score_template else None
+    app = create_app(clf, scorer=scorer, api_key=api_key, max_queue=a.max_queue,
+                     batch_window_ms=a.batch_window_ms, max_body_bytes=a.max_body_bytes,
+                     max_queries=a.max_queries, max_tokens=a.max_tokens, cache_size=a.cache_size,
+                     cache_ttl=a.cache_ttl)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log,
+                limit_concurrency=a.max_connections, timeout_graceful_shutdown=a.shutdown_timeout)
+    return 0
+
+
+def make_scorer(a, clf):
+    try:
+        from .scorer import Scorer
+    except ImportError:
+        raise ConfigError("--score-template needs prefixscore.scorer, which this install lacks") from None
+    return Scorer(model=clf.loaded, template=a.score_template, labels=clf.labels)

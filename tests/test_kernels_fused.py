@@ -1,0 +1,63 @@
+"""Fused block kernels (kernels/fused_triton.py) against their torch references, under the Triton
+interpreter on CPU (TRITON_INTERPRET=1) or for real on CUDA. Fresh random inputs per case."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+from prefixscore.kernels import fused, fused_triton  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # abs+rel; bf16: one rounding step of values ~1
+
+
+def close(a, b, dtype):
+    assert torch.isfinite(a.float()).all()
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,res", [(1, 64, False), (7, 896, True), (33, 200, True)])
+def test_add_rms_norm(T, H, res, dtype):
+    g = torch.Generator().manual_seed(T * H)
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    r = torch.randn(T, H, generator=g).to(DEV, dtype) if res else None
+    w = torch.rand(H, generator=g).add(0.5).to(DEV, dtype)
+    out, res_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    fused_triton.add_rms_norm_triton(x, r, w, 1e-5, out, res_out)
+    ref_out, ref_res = fused.add_rms_norm_ref(x, r, w, 1e-5)
+    close(out, ref_out, dtype)
+    close(res_out, ref_res, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,Hq,Hkv,D,qk_norm", [(5, 4, 2, 64, False), (3, 14, 2, 64, True),
+                                                 (9, 7, 1, 128, False), (1, 2, 2, 32, True)])
+def test_rope_qk(T, Hq, Hkv, D, qk_norm, dtype):
+    g = torch.Generator().manual_seed(T + Hq * D)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(DEV, dtype)
+    pos = torch.randint(0, 4000, (T,), generator=g).float()
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat([pos[:, None] * inv] * 2, -1)
+    cos, sin = emb.cos().to(DEV, dtype), emb.sin().to(DEV, dtype)
+    qn = kn = None
+    if qk_norm:
+        qn = torch.rand(D, generator=g).add(0.5).to(DEV, dtype)
+        kn = torch.rand(D, generator=g).add(0.5).to(DEV, dtype)
+    q, k, v = fused_triton.rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, qn, kn, 1e-6)
+    rq, rk, rv = fused.rope_qk_ref(qkv, cos, sin, Hq, Hkv, D, qn, kn, 1e-6)
+    close(q, rq, dtype)
+    close(k, rk, dtype)
+    assert torch.equal(v, rv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,I", [(1, 128), (6, 1536), (3, 4864)])
+def test_silu_mul(T, I, dtype):
+    g = torch.Generator().manual_seed(T * I)
+    gu = torch.randn(T, 2 * I, generator=g).mul(3).to(DEV, dtype)
+    close(fused_triton.silu_mul_triton(gu), fused.silu_mul_ref(gu), dtype)
