@@ -41,14 +41,15 @@ def hf_scores(model, prompts: list[list[int]], trie, batch=16):
         seqs = [p + list(n) for p in chunk for n in maximal]
         ids, mask = _left_pad(seqs, 0)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+        keep = max(len(n) for n in maximal) + 1  # only the last positions feed label scores
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                       logits_to_keep=keep).logits.float()
         for qi, p in enumerate(chunk):
             node_logits = {}
             for mi, n in enumerate(maximal):
                 row = logits[qi * len(maximal) + mi]
-                L = ids.shape[1]
                 for d in range(len(n) + 1):  # logits after prompt + n[:d]
-                    node_logits.setdefault(n[:d], row[L - len(n) - 1 + d])
+                    node_logits.setdefault(n[:d], row[keep - len(n) - 1 + d])
             res = []
             for path in trie.paths:
                 s = 0.0

@@ -39,40 +39,42 @@ def add_rms_norm_triton(x, residual, weight, eps, out=None, res_out=None):
 
 @triton.jit
 def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, eps,
-                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
-    """One program per token: all q and k heads of that token. q -> [T, HQ, D], k -> [T, HKV, D]."""
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NH: tl.constexpr,
+                    QK_NORM: tl.constexpr):
+    """One program per token, all q and k heads at once as a [NH, D/2] tile (NH = HQ + HKV padded to
+    a power of two): one vectorised load/compute/store instead of a serial loop over heads."""
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
-    d = tl.arange(0, half)
+    h = tl.arange(0, NH)[:, None]
+    d = tl.arange(0, half)[None, :]
+    m = (h < HQ + HKV) & (d < half)
+    row = qkv_ptr + t * (HQ + 2 * HKV) * D + h * D
+    a = tl.load(row + d, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(row + half + d, mask=m, other=0.0).to(tl.float32)
+    dt = q_ptr.dtype.element_ty
+    if QK_NORM:  # Qwen3: RMSNorm over each head's D values (q heads use q_norm, k heads k_norm)
+        r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
+        is_q = h < HQ
+        wa = tl.where(is_q, tl.load(qn_ptr + d), tl.load(kn_ptr + d)).to(tl.float32)
+        wb = tl.where(is_q, tl.load(qn_ptr + half + d), tl.load(kn_ptr + half + d)).to(tl.float32)
+        a = (wa * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        b = (wb * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     c1 = tl.load(cos_ptr + t * D + d).to(tl.float32)
     s1 = tl.load(sin_ptr + t * D + d).to(tl.float32)
     c2 = tl.load(cos_ptr + t * D + half + d).to(tl.float32)
     s2 = tl.load(sin_ptr + t * D + half + d).to(tl.float32)
-    row = qkv_ptr + t * (HQ + 2 * HKV) * D
-    for h in tl.static_range(HQ + HKV):
-        a = tl.load(row + h * D + d)
-        b = tl.load(row + h * D + half + d)
-        if QK_NORM:
-            if h < HQ:
-                nw = qn_ptr
-            else:
-                nw = kn_ptr
-            af, bf = a.to(tl.float32), b.to(tl.float32)
-            r = tl.rsqrt((tl.sum(af * af, 0) + tl.sum(bf * bf, 0)) / D + eps)
-            dt = q_ptr.dtype.element_ty
-            a = (tl.load(nw + d).to(tl.float32) * (af * r).to(dt).to(tl.float32)).to(dt)
-            b = (tl.load(nw + half + d).to(tl.float32) * (bf * r).to(dt).to(tl.float32)).to(dt)
-        # HF rounds q*cos and rotate_half(q)*sin separately in the input dtype; fp32 here differs
-        # from that by at most one rounding step (within the bf16 tolerance of the tests).
-        af, bf = a.to(tl.float32), b.to(tl.float32)
-        o1 = af * c1 - bf * s1
-        o2 = bf * c2 + af * s2
-        if h < HQ:
-            dst = q_ptr + (t * HQ + h) * D
-        else:
-            dst = k_ptr + (t * HKV + h - HQ) * D
-        tl.store(dst + d, o1.to(q_ptr.dtype.element_ty))
-        tl.store(dst + half + d, o2.to(q_ptr.dtype.element_ty))
+    # HF rounds q*cos and rotate_half(q)*sin separately in the input dtype; fp32 here differs from
+    # that by at most one rounding step (within the bf16 tolerance of the tests).
+    o1 = (a * c1 - b * s1).to(dt)
+    o2 = (b * c2 + a * s2).to(dt)
+    qd = q_ptr + (t * HQ + h) * D
+    kd = k_ptr + (t * HKV + h - HQ) * D
+    mq = m & (h < HQ)
+    mk = m & (h >= HQ)
+    tl.store(qd + d, o1, mask=mq)
+    tl.store(qd + half + d, o2, mask=mq)
+    tl.store(kd + d, o1, mask=mk)
+    tl.store(kd + half + d, o2, mask=mk)
 
 
 def rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
@@ -81,8 +83,9 @@ def rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6
     k = torch.empty(T, Hkv, D, device=qkv.device, dtype=qkv.dtype)
     v = qkv.view(T, Hq + 2 * Hkv, D)[:, Hq + Hkv:]
     norm = q_norm is not None
+    NH = triton.next_power_of_2(Hq + Hkv)
     _rope_qk_kernel[(T,)](qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q, k, eps,
-                          HQ=Hq, HKV=Hkv, D=D, QK_NORM=norm, num_warps=1)
+                          HQ=Hq, HKV=Hkv, D=D, NH=NH, QK_NORM=norm, num_warps=4 if NH * D >= 2048 else 2)
     return q, k, v
 
 
