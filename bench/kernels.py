@@ -30,7 +30,6 @@ DEV = "cuda"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 HBM_BYTES_PER_S = 4.3e12  # measured on the H200 (DESIGN.md section 1)
 MODELS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-7b": (28, 4, 128)}  # Hq, Hkv, D
-HIDDEN = {"qwen2.5-0.5b": 896, "qwen2.5-7b": 3584}
 
 
 # ---------------------------------------------------------------- inputs
@@ -266,9 +265,14 @@ def bench_label_head(results, sweep):
                 s = torch.empty((R, N), device=DEV)
                 b = torch.empty((R,), dtype=torch.int64, device=DEV)
                 cfg = head_config(R, N, H, args[0].device)
-                run = lambda c=None: label_head_triton(*args, True, out_scores=s, out_best=b, config=c)  # noqa: E731
+
+                def run(c=None, args=args, s=s, b=b):
+                    return label_head_triton(*args, True, out_scores=s, out_best=b, config=c)
+
+                def ref(args=args):
+                    return label_head_ref(*args, True)
+
                 t_eager, t_graph = eager_us(run), graph_us(run)
-                ref = lambda: label_head_ref(*args, True)  # noqa: E731
                 t_ref, t_ref_graph = eager_us(ref), graph_us(ref)
                 nbytes = 2 * (R * H + N * H + H) + R * N * 5 + R * 16
                 floor = nbytes / HBM_BYTES_PER_S * 1e6

@@ -24,7 +24,7 @@ import triton.language as tl
 
 @triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # Triton's CPU interpreter multiplies bf16 bit patterns (triton#11584); fp32 is exact
+    if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=DOT_PREC)

@@ -10,11 +10,11 @@ CUDA-graph safe: grid and launch parameters depend only on shapes.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from .attention_triton import _num_sms
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _label_head_kernel(
         h = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * g[None, :]
         h = h.to(W.dtype.element_ty)
         wt = tl.load(W + n[None, :] * sw_n + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if UPCAST:  # Triton's CPU interpreter multiplies bf16 bit patterns (triton#11584)
+        if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
             h = h.to(tl.float32)
             wt = wt.to(tl.float32)
         acc = tl.dot(h, wt, acc, input_precision=DOT_PREC)
@@ -75,13 +75,6 @@ def _label_head_kernel(
 
 # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
 _INTERPRETED = type(_label_head_kernel).__name__ == "InterpretedFunction"
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter: pick the same configs as on an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def head_config(R: int, N: int, H: int, device) -> dict:
