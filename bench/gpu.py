@@ -155,7 +155,13 @@ def correctness(hf, ours, n=500):
     sfx = random_suffixes(n, seed=123)
     ref = hf_reference(hf, ours.prefix_ids, sfx)
     got, dec = ours.classify_ids(sfx)
+    got, dec = torch.from_numpy(got).float(), torch.from_numpy(dec)
     diff = (got - ref).abs().max().item()
+    # bf16 itself: HF bf16 and ours, each against HF in fp32 on the first 100 requests
+    hf32 = copy.deepcopy(hf).float()
+    ref32 = hf_reference(hf32, ours.prefix_ids, sfx[:100])
+    del hf32
+    torch.cuda.empty_cache()
     ref_dec = ref.argmax(-1)
     top2 = ref.topk(2, -1).values
     margin = top2[:, 0] - top2[:, 1]
@@ -163,7 +169,11 @@ def correctness(hf, ours, n=500):
     clear = margin > 0.05  # bf16 noise in a log-prob is ~1e-2: closer calls are ties at this precision
     return {"n": n, "max_abs_score_diff": diff, "decision_agree": int((~mismatch).sum()),
             "mismatch_on_clear_margin": int((mismatch & clear).sum()),
-            "near_ties": int((~clear).sum()), "ok": bool(diff < 5e-2 and not (mismatch & clear).any())}
+            "near_ties": int((~clear).sum()), "ok": bool(diff < 5e-2 and not (mismatch & clear).any()),
+            "hf_bf16_vs_fp32_max_diff": (ref[:100] - ref32).abs().max().item(),
+            "ours_bf16_vs_fp32_max_diff": (got[:100] - ref32).abs().max().item(),
+            "hf_bf16_decisions_vs_fp32": int((ref[:100].argmax(-1) == ref32.argmax(-1)).sum()),
+            "ours_decisions_vs_fp32": int((dec[:100] == ref32.argmax(-1)).sum())}
 
 
 @torch.no_grad()
@@ -182,6 +192,22 @@ def hf_peers(hf, prefix_ids, iters=100):
     except Exception as e:  # API differences across transformers versions
         res["hf_eager_prefix_reused"] = {"error": f"{type(e).__name__}: {e}"[:200]}
     return res
+
+
+def host_profile(fn, n=300):
+    """Where the host time of a call goes (cProfile, top functions by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
+    return s.getvalue()[-3500:]
 
 
 def plain_graph(ours, suffix):
@@ -231,6 +257,7 @@ def run_shape(shape, floors, batches, quick):
     one = random_suffixes(1, seed=9)
     res["w1_gpu_replay"] = stats(gpu_times(ours.replay_fn(one)))
     res["w1_engine_call"] = stats(wall_times(lambda: ours.classify_ids(one)))
+    res["w1_host_profile"] = host_profile(lambda: ours.classify_ids(one))
     res["plain_graph"] = plain_graph(ours, one[0])
     res.update(hf_peers(hf, ours.prefix_ids))
     res["profile_w1"] = profile_kernels(ours, one[0])

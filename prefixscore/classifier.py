@@ -154,6 +154,6 @@ class Classifier:
             label_scores, decision = self.trie.assemble(scores, best, len(batch))
         else:
             label_scores, decision = self.trie.assemble_logits(scores, best)
-        label_scores, decision = label_scores.cpu().tolist(), decision.cpu().tolist()
+        label_scores, decision = label_scores.tolist(), decision.tolist()
         return [Result(e.values["query"], self.labels[d], dict(zip(self.labels, s)))
                 for e, d, s in zip(batch, decision, label_scores)]

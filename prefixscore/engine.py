@@ -104,6 +104,8 @@ class GraphRunner:
         self.out_scores = torch.empty(Tmax, N).pin_memory()
         self.out_best = torch.empty(Tmax, dtype=torch.int64).pin_memory()
         self.pad = torch.arange(Tmax, dtype=torch.int32)
+        self.host_np, self.host_allowed_np, self.pad_np = (
+            self.host.numpy(), self.host_allowed.numpy(), self.pad.numpy())
         self.graphs, self.outputs = {}, {}
         pool = None
         for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
@@ -126,14 +128,15 @@ class GraphRunner:
     def run(self, plan: Plan):
         T, R = plan.num_tokens, plan.rows.shape[0]
         Tb = next(b for b in self.buckets if b >= T)
-        h = self.host
-        h[0, :T], h[1, :T], h[2, :T], h[3, :T], h[4, :T] = (
-            plan.tokens, plan.positions, plan.base_start, plan.base_end, plan.own_start)
+        h, a = self.host_np, self.host_allowed_np  # numpy views of the pinned buffers: cheap writes
+        for i, x in enumerate((plan.tokens, plan.positions, plan.base_start, plan.base_end,
+                               plan.own_start)):
+            h[i, :T] = x.numpy()
         h[:, T:Tb] = 0
-        h[4, T:Tb] = self.pad[T:Tb]
-        h[5, :R] = plan.rows
-        self.host_allowed[:R] = plan.allowed
-        self.host_allowed[R:Tb] = True
+        h[4, T:Tb] = self.pad_np[T:Tb]
+        h[5, :R] = plan.rows.numpy()
+        a[:R] = plan.allowed.numpy()
+        a[R:Tb] = True
         self.ints[:, :Tb].copy_(h[:, :Tb], non_blocking=True)
         self.allowed[:Tb].copy_(self.host_allowed[:Tb], non_blocking=True)
         self.graphs[Tb].replay()

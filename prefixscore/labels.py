@@ -8,6 +8,7 @@ Single-child nodes need no forward work: their restricted log-softmax is 0.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .errors import ConfigError
@@ -93,18 +94,17 @@ class LabelTrie:
         return self.nodes[1:]
 
     def assemble(self, scores: torch.Tensor, best: torch.Tensor, batch: int):
-        """scores [B*K, N], best [B*K] (K = len(nodes) rows per request, in node order) ->
-        label scores [B, L] and decision index [B]."""
-        dev = scores.device
+        """scores [B*K, N], best [B*K] on the CPU (K = len(nodes) rows per request, in node order)
+        -> label scores [B, L] and decision index [B], as numpy (host work: a few array ops)."""
         K = len(self.nodes)
-        s = scores.view(batch, K, -1)
-        tn, tc, tv = self.term_node.to(dev), self.term_col.to(dev), self.term_valid.to(dev)
-        label_scores = torch.where(tv, s[:, tn, tc], 0.0).sum(-1)  # [B, L]
-        chosen = best.view(batch, K)[:, tn] == tc  # greedy choice at each scored node on the path
+        s = scores.numpy().reshape(batch, K, -1)
+        tn, tc, tv = self.term_node.numpy(), self.term_col.numpy(), self.term_valid.numpy()
+        label_scores = np.where(tv, s[:, tn, tc], 0.0).sum(-1)  # [B, L]
+        chosen = best.numpy().reshape(batch, K)[:, tn] == tc  # greedy choice at each node on the path
         greedy = (chosen | ~tv).all(-1)  # [B, L]: exactly one label is the greedy path
-        return label_scores, greedy.float().argmax(-1)
+        return label_scores, greedy.argmax(-1)
 
     def assemble_logits(self, logits: torch.Tensor, best: torch.Tensor):
         """Raw first-token logits [B, N] and their argmax column [B] -> per label [B, L], decision."""
-        first = torch.tensor([self.columns.index(p[0]) for p in self.paths], device=logits.device)
-        return logits[:, first], (first[None, :] == best[:, None]).float().argmax(-1)
+        first = np.array([self.columns.index(p[0]) for p in self.paths])
+        return logits.numpy()[:, first], (first[None, :] == best.numpy()[:, None]).argmax(-1)
