@@ -76,12 +76,12 @@ class Engine:
         if self.device.type != "cuda":
             return {}
         torch.cuda.synchronize()
-        mem0, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+        mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
         runner = GraphRunner(self, prefix_kv, weight, logprobs, max_tokens)
         self.graphs[(id(prefix_kv), id(weight), logprobs)] = runner
         torch.cuda.synchronize()
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets,
-                "graph_mem_mb": (torch.cuda.memory_allocated() - mem0) / 2**20}
+                "graph_mem_mb": (torch.cuda.memory_reserved() - mem0) / 2**20}  # pools + buffers
 
 
 class GraphRunner:
