@@ -3,10 +3,11 @@
 Llama / Mistral / Qwen2 / Qwen3 share this block:
     h = RMSNorm(x + residual)                       (add_rms_norm: one kernel)
     q, k, v = split(h @ Wqkv (+ bias, Qwen2))       (Q, K, V fused into one GEMM)
-    q, k = RoPE(RMSNorm_head(q), RMSNorm_head(k))   (per-head norm for Qwen3 only; rope_qk: one kernel)
+    q, k = RoPE(RMSNorm_head(q), RMSNorm_head(k))   (per-head norm for Qwen3 only; fused into the
+                                                     QKV GEMM's epilogue for small T: kernels/gemm)
     o = attention(q, k, v | pinned prefix K/V, in-batch visibility ranges) @ Wo
     h = RMSNorm(o + residual)
-    x = (silu(h @ Wgate) * (h @ Wup)) @ Wdown       (gate/up fused into one GEMM; silu_mul: one kernel)
+    x = (silu(h @ Wgate) * (h @ Wup)) @ Wdown       (gate/up fused into one GEMM with SiLU*mul epilogue)
 Module names follow Hugging Face so a HF state dict loads as is; `fuse()` then concatenates the
 weights. The vocabulary head is not here: only its label-token rows are used (kernels/label_head).
 """
@@ -15,12 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .kernels import attention
-from .kernels.fused import add_rms_norm, rope_qk, silu_mul
+from .kernels.fused import add_rms_norm
+from .kernels.gemm import gate_up_silu, linear, qkv_rope
 
 
 class RMSNorm(nn.Module):
@@ -51,15 +52,15 @@ class Attention(nn.Module):
 
     def forward(self, h, cos, sin, ctx: "Context", layer: int):
         c = self.c
-        qkv = F.linear(h, self.wqkv, self.bqkv)
         qn = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
-        q, k, v = rope_qk(qkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim, *qn, c.rms_norm_eps)
+        q, k, v = qkv_rope(h, self.wqkv, self.bqkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim,
+                           *qn, c.rms_norm_eps)
         if ctx.kv_out is not None:  # building the prefix cache: keep post-RoPE K/V
             ctx.kv_out.append((k, v))
         pk, pv = ctx.prefix_kv[layer]
         o = attention(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                       c.head_dim ** -0.5, ctx.seg_offsets)
-        return self.o_proj(o.reshape(h.shape[0], -1))
+        return linear(o.reshape(h.shape[0], -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -76,7 +77,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, h):
-        return self.down_proj(silu_mul(F.linear(h, self.wgu, self.bgu)))
+        return linear(gate_up_silu(h, self.wgu, self.bgu), self.down_proj.weight, self.down_proj.bias)
 
 
 class Block(nn.Module):

@@ -1,0 +1,356 @@
+"""Skinny GEMMs for few tokens (T <= 64) with fused epilogues (same math as kernels/gemm.py).
+
+At T = 8..64 a linear layer is a weight stream: out[T, N] = x[T, K] @ w[N, K]^T reads N*K weights
+once and does almost no math per byte, so what matters is how many bytes are in flight across all
+SMs and how few fixed costs (launches, epilogue kernels, split-K reduce kernels) there are.
+
+One kernel, three epilogues (EPI):
+  0  plain:  out = x @ w^T (+ bias)
+  1  gated:  w = [Wg; Wu] ([2I, K]); out[T, I] = silu(x @ Wg^T) * (x @ Wu^T)   (replaces silu_mul)
+  2  rope:   w = Wqkv; one program = one head of D columns, held as two accumulators (the first
+             and second halves of the head) so RoPE's rotate-half pairs meet in registers;
+             optional Qwen3 per-head RMSNorm; writes q, k (rotated) and v  (replaces rope_qk)
+
+Layout of the work: programs over (column tile, K split). A column tile is BLOCK_N output columns
+(two tiles of BLOCK_N for EPI 1/2). K is split SPLIT ways so that small-N layers still spread their
+weight read over every SM; each split runs ITERS steps of BLOCK_K (static trip count, so Triton's
+pipeliner keeps num_stages tiles in flight). Split-K partials go to an fp32 workspace; the last
+program of a column tile to finish (an atomic counter per tile, reset by that program) sums the
+partials in split order -- deterministic -- and runs the epilogue. No second kernel.
+
+The inner product is tl.dot with T padded to BLOCK_T >= 16 (mma; tensor-core throughput is not
+the limit here) or, with DOT=False, an FMA broadcast-reduce for tiny T (BLOCK_T >= 1).
+
+CUDA-graph safe: grid and launch parameters come from shapes only; no host syncs. The per-tile
+counters live in a small cached int32 buffer per (device, stream) that every kernel leaves zeroed.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_triton import _num_sms
+
+
+@triton.jit
+def _skinny_kernel(
+    X, W, B, OUT, WS, CNT,
+    COS, SIN, QN, KN, QO, KO, VO,
+    T, stride_xt, stride_ot, eps,
+    N: tl.constexpr, K: tl.constexpr,
+    EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, ITERS: tl.constexpr,
+    DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    TWO: tl.constexpr = EPI != 0
+    t = tl.arange(0, BLOCK_T)
+    j = tl.arange(0, BLOCK_N)
+    t_ok = t < T
+    # Columns (rows of W) of the one or two accumulators.
+    if EPI == 0:
+        cols_a = pid_n * BLOCK_N + j
+        c_ok = cols_a < N
+        cols_b = cols_a
+    elif EPI == 1:
+        I: tl.constexpr = N // 2
+        cols_a = pid_n * BLOCK_N + j  # gate
+        c_ok = cols_a < I
+        cols_b = cols_a + I  # up
+    else:
+        cols_a = pid_n * D + j  # first half of head pid_n (BLOCK_N == D // 2)
+        c_ok = j < BLOCK_N
+        cols_b = cols_a + BLOCK_N
+    EVEN_K: tl.constexpr = (K % BLOCK_K == 0) and (SPLIT * ITERS * BLOCK_K == K)
+    # Rows of W past N are clamped (they are never stored) so weight loads need only a K mask.
+    wa_ptr = W + tl.minimum(cols_a, N - 1)[:, None] * K
+    wb_ptr = W + tl.minimum(cols_b, N - 1)[:, None] * K
+    x_ptr = X + t[:, None] * stride_xt
+
+    acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    k0 = pid_k * (ITERS * BLOCK_K)
+    for i in range(ITERS):
+        k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0)
+            wa = tl.load(wa_ptr + k[None, :], eviction_policy="evict_first")
+        else:
+            k_ok = k < K
+            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        # acc += x @ w^T, inlined (a nested jit call costs ~10 ms per call in the interpreter)
+        if DOT:
+            if UPCAST:  # interpreter only: it multiplies bf16 bit patterns in tl.dot (triton#11584)
+                xv = xv.to(tl.float32)
+                wa = wa.to(tl.float32)
+            acc_a = tl.dot(xv, tl.trans(wa), acc_a, input_precision=DOT_PREC)
+        else:
+            xf = xv.to(tl.float32)[:, None, :]
+            acc_a += tl.sum(xf * wa.to(tl.float32)[None, :, :], axis=2)
+        if TWO:
+            if EVEN_K:
+                wb = tl.load(wb_ptr + k[None, :], eviction_policy="evict_first")
+            else:
+                wb = tl.load(wb_ptr + k[None, :], mask=k_ok[None, :], other=0.0,
+                             eviction_policy="evict_first")
+            if DOT:
+                if UPCAST:
+                    wb = wb.to(tl.float32)
+                acc_b = tl.dot(xv, tl.trans(wb), acc_b, input_precision=DOT_PREC)
+            else:
+                acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
+
+    tc = t[:, None]
+    m_out = t_ok[:, None] & c_ok[None, :]
+    if SPLIT > 1:
+        # Partials to the workspace [SPLIT, BLOCK_T, N] (fp32), then count arrivals.
+        ws = WS + pid_k * (BLOCK_T * N) + tc * N
+        tl.store(ws + cols_a[None, :], acc_a, mask=m_out)
+        if TWO:
+            tl.store(ws + cols_b[None, :], acc_b, mask=m_out)
+        tl.debug_barrier()  # every thread's partial stores before the (release) arrival
+        arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
+        last = arrived == SPLIT - 1
+        if last:
+            acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            for s in range(SPLIT):  # fixed order: the sum does not depend on who came last
+                wss = WS + s * (BLOCK_T * N) + tc * N
+                acc_a += tl.load(wss + cols_a[None, :], mask=m_out, other=0.0, cache_modifier=".cg")
+                if TWO:
+                    acc_b += tl.load(wss + cols_b[None, :], mask=m_out, other=0.0, cache_modifier=".cg")
+            tl.store(CNT + pid_n, 0)  # ready for the next launch (and the next graph replay)
+    else:
+        last = True
+
+    if last:
+        if HAS_BIAS:
+            acc_a += tl.load(B + cols_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            if TWO:
+                acc_b += tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        if EPI == 0:
+            dt = OUT.dtype.element_ty
+            tl.store(OUT + tc * stride_ot + cols_a[None, :], acc_a.to(dt), mask=m_out)
+        elif EPI == 1:
+            dt = OUT.dtype.element_ty
+            # HF: gate and up rounded to the dtype by their linears, silu(gate) rounded, then the
+            # product (exact in fp32) rounded once.
+            g = acc_a.to(dt).to(tl.float32)
+            u = acc_b.to(dt).to(tl.float32)
+            sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            tl.store(OUT + tc * stride_ot + cols_a[None, :], (sg * u).to(dt), mask=m_out)
+        else:
+            dt = QO.dtype.element_ty
+            h = pid_n
+            a = acc_a.to(dt).to(tl.float32)  # the qkv linear's output, rounded like F.linear
+            b = acc_b.to(dt).to(tl.float32)
+            # Same math as fused_triton._rope_qk_kernel from here on.
+            if QK_NORM:
+                if h < HQ + HKV:
+                    r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
+                    if h < HQ:
+                        wa = tl.load(QN + j).to(tl.float32)[None, :]
+                        wb = tl.load(QN + BLOCK_N + j).to(tl.float32)[None, :]
+                    else:
+                        wa = tl.load(KN + j).to(tl.float32)[None, :]
+                        wb = tl.load(KN + BLOCK_N + j).to(tl.float32)[None, :]
+                    a = (wa * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                    b = (wb * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            jc = j[None, :]
+            if h < HQ + HKV:
+                c1 = tl.load(COS + tc * D + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
+                s1 = tl.load(SIN + tc * D + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
+                c2 = tl.load(COS + tc * D + BLOCK_N + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
+                s2 = tl.load(SIN + tc * D + BLOCK_N + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
+                o1 = (a * c1 - b * s1).to(dt)
+                o2 = (b * c2 + a * s2).to(dt)
+                if h < HQ:
+                    dst = QO + (tc * HQ + h) * D + jc
+                else:
+                    dst = KO + (tc * HKV + (h - HQ)) * D + jc
+                tl.store(dst, o1, mask=m_out)
+                tl.store(dst + BLOCK_N, o2, mask=m_out)
+            else:
+                dst = VO + (tc * HKV + (h - HQ - HKV)) * D + jc
+                tl.store(dst, a.to(dt), mask=m_out)
+                tl.store(dst + BLOCK_N, b.to(dt), mask=m_out)
+
+
+# Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
+_INTERPRETED = type(_skinny_kernel).__name__ == "InterpretedFunction"
+
+_COUNTERS: dict = {}
+_MAX_TILES = 1 << 16
+
+
+def _counters(device):
+    """Zeroed int32 arrival counters, one buffer per (device, stream); kernels leave them zeroed.
+
+    Created on first use (warm up before capturing a graph; if the first use is inside a capture
+    the zero-fill is captured too, which is harmless)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
+# ---------------------------------------------------------------- launch configuration
+
+def _np2(n):
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=None) -> dict:
+    """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
+
+    ncols: output column tiles are counted over this many columns (N plain, I gated; for rope
+    block_n is fixed to D/2 and ncols = heads * D/2). Picks a column tile so T-tile re-reads of x
+    stay below the weight bytes, then splits K until there are about 2 programs per SM.
+    """
+    sms = _num_sms(device)
+    two = epi != 0
+    bt = max(16, _np2(T))
+    if block_n is None:
+        block_n = 16 if T <= 16 else 32 if T <= 32 else 64
+        if two and block_n > 16:
+            block_n //= 2  # two weight tiles per program
+        while block_n < 128 and triton.cdiv(ncols, 2 * block_n) >= 2 * sms:
+            block_n *= 2
+    block_k = 128 if K >= 128 else max(16, _np2(K))
+    if dtype == torch.float32:
+        block_k = min(block_k, 64)
+    tiles = triton.cdiv(ncols, block_n)
+    kit = triton.cdiv(K, block_k)
+    # Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4 bytes of (L2) traffic: keep that under
+    # twice the weight bytes (N * K * 2) at large T.
+    split = max(1, min(kit, triton.cdiv(2 * sms, tiles), max(2, K // (2 * bt))))
+    iters = triton.cdiv(kit, split)
+    split = triton.cdiv(kit, iters)
+    return dict(BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT=True,
+                num_warps=4, num_stages=min(4, iters + 1) if iters > 1 else 2)
+
+
+def _finish_config(cfg, K, dtype):
+    """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem."""
+    cfg = dict(cfg)
+    kit = triton.cdiv(K, cfg["BLOCK_K"])
+    split = max(1, min(int(cfg.get("SPLIT", 1)), kit))
+    iters = triton.cdiv(kit, split)
+    cfg["SPLIT"] = triton.cdiv(kit, iters)
+    cfg["ITERS"] = iters
+    if not cfg.get("DOT", True):
+        cfg["BLOCK_T"] = cfg.get("BLOCK_T_FMA", cfg["BLOCK_T"])
+    cfg.pop("BLOCK_T_FMA", None)
+    return cfg
+
+
+def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None):
+    T, K = x.shape
+    N = w.shape[0]
+    cfg = _finish_config(cfg, K, x.dtype)
+    assert cfg["BLOCK_T"] >= T
+    tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
+    grid = (tiles, cfg["SPLIT"])
+    if cfg["SPLIT"] > 1:
+        ws = torch.empty((cfg["SPLIT"], cfg["BLOCK_T"], N), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device)
+        assert tiles <= cnt.numel()
+    else:
+        ws = cnt = x  # never touched
+    if rope is None:
+        cos = sin = qn = kn = qo = ko = vo = x
+        hq = hkv = d = 1
+        eps, qk_norm = 0.0, False
+    else:
+        cos, sin, qn, kn, qo, ko, vo, hq, hkv, d, eps = rope
+        qk_norm = qn is not None
+        if not qk_norm:
+            qn = kn = x
+        out = x
+    _skinny_kernel[grid](
+        x, w, bias if bias is not None else x, out, ws, cnt,
+        cos, sin, qn, kn, qo, ko, vo,
+        T, x.stride(0), out.stride(0) if rope is None else 0, eps,
+        N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg,
+    )
+
+
+def _prep(x, w, bias):
+    assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    return x, w, bias
+
+
+# ---------------------------------------------------------------- entry points
+
+def linear_small(x, w, bias=None, out=None, config=None):
+    """x [T, K] @ w[N, K]^T (+ bias) -> [T, N], T <= 64. `out` may have any row stride."""
+    x, w, bias = _prep(x, w, bias)
+    T, K = x.shape
+    N = w.shape[0]
+    if out is None:
+        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
+    assert out.shape == (T, N) and out.stride(-1) == 1
+    if T == 0:
+        return out
+    cfg = gemm_config(T, N, K, 0, x.dtype, x.device)
+    cfg.update(config or {})
+    _launch(x, w, bias, 0, N, cfg, out=out)
+    return out
+
+
+def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None):
+    """silu(x @ Wg^T (+bg)) * (x @ Wu^T (+bu)) -> [T, I] with w_gu = [Wg; Wu] of shape [2I, K]."""
+    x, w_gu, bias = _prep(x, w_gu, bias)
+    T, K = x.shape
+    assert w_gu.shape[0] % 2 == 0
+    I = w_gu.shape[0] // 2
+    if out is None:
+        out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+    assert out.shape == (T, I) and out.stride(-1) == 1
+    if T == 0:
+        return out
+    cfg = gemm_config(T, I, K, 1, x.dtype, x.device)
+    cfg.update(config or {})
+    _launch(x, w_gu, bias, 1, I, cfg, out=out)
+    return out
+
+
+def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6,
+                   config=None):
+    """x @ Wqkv^T (+ bias), then (Qwen3 per-head RMSNorm and) RoPE on q and k, as
+    fused.rope_qk_ref after a plain linear -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    x, w_qkv, bias = _prep(x, w_qkv, bias)
+    T, K = x.shape
+    H = Hq + 2 * Hkv
+    assert w_qkv.shape[0] == H * D and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0
+    kw = dict(dtype=x.dtype, device=x.device)
+    q = torch.empty((T, Hq, D), **kw)
+    k = torch.empty((T, Hkv, D), **kw)
+    v = torch.empty((T, Hkv, D), **kw)
+    if T == 0:
+        return q, k, v
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if q_norm is not None:
+        q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
+    cfg = gemm_config(T, H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2)
+    cfg.update(config or {})
+    cfg["BLOCK_N"] = D // 2
+    _launch(x, w_qkv, bias, 2, H * (D // 2), cfg,
+            rope=(cos, sin, q_norm, k_norm, q, k, v, Hq, Hkv, D, eps))
+    return q, k, v
