@@ -2,7 +2,8 @@
 from .classifier import Classifier, Result
 from .errors import ConfigError, InputError, ModelLoadError, PrefixScoreError
 from .loading import load as load_model
+from .scorer import ItemResult, Scorer
 
-__all__ = ["Classifier", "Result", "load_model", "PrefixScoreError", "ConfigError", "InputError",
+__all__ = ["Classifier", "Result", "Scorer", "ItemResult", "load_model", "PrefixScoreError", "ConfigError", "InputError",
            "ModelLoadError"]
 __version__ = "0.1.0"

@@ -135,9 +135,10 @@ class GraphRunner:
         h[:, T:Tb] = 0
         h[4, T:Tb] = self.pad_np[T:Tb]
         h[5, :R] = plan.rows.numpy()
+        h[5, R:Tb] = 0  # padding rows read token 0 (stale indices could point past this bucket)
         a[:R] = plan.allowed.numpy()
         a[R:Tb] = True
-        self.ints[:, :Tb].copy_(h[:, :Tb], non_blocking=True)
+        self.ints[:, :Tb].copy_(self.host[:, :Tb], non_blocking=True)
         self.allowed[:Tb].copy_(self.host_allowed[:Tb], non_blocking=True)
         self.graphs[Tb].replay()
         scores, best = self.outputs[Tb]

@@ -9,11 +9,14 @@ up to where the item starts) are computed once per span, and each item only adds
             own causal range     base = query part, own range = the item; positions restart after
                                  the query part for every item, exactly as if scored alone
 
-That is one flat pass over plain `Plan` fields, so Engine.run (and a graph runner padding any Plan to
-a bucket) runs it unchanged. Two layouts, picked per request by estimated cost, or forced:
+That is one flat pass over plain `Plan` fields, so Engine.run and its CUDA graphs (any Plan is
+padded to a token bucket) run it unchanged. Layouts (`layout=`):
 
-    packed  the query part once per span, many items per span
+    packed  the query part once, then every item of the request, in one span
     alone   every item its own span with its own copy of the query part (no base range)
+    auto    (default) items per span by estimated cost: new-token FLOPs + the in-batch attention
+            the kernel scans. Today's kernel scans a span from its start, so one very long packed
+            span pays quadratic attention; auto then settles on a few items per span.
 
 Why not a second pass with per-request prefix KV ("in-batch prefix caching")? In this flat design a
 span's base range already *is* a per-request prefix computed in the same pass, so a second pass
@@ -31,10 +34,14 @@ apply_softmax, item_first) and returns its response shape.
 """
 from __future__ import annotations
 
-import math
+import argparse
+import itertools
+import json
 import sys
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from .batch import Plan
@@ -75,9 +82,18 @@ class ItemResult:
 
 
 @dataclass
+class Prepared:
+    """One request, tokenized."""
+    items: list  # as given
+    full: list[list[int]]  # per item, the whole prompt's tokens (what the model must see)
+    shared: list[int]  # tokens of the text before the item slot: the candidate query part
+
+
+@dataclass
 class _Group:
     """One span of the flat batch: the shared tokens, then each item's own tokens."""
     start: int  # position of the first new token: the cached prefix length, or 0 (no cache)
+    kv: list  # the prefix K/V it attends to (the engine's empty one when start == 0)
     shared: list[int]
     tails: list[list[int]]
     slots: list[int]  # where each item's result goes
@@ -95,28 +111,10 @@ class _Head:
         return all(len(p) == 1 for p in self.trie.paths)
 
 
-@dataclass
-class _Template:
-    """The template in one slot order: prompt split, pinned prefix and its KV, labels in context."""
-    prompt: Prompt
-    item_first: bool
-    prefix_kv: list
-    heads: dict = field(default_factory=dict)
-
-    def before_item(self, query: str) -> str:
-        """The whole prompt's text up to the item slot: the candidate shared part."""
-        out = []
-        for i, piece in enumerate(self.prompt.pieces):
-            if i % 2 == 0:
-                out.append(piece)
-            elif piece == sentinel("item"):
-                break
-            else:
-                out.append(query)
-        return "".join(out)
-
-
 def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    if a[:len(b)] == b:  # the usual case, compared at C speed
+        return min(len(a), len(b))
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -125,25 +123,21 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _swap_slots(template: str) -> str:
-    mark = "\x1eQ\x1e"
-    return template.replace("{query}", mark).replace("{item}", "{query}").replace(mark, "{item}")
-
-
 class Scorer:
     """Scorer(model=None, template=None, labels=None): score many items against one query.
 
     `template` has a `{query}` and an `{item}` slot (either order) after a fixed instruction; default:
     a yes/no relevance prompt with labels yes/no, on the bundled SmolLM2-135M-Instruct. Give
     `label_token_ids` instead of `labels` to score raw vocabulary tokens. A model without a tokenizer
-    (a `LoadedModel` built from weights only) scores token ids only (`score_ids`); then `prefix_ids`
-    are the pinned prefix.
+    (a `LoadedModel` built from weights only) scores token ids only (`score_ids`), with `prefix_ids`
+    as the pinned prefix. Options as Classifier's, plus `mode` (MODES), `layout` (LAYOUTS) and
+    `max_items` per request.
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, label_token_ids=None,
                  device=None, dtype=None, chat: bool | None = None, mode: str = "logprobs",
                  layout: str = "auto", max_items: int = 1024, max_batch_tokens: int = 16384,
-                 prefix_ids: list[int] | None = None):
+                 prefix_ids: list[int] | None = None, graphs: bool = True):
         if labels is not None and label_token_ids is not None:
             raise ConfigError("give labels or label_token_ids, not both")
         if mode not in MODES:
@@ -166,61 +160,44 @@ class Scorer:
         self.tokenizer = tok = self.loaded.tokenizer
         self.mode, self.layout = mode, layout
         self.max_items, self.max_batch_tokens = max_items, max_batch_tokens
-        self.chat = chat
-        self._templates: dict[bool, _Template] = {}
-        if tok is None:  # token ids only
+        self._heads: dict = {}
+        if tok is None:
             if template is not None or label_token_ids is None:
                 raise ConfigError("this model has no tokenizer: give label_token_ids and no template, "
                                   "and score token ids (score_ids)")
-            self.template = None
+            self.template, self.prompt, self.item_first = None, None, False
             self.prefix_ids = list(prefix_ids or [])
-            self._ids_prefix_kv = self.engine.prefill(self.prefix_ids)
-            self.item_first = False
         else:
             if prefix_ids is not None:
-                raise ConfigError("prefix_ids is for models without a tokenizer: the template's "
-                                  "instruction is the pinned prefix")
+                raise ConfigError("prefix_ids is for models without a tokenizer; with a template the "
+                                  "instruction before the slots is the pinned prefix")
             self.template = DEFAULT_TEMPLATE if template is None else template
-            t = self._template_for(None)
-            self.item_first = t.item_first
-            self.prompt = t.prompt
-            self.prefix_ids = t.prompt.prefix_ids
-            self._ids_prefix_kv = t.prefix_kv
-        self.head = self._head(self.item_first, labels, label_token_ids, in_request=False)
+            self.prompt = Prompt(tok, self.template, chat=chat, slots=SLOTS)
+            pieces = self.prompt.pieces
+            self.item_first = pieces.index(sentinel("item")) < pieces.index(sentinel("query"))
+            self.prefix_ids = self.prompt.prefix_ids
+        self.prefix_kv = self.engine.prefill(self.prefix_ids)
+        self._label_spec = (labels, label_token_ids)
+        self.head = self._head(labels, label_token_ids)
         self.labels, self.trie = self.head.labels, self.head.trie
-        self._check_mode(mode, self.head, ConfigError)
-        if layout == "packed" and len(self.trie.branch_paths()) > 1 and mode in ("logprobs", "softmax"):
-            raise ConfigError("layout 'packed' scores labels that branch at most once after the first "
-                              "token; these labels need several branches, so use layout 'alone' or "
-                              "'auto'")
-
-    # ------------------------------------------------------------ set-up
+        self._check_mode(mode, self.head)
+        if layout == "packed" and mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:
+            raise ConfigError("layout 'packed' needs labels that branch at most once after their "
+                              "first token; these branch more, so use layout 'alone' or 'auto'")
+        # CUDA graphs for the pinned prefix and the scorer's own labels (any Plan fits a bucket);
+        # other label sets and items computed without the cached prefix run eagerly.
+        self.capture_info = {}
+        if graphs and mode != "vocab_probs":
+            self.capture_info = self.engine.capture(self.prefix_kv, self.head.weight, mode != "logits",
+                                                    max_batch_tokens)
 
     @property
     def prefix_len(self) -> int:
         return len(self.prefix_ids)
 
-    def _template_for(self, item_first: bool | None) -> _Template:
-        """The scorer's template (item_first=None), or the same template with its slots swapped so
-        the item comes first / second as a request asks (SGLang's item_first)."""
-        if not self._templates:
-            prompt = Prompt(self.tokenizer, self.template, chat=self.chat, slots=SLOTS)
-            first = prompt.pieces.index(sentinel("item")) < prompt.pieces.index(sentinel("query"))
-            self._templates[first] = _Template(prompt, first, self.engine.prefill(prompt.prefix_ids))
-            return self._templates[first]
-        if item_first is None:
-            return self._templates[self.item_first]
-        if item_first not in self._templates:
-            prompt = Prompt(self.tokenizer, _swap_slots(self.template), chat=self.chat, slots=SLOTS)
-            own = self._templates[not item_first]
-            kv = own.prefix_kv if prompt.prefix_ids == own.prompt.prefix_ids else \
-                self.engine.prefill(prompt.prefix_ids)
-            self._templates[item_first] = _Template(prompt, item_first, kv)
-        return self._templates[item_first]
-
-    def _head(self, item_first: bool, labels, label_token_ids, in_request: bool) -> _Head:
-        """Label trie and head rows, cached per (slot order, label set)."""
-        err = InputError if in_request else ConfigError
+    def _head(self, labels, label_token_ids, err=ConfigError, single: bool = False) -> _Head:
+        """Label trie and head rows, cached per label set. Text labels are tokenized as they follow
+        the prompt; single=True demands one token each (a score request)."""
         if label_token_ids is not None:
             ids = self._check_token_ids(label_token_ids, "label_token_ids", err)
             if not ids:
@@ -229,26 +206,29 @@ class Scorer:
                 raise err(f"label_token_ids has duplicates: {ids}")
             key = ("ids", tuple(ids))
         else:
-            key = ("text", tuple(check_labels(labels)))
-        t = self._templates.get(item_first)
-        cache = t.heads if t is not None else self.__dict__.setdefault("_id_heads", {})
-        if key in cache:
-            return cache[key]
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if key[0] == "ids":
-            names = (self.tokenizer.convert_ids_to_tokens(list(key[1])) if self.tokenizer is not None
-                     else [str(i) for i in key[1]])
-            trie = LabelTrie(names, [[i] for i in key[1]], eos)
-        else:
-            context = t.prompt.render(query="x", item="x")
-            trie = LabelTrie.build(self.tokenizer, list(key[1]), context, t.prompt.encode_text)
-            if in_request and not all(len(p) == 1 for p in trie.paths):
-                multi = [l for l, p in zip(trie.labels, trie.paths) if len(p) > 1]
-                raise InputError(f"labels must be single tokens in a score request (scores are per "
-                                 f"label token, like label_token_ids); {multi[0]!r} is "
-                                 f"{len(trie.paths[trie.labels.index(multi[0])])} tokens")
-        head = _Head(trie.labels, trie, self.engine.label_weight(trie.columns))
-        cache[key] = head
+            try:
+                key = ("text", tuple(check_labels(labels)))
+            except ConfigError as e:
+                raise err(str(e)) from None
+        if key not in self._heads:
+            tok = self.tokenizer
+            if key[0] == "ids":
+                names = tok.convert_ids_to_tokens(list(key[1])) if tok else [str(i) for i in key[1]]
+                trie = LabelTrie(names, [[i] for i in key[1]], getattr(tok, "eos_token_id", None))
+            elif tok is None:
+                raise err("this scorer has no tokenizer: give label_token_ids, not labels")
+            else:
+                context = self.prompt.render(query="x", item="x")
+                try:
+                    trie = LabelTrie.build(tok, list(key[1]), context, self.prompt.encode_text)
+                except ConfigError as e:
+                    raise err(str(e)) from None
+            self._heads[key] = _Head(trie.labels, trie, self.engine.label_weight(trie.columns))
+        head = self._heads[key]
+        if single and key[0] == "text" and not head.single_tokens:
+            l, p = next((l, p) for l, p in zip(head.labels, head.trie.paths) if len(p) > 1)
+            raise err(f"labels must be single tokens in a score request (scores are per label token, "
+                      f"like label_token_ids); {l!r} is {len(p)} tokens")
         return head
 
     def _check_mode(self, mode: str, head: _Head, err=ConfigError) -> None:
@@ -256,19 +236,20 @@ class Scorer:
             raise err("mode 'logits' needs labels whose first tokens differ; these share a first "
                       "token, so use mode 'logprobs' or 'softmax'")
         if mode == "vocab_probs" and not head.single_tokens:
-            raise err("mode 'vocab_probs' (SGLang apply_softmax=false) gives each label token's "
-                      "probability under the full vocabulary, so every label must be one token; "
-                      "use mode 'softmax' or 'logprobs' for multi-token labels")
+            l, p = next((l, p) for l, p in zip(head.labels, head.trie.paths) if len(p) > 1)
+            raise err(f"probabilities under the full vocabulary (mode 'vocab_probs', SGLang "
+                      f"apply_softmax=false) need single-token labels, and {l!r} is {len(p)} tokens; "
+                      f"use mode 'softmax' (apply_softmax=true) or label_token_ids")
 
     def _check_token_ids(self, ids, what: str, err=InputError) -> list[int]:
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
             raise err(f"{what} must be a list of token ids")
-        ids = list(ids)
         V = self.config.vocab_size
-        for i in ids:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < V:
-                raise err(f"{what}: {i!r} is not a token id of this model (0 <= id < {V})")
-        return ids
+        # C-speed checks first (a request carries ~10^4 ids); find the culprit only on failure
+        if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= V):
+            bad = next(i for i in ids if type(i) is not int or not 0 <= i < V)
+            raise err(f"{what}: {bad!r} is not a token id of this model (0 <= id < {V})")
+        return list(ids)
 
     # ------------------------------------------------------------ public API
 
@@ -278,26 +259,27 @@ class Scorer:
 
     def score_batch(self, requests, progress=None) -> list[list[ItemResult]]:
         """Many (query, items) requests (tuples or {"query", "items"} dicts) in shared flat passes."""
-        if isinstance(requests, (str, dict)) or not hasattr(requests, "__iter__"):
+        if isinstance(requests, (str, dict)) or not isinstance(requests, (list, tuple)):
             raise InputError("score_batch takes a list of (query, items) requests")
         prepared = []
-        requests = list(requests)
         for k, r in enumerate(requests):
-            q, items = (r.get("query"), r.get("items")) if isinstance(r, dict) else r
             try:
+                if isinstance(r, dict):
+                    q, items = r.get("query"), r.get("items")
+                elif isinstance(r, (list, tuple)) and len(r) == 2:
+                    q, items = r
+                else:
+                    raise InputError("a request is (query, items) or {\"query\", \"items\"}")
                 prepared.append(self.prepare(q, items))
             except InputError as e:
                 raise (InputError(f"request {k}: {e}") if len(requests) > 1 else e) from None
-        return self.run_prepared(prepared, self.mode, self.head, progress)
+        return self.run(prepared, progress=progress)
 
-    def score_ids(self, query_ids, items_ids, item_first: bool = False, mode: str | None = None,
-                  ) -> list[ItemResult]:
+    def score_ids(self, query_ids, items_ids, item_first: bool = False) -> list[ItemResult]:
         """Score token sequences as given: query_ids + item_ids per item (item_ids + query_ids with
         item_first), no template, like SGLang's token-id requests. The pinned prefix is reused
         when a sequence starts with it."""
-        mode = mode or self.mode
-        return self.run_prepared([self.prepare_ids(query_ids, items_ids, item_first)], mode,
-                                 self.head)[0]
+        return self.run([self.prepare_ids(query_ids, items_ids, item_first)])[0]
 
     def score_request(self, req: dict) -> dict:
         """SGLang `/v1/score`: {"query", "items", "label_token_ids" | "labels", "apply_softmax",
@@ -305,49 +287,40 @@ class Scorer:
 
         apply_softmax=true: softmax over the label tokens; false (SGLang's default): each label
         token's probability under the full next-token distribution. Text query/items fill the
-        template (item_first swaps its two slots); token-id query/items are scored as given.
-        Labels default to the scorer's own.
+        template, whose slot order is the order (item_first, if given, must agree with it);
+        token-id query/items are scored as given, query + item or item + query. Labels default to
+        the scorer's own.
         """
         if not isinstance(req, dict):
             raise InputError("a score request is a JSON object with query and items")
         query, items = req.get("query"), req.get("items")
         if isinstance(items, str):  # SGLang accepts one item as a bare string
             items = [items]
-        flags = {}
         for k in ("apply_softmax", "item_first"):
-            v = req.get(k, False)
-            if not isinstance(v, bool):
-                raise InputError(f"{k} must be true or false, got {v!r}")
-            flags[k] = v
-        if req.get("labels") is not None and req.get("label_token_ids") is not None:
+            if k in req and not isinstance(req[k], bool):
+                raise InputError(f"{k} must be true or false, got {req[k]!r}")
+        labels, ids = req.get("labels"), req.get("label_token_ids")
+        if labels is not None and ids is not None:
             raise InputError("give labels or label_token_ids, not both")
         by_ids = isinstance(query, (list, tuple))
-        if by_ids or self.tokenizer is None:
-            item_first = self.item_first
+        item_first = req.get("item_first", False if by_ids else self.item_first)
+        if not by_ids and item_first != self.item_first:
+            order = "item first" if self.item_first else "query first"
+            raise InputError(f"item_first={str(item_first).lower()}, but this scorer's template puts "
+                             f"the {order}: the template decides where each slot goes (use a "
+                             f"template with the other order, or token ids)")
+        if labels is None and ids is None:
+            head = self._head(*self._label_spec, InputError)
         else:
-            item_first = flags["item_first"]
-            self._template_for(item_first)
-        if req.get("labels") is None and req.get("label_token_ids") is None:
-            head = self._head(item_first, self.labels if self.head.trie.paths and
-                              not self._labels_are_ids() else None,
-                              self.trie.columns if self._labels_are_ids() else None, True)
-        else:
-            head = self._head(item_first, req.get("labels"), req.get("label_token_ids"), True)
-        mode = "softmax" if flags["apply_softmax"] else "vocab_probs"
+            head = self._head(labels, ids, InputError, single=True)
+        mode = "softmax" if req.get("apply_softmax", False) else "vocab_probs"
         self._check_mode(mode, head, InputError)
-        if by_ids:
-            prep = self.prepare_ids(query, items, flags["item_first"])
-        else:
-            prep = self.prepare(query, items, item_first)
-        results = self.run_prepared([prep], mode, head)[0]
-        n_tokens = sum(len(f) for f in prep["full"])
+        prep = self.prepare_ids(query, items, item_first) if by_ids else self.prepare(query, items)
+        results = self.run([prep], mode, head)[0]
+        n = sum(len(f) for f in prep.full)
         return {"scores": [[r.scores[l] for l in head.labels] for r in results],
                 "labels": head.labels, "model": self.loaded.name, "object": "scoring",
-                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens, "completion_tokens": 0}}
-
-    def _labels_are_ids(self) -> bool:
-        return any(k[0] == "ids" for t in self._templates.values() for k, h in t.heads.items()
-                   if h is self.head) or self.tokenizer is None
+                "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}
 
     # ------------------------------------------------------------ requests -> token spans
 
@@ -360,79 +333,82 @@ class Scorer:
             raise InputError(f"{len(items)} items in one request, over the limit of {self.max_items}; "
                              f"split the request (or raise max_items)")
         for i, it in enumerate(items):
-            if text:
-                if not isinstance(it, str):
-                    raise InputError(f"items[{i}] must be a string, got {type(it).__name__}")
-                if not it.strip():
-                    raise InputError(f"items[{i}] is empty")
-            else:
-                if not self._check_token_ids(it, f"items[{i}]"):
-                    raise InputError(f"items[{i}] is empty")
+            if text and not isinstance(it, str):
+                raise InputError(f"items[{i}] must be a string, got {type(it).__name__}")
+            if not text:
+                self._check_token_ids(it, f"items[{i}]")
+            if not (it.strip() if text else it):
+                raise InputError(f"items[{i}] is empty")
         return list(items)
 
-    def prepare(self, query: str, items, item_first: bool | None = None) -> dict:
-        """Tokenize a text request: each item's whole prompt, plus the text before the item slot."""
+    def _before_item(self, query: str) -> str:
+        """The whole prompt's text up to the item slot: the candidate shared part."""
+        out = []
+        for i, piece in enumerate(self.prompt.pieces):
+            if i % 2 == 0:
+                out.append(piece)
+            elif piece == sentinel("item"):
+                break
+            else:
+                out.append(query)
+        return "".join(out)
+
+    def prepare(self, query: str, items) -> Prepared:
+        """Tokenize a text request: each item's whole prompt (one batched tokenizer call), and the
+        text before the item slot."""
         if self.tokenizer is None:
-            raise ConfigError("this scorer has no tokenizer: use score_ids with token ids")
+            raise ConfigError("this scorer has no tokenizer: score token ids with score_ids")
         if not isinstance(query, str):
             raise InputError(f"query must be a string, got {type(query).__name__}")
         if not query.strip():
             raise InputError("empty query")
         items = self._check_items(items, text=True)
-        t = self._template_for(item_first)
-        texts = [t.prompt.render(query=query, item=it) for it in items]
-        full = self.tokenizer(texts, add_special_tokens=not t.prompt.chat)["input_ids"]
-        shared = t.prompt.encode_text(t.before_item(query))
-        return self._checked(dict(items=items, full=full, shared=shared, template=t))
+        texts = [self.prompt.render(query=query, item=it) for it in items]
+        full = self.tokenizer(texts, add_special_tokens=not self.prompt.chat)["input_ids"]
+        shared = self.prompt.encode_text(self._before_item(query))
+        return self._checked(Prepared(items, full, shared))
 
-    def prepare_ids(self, query_ids, items_ids, item_first: bool = False) -> dict:
+    def prepare_ids(self, query_ids, items_ids, item_first: bool = False) -> Prepared:
         q = self._check_token_ids(query_ids, "query")
         if not q:
             raise InputError("empty query")
         items = self._check_items(items_ids, text=False)
         full = [list(it) + q if item_first else q + list(it) for it in items]
-        return self._checked(dict(items=items, full=full, shared=[] if item_first else q,
-                                  template=None))
+        return self._checked(Prepared(items, full, [] if item_first else q))
 
-    def _checked(self, prep: dict) -> dict:
-        limit = self.config.context_limit - self.trie.max_len
-        for i, ids in enumerate(prep["full"]):
+    def _checked(self, prep: Prepared) -> Prepared:
+        limit = self.config.context_limit - self.trie.max_len  # room for the label tokens
+        for i, ids in enumerate(prep.full):
             if len(ids) > limit:
-                it = prep["items"][i]
+                it = prep.items[i]
                 size = f"{len(it)} characters" if isinstance(it, str) else f"{len(it)} tokens"
                 raise InputError(f"items[{i}]: the prompt is {len(ids)} tokens, over the model's "
                                  f"context limit of {limit} tokens (the item is {size}); shorten it")
         return prep
 
-    def _groups(self, prep: dict, branch: int, one_per_span: bool) -> list[_Group]:
+    def _groups(self, prep: Prepared, branch: int, one_per_span: bool) -> list[_Group]:
         """Split one request into spans. `branch`: label-branch tokens per item; one_per_span when
-        the labels branch more than once (branches then need the item's whole span as base)."""
-        t = prep["template"]
-        prefix = t.prompt.prefix_ids if t is not None else self.prefix_ids
-        P = len(prefix)
-        full, shared = prep["full"], prep["shared"]
+        the labels branch more than once (a branch then takes its item's whole span as base)."""
+        P, full = self.prefix_len, prep.full
         by_start: dict[int, list[int]] = {}
-        for i, ids in enumerate(full):
-            start = P if P and len(ids) > P and ids[:P] == prefix else 0
+        for i, ids in enumerate(full):  # an item that disagrees with the pinned prefix: no cache
+            start = P if P and len(ids) > P and ids[:P] == self.prefix_ids else 0
             by_start.setdefault(start, []).append(i)
         groups = []
         for start, idx in by_start.items():
-            ref = shared[start:]
-            # Query-part tokens per item: what its own tokens share with the text before the slot
-            # (at least one token of its own is left for the read-out).
+            kv = self.prefix_kv if start else self.engine.no_prefix
+            ref = prep.shared[start:]
+            # Per item, how many of its tokens equal the query part's (at least one token of its
+            # own stays, for the read-out). Share the length that saves the most tokens; an item
+            # whose tokens merge deeper across the slot boundary is computed alone.
             q = [min(_common(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
             L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
             aligned = [i for i, n in zip(idx, q) if n >= L]
-            for i, n in zip(idx, q):  # disagrees at the boundary: alone, exactly its own tokens
-                if n < L:
-                    groups.append(_Group(start, [], [full[i][start:]], [i]))
-            if not aligned:
-                continue
+            groups += [_Group(start, kv, [], [full[i][start:]], [i]) for i, n in zip(idx, q) if n < L]
             sizes = [len(full[i]) - start - L + branch for i in aligned]
             m = 1 if one_per_span else self.items_per_span(L, sizes)
-            q_ids = full[aligned[0]][start:start + L]
             for chunk in self._fill(L, sizes, m):
-                groups.append(_Group(start, q_ids, [full[aligned[j]][start + L:] for j in chunk],
+                groups.append(_Group(start, kv, ref[:L], [full[aligned[j]][start + L:] for j in chunk],
                                      [aligned[j] for j in chunk]))
         return groups
 
@@ -445,35 +421,35 @@ class Scorer:
     def _fill(self, L: int, sizes: list[int], m: int) -> list[list[int]]:
         """Consecutive items into spans of at most m items and the span token cap."""
         out, cur, n = [], [], L
-        cap = self._max_span()
         for j, s in enumerate(sizes):
-            if cur and (len(cur) == m or n + s > cap):
+            if cur and (len(cur) == m or n + s > self._max_span()):
                 out.append(cur)
                 cur, n = [], L
             cur.append(j)
             n += s
-        out.append(cur)
-        return out
+        return out + [cur]
 
     def _scan(self, S: int) -> float:
         """In-batch (query row, key) pairs the attention visits for a span of S tokens. The Triton
-        kernel scans each row block's keys from the lowest start of its rows (the span's start:
-        every item's base range) to its last token, S^2/2 in all; the torch reference pads each
-        span to a dense S x S block. (A kernel that scanned base and own ranges separately would
-        make this ~ S x (query part + item length) and packed spans nearly free.)"""
+        kernel scans each row block's keys from the lowest range start of its rows (for items: the
+        span's start, their base range) to its last token: S^2/2 per span. The torch reference
+        pads each span to a dense S x S block. (A kernel that scanned the base range and the own
+        range separately would make packed spans cost ~ S x (query part + item) instead.)"""
         return S * S / 2 if self.engine.device.type == "cuda" else float(S * S)
 
     def _cost_weights(self) -> tuple[float, float]:
+        """FLOPs per new token (GEMMs + the pinned prefix scan) and per in-batch pair scanned."""
         c = self.config
         H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
-        per_layer = 2 * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * c.intermediate_size)
-        per_layer += 4 * len(self.prefix_ids) * Hq * D  # every token scans the pinned prefix
-        pair = 4 * Hq * D * ATTN_PENALTY.get(self.engine.device.type, 2.0)
-        return per_layer * c.num_layers, pair * c.num_layers
+        per_token = 2 * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * c.intermediate_size)
+        per_token += 4 * len(self.prefix_ids) * Hq * D
+        per_pair = 4 * Hq * D * ATTN_PENALTY.get(self.engine.device.type, 2.0)
+        return per_token * c.num_layers, per_pair * c.num_layers
 
     def items_per_span(self, shared: int, sizes: list[int]) -> int:
-        """How many items share one copy of the query part: all of them (packed), one (alone), or
-        (auto) the count with the least estimated cost = token FLOPs + attention pairs scanned."""
+        """How many items share one copy of the query part: all (packed), one (alone), or for
+        auto the count with the least estimated cost: new-token FLOPs + attention pairs scanned.
+        `sizes`: each item's own tokens (label branches included)."""
         n = len(sizes)
         if self.layout == "alone":
             return 1
@@ -482,31 +458,27 @@ class Scorer:
         w_tok, w_pair = self._cost_weights()
 
         def cost(m):
-            total = 0.0
-            for chunk in self._fill(shared, sizes, m):
-                S = shared + sum(sizes[j] for j in chunk)
-                total += w_tok * S + w_pair * self._scan(S)
-            return total
+            spans = [shared + sum(sizes[j] for j in c) for c in self._fill(shared, sizes, m)]
+            return sum(w_tok * S + w_pair * self._scan(S) for S in spans)
 
-        candidates = sorted({n} | {2 ** k for k in range(n.bit_length()) if 2 ** k < n})
-        return min(candidates, key=lambda m: (cost(m), -m))
+        candidates = {n} | {2 ** k for k in range(n.bit_length()) if 2 ** k < n}
+        return min(sorted(candidates), key=cost)
 
     # ------------------------------------------------------------ spans -> passes -> scores
 
-    def run_prepared(self, prepared: list[dict], mode: str, head: _Head, progress=None,
-                     ) -> list[list[ItemResult]]:
+    def run(self, prepared: list[Prepared], mode: str | None = None, head: _Head | None = None,
+            progress=None) -> list[list[ItemResult]]:
+        """Score prepared requests (see prepare / prepare_ids) in as few flat passes as fit."""
+        mode, head = mode or self.mode, head or self.head
         branches = head.trie.branch_paths() if mode in ("logprobs", "softmax") else []
         branch = sum(len(p) for p in branches)
-        groups, offsets = [], []
-        for k, prep in enumerate(prepared):
-            base = sum(len(p["full"]) for p in prepared[:k]) if not offsets else offsets[-1]
+        groups, n = [], 0
+        for prep in prepared:
             for g in self._groups(prep, branch, len(branches) > 1):
-                g.slots = [base + s for s in g.slots]
+                g.slots = [n + s for s in g.slots]
                 groups.append(g)
-            offsets.append(base + len(prep["full"]))
-        n = offsets[-1]
-        scores: list = [None] * n
-        decisions: list = [None] * n
+            n += len(prep.full)
+        scores, decisions = [None] * n, [None] * n
         for batch in self._passes(groups, branch):
             s, d = self._run_pass(batch, mode, head, branches)
             slots = [i for g in batch for i in g.slots]
@@ -516,61 +488,58 @@ class Scorer:
                 progress(len(slots))
         out, i = [], 0
         for prep in prepared:
-            res = []
-            for it in prep["items"]:
-                res.append(ItemResult(it, head.labels[decisions[i]], dict(zip(head.labels, scores[i]))))
-                i += 1
-            out.append(res)
+            out.append([ItemResult(it, head.labels[decisions[i + j]],
+                                   dict(zip(head.labels, scores[i + j])))
+                        for j, it in enumerate(prep.items)])
+            i += len(prep.items)
         return out
 
     def _passes(self, groups: list[_Group], branch: int):
-        """Groups into flat batches under the token budget; cached and uncached spans apart (each
-        pass attends to one prefix). On CPU also bound the reference attention's padded area."""
-        cpu = self.engine.device.type != "cuda"
-        for start in sorted({g.start for g in groups}, reverse=True):
+        """Spans into flat batches under the token budget, one pass per prefix K/V. On CPU also
+        bound the reference attention's padded [spans, widest, widest] block."""
+        area = None if self.engine.device.type == "cuda" else 4 * CPU_MAX_SPAN ** 2
+        by_kv: dict[int, list[_Group]] = {}
+        for g in groups:
+            by_kv.setdefault(id(g.kv), []).append(g)
+        for gs in by_kv.values():
             batch, tokens, widest = [], 0, 0
-            for g in (g for g in groups if g.start == start):
+            for g in gs:
                 S = len(g.shared) + sum(len(t) + branch for t in g.tails)
-                w = max(widest, S)
                 over = tokens + S > self.max_batch_tokens
-                if cpu:
-                    over |= (len(batch) + 1) * w * w > CPU_MAX_SPAN ** 2 * 4
+                if area is not None:
+                    over |= (len(batch) + 1) * max(widest, S) ** 2 > area
                 if batch and over:
                     yield batch
-                    batch, tokens, w = [], 0, S
+                    batch, tokens, widest = [], 0, 0
                 batch.append(g)
-                tokens += S
-                widest = w
+                tokens, widest = tokens + S, max(widest, S)
             if batch:
                 yield batch
 
     @torch.inference_mode()
     def _run_pass(self, groups: list[_Group], mode: str, head: _Head, branches):
         plan = plan_items(groups, head.trie, branches)
-        start = groups[0].start
-        prefix = self.engine.no_prefix
-        if start > 0:
-            t = next((t for t in self._templates.values() if len(t.prompt.prefix_ids) == start), None)
-            prefix = t.prefix_kv if t is not None else self._ids_prefix_kv
-        trie, n = head.trie, plan.batch
+        kv, trie = groups[0].kv, head.trie
         if mode == "vocab_probs":
-            probs = self._vocab_probs(plan, prefix, trie.columns)
+            probs = self._vocab_probs(plan, kv, [p[0] for p in trie.paths])
             return probs.tolist(), probs.argmax(-1).tolist()
-        s, best = self.engine.run(plan, prefix, head.weight, mode != "logits")
+        s, best = self.engine.run(plan, kv, head.weight, mode != "logits")  # a graph if captured
         if mode == "logits":
             label_scores, decision = trie.assemble_logits(s, best)
         else:
-            label_scores, decision = trie.assemble(s, best, n)
-            if mode == "softmax":
-                label_scores = label_scores.exp()
-        return label_scores.cpu().tolist(), decision.cpu().tolist()
+            label_scores, decision = trie.assemble(s, best, plan.batch)
+        label_scores = np.asarray(label_scores)
+        if mode == "softmax":
+            label_scores = np.exp(label_scores)
+        return label_scores.tolist(), np.asarray(decision).tolist()
 
-    def _vocab_probs(self, plan: Plan, prefix, columns: list[int]) -> torch.Tensor:
-        """Label tokens' probabilities under the whole vocabulary: the full head, read-out rows only."""
-        h, plan = self.engine.hidden(plan, prefix)
+    def _vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
+        """Each label token's probability under the whole vocabulary: the full output head, but
+        only at the read-out rows (one row per item)."""
+        h, plan = self.engine.hidden(plan, kv)
         norm = self.engine.model.norm
         x = rms_norm(h[plan.rows], norm.weight, norm.eps)
-        cols = torch.tensor(columns, device=x.device)
+        cols = torch.tensor(tokens, device=x.device)
         out = []
         for c in range(0, x.shape[0], 1024):  # bounds the [rows, vocab] fp32 block
             logits = (x[c:c + 1024] @ self.loaded.lm_head.t()).float()
@@ -587,50 +556,48 @@ def plan_items(groups: list[_Group], trie: LabelTrie, branches: list[tuple]) -> 
     labels branch once; with several branches the span holds one item and each branch takes the
     whole span as its base. Read-out rows: per item its last token, then each branch's last token
     (the trie's node order), so every item contributes the same K rows.
+
+    Python walks segments (a few per item); numpy expands them to tokens.
     """
-    tokens, pos, bs, be, own, rows, offs = [], [], [], [], [], [], [0]
+    toks, seg = [], []  # per segment: (length, first position, base start, base end, own start)
+    rows, offs, t = [], [0], 0
     for g in groups:
-        s0, L = len(tokens), len(g.shared)
+        s0, L = t, len(g.shared)
         assert len(branches) <= 1 or len(g.tails) == 1
-        tokens += g.shared
-        pos += range(g.start, g.start + L)
-        bs += [s0] * L
-        be += [s0] * L
-        own += [s0] * L
+        if L:
+            toks.append(g.shared)
+            seg.append((L, g.start, s0, s0, s0))
+            t += L
         for tail in g.tails:
-            i0, n = len(tokens), len(tail)
-            p = g.start + L
-            tokens += tail
-            pos += range(p, p + n)
-            bs += [s0] * n
-            be += [s0 + L] * n
-            own += [i0] * n
-            rows.append(i0 + n - 1)
+            i0, n, p = t, len(tail), g.start + L
+            toks.append(tail)
+            seg.append((n, p, s0, s0 + L, i0))
+            t += n
+            rows.append(t - 1)
             for path in branches:
-                b0, m = len(tokens), len(path)
-                tokens += path
-                pos += range(p + n, p + n + m)
-                if len(branches) == 1:
-                    bs += [s0] * m
-                    be += [s0 + L] * m
-                    own += [i0] * m
-                else:
-                    bs += [s0] * m
-                    be += [i0 + n] * m
-                    own += [b0] * m
-                rows.append(b0 + m - 1)
-        offs.append(len(tokens))
+                m = len(path)
+                toks.append(path)
+                seg.append((m, p + n, s0, s0 + L, i0) if len(branches) == 1 else
+                           (m, p + n, s0, i0 + n, t))
+                t += m
+                rows.append(t - 1)
+        offs.append(t)
+    seg = np.array(seg, np.int64).reshape(-1, 5)
+    lens = seg[:, 0]
+    first = np.zeros(len(seg), np.int64)
+    np.cumsum(lens[:-1], out=first[1:])
+    expand = lambda col: np.repeat(col, lens)  # noqa: E731
+    positions = np.arange(t, dtype=np.int64) + expand(seg[:, 1] - first)
+    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
     n_items = sum(len(g.tails) for g in groups)
-    K = 1 + len(branches)
-    i32 = dict(dtype=torch.int32)
     return Plan(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        positions=torch.tensor(pos, dtype=torch.long),
-        base_start=torch.tensor(bs, **i32), base_end=torch.tensor(be, **i32),
-        own_start=torch.tensor(own, **i32),
+        tokens=torch.from_numpy(np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)),
+        positions=torch.from_numpy(positions),
+        base_start=i32(expand(seg[:, 2])), base_end=i32(expand(seg[:, 3])),
+        own_start=i32(expand(seg[:, 4])),
         seg_offsets=torch.tensor(offs, dtype=torch.long),
         rows=torch.tensor(rows, dtype=torch.long),
-        allowed=trie.allowed[torch.arange(K).repeat(n_items)],
+        allowed=torch.from_numpy(np.tile(trie.allowed.numpy(), (n_items, 1))),
         batch=n_items,
     )
 
@@ -639,8 +606,6 @@ def plan_items(groups: list[_Group], trie: LabelTrie, branches: list[tuple]) -> 
 
 def _read_requests(path: str) -> list[tuple[int, dict]]:
     """JSONL, one {"query": ..., "items": [...]} per line (other keys are passed through)."""
-    import json
-
     from .io import _open
 
     out = []
@@ -664,9 +629,6 @@ def _read_requests(path: str) -> list[tuple[int, dict]]:
 
 
 def cmd_score(a) -> int:
-    import json
-    import time
-
     from tqdm import tqdm
 
     from .cli import _err, _labels, _template
@@ -690,7 +652,7 @@ def cmd_score(a) -> int:
         except InputError as e:
             raise InputError(f"{src}:{n}: {e}") from None
     out = sys.stdout if a.output in (None, "-") else open(a.output, "w", encoding="utf-8")
-    n_items = sum(len(p["items"]) for p in prepared)
+    n_items = sum(len(p.items) for p in prepared)
     t0 = time.perf_counter()
     try:
         with tqdm(total=n_items, unit="item", disable=None if n_items > 1024 else True,
@@ -698,7 +660,7 @@ def cmd_score(a) -> int:
             for c in range(0, len(prepared), a.chunk):
                 chunk = prepared[c:c + a.chunk]
                 for (_, obj), res in zip(rows[c:c + a.chunk],
-                                         sc.run_prepared(chunk, sc.mode, sc.head, bar.update)):
+                                         sc.run(chunk, progress=bar.update)):
                     rec = {k: v for k, v in obj.items() if k != "items"}
                     rec.update(labels=sc.labels, best=[r.label for r in res],
                                scores=[[r.scores[l] for l in sc.labels] for r in res])
@@ -733,5 +695,6 @@ def add_command(sub, model_args) -> None:
                    help="packed: query part once per span; alone: each item with its own copy; "
                         "auto (default): the cheaper by estimated cost")
     g.add_argument("--max-items", type=int, default=1024, help="most items per request")
+    g.add_argument("--truncate", action="store_true", help=argparse.SUPPRESS)  # refused in cmd_score
     g.add_argument("--chunk", type=int, default=64, help="requests per call to the engine")
     p.set_defaults(func=cmd_score)
