@@ -9,11 +9,12 @@ second, so FastAPI and uvicorn are imported where the app is built, not at the t
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hmac
 import ipaddress
+import json
 import logging
-import math
 import os
 import sys
 import time
@@ -78,6 +79,7 @@ class Usage(BaseModel):
 
 class ScoreResponse(BaseModel):
     scores: list[list[float]] = Field(description="per item, one score per label, in label order")
+    labels: list[str] = Field(description="the label order (ours; not in SGLang's response)")
     model: str
     usage: Usage | None = None
     object: Literal["scoring"] = "scoring"
@@ -112,12 +114,14 @@ class Metrics:
         self.cache_hits = Counter("prefixscore_cache_hits", "result cache hits", registry=r)
         self.cache_misses = Counter("prefixscore_cache_misses", "result cache misses", registry=r)
         self.cache_ratio = Gauge("prefixscore_cache_hit_ratio", "hits / lookups since start", registry=r)
-        self.cache_ratio.set_function(self._ratio)
+        self.cache_ratio.set_function(lambda: self.hits / max(1, self.hits + self.misses))
+        self.hits = self.misses = 0
         self.engine_faults = Counter("prefixscore_engine_faults", "engine batches that raised", registry=r)
 
-    def _ratio(self) -> float:
-        hits, misses = self.cache_hits._value.get(), self.cache_misses._value.get()
-        return hits / (hits + misses) if hits + misses else 0.0
+    def cache_lookups(self, hits: int, misses: int) -> None:
+        self.hits, self.misses = self.hits + hits, self.misses + misses
+        self.cache_hits.inc(hits)
+        self.cache_misses.inc(misses)
 
 
 class ResultCache:
@@ -197,7 +201,7 @@ class Batcher:
             await loop.run_in_executor(self.engine, self._warmup)
             self.ready = True
         except Exception as e:
-            self._fail(e)
+            self.fail(e)
         while True:
             while not self.pending:
                 self.wake.clear()
@@ -216,7 +220,7 @@ class Batcher:
             try:
                 results = await loop.run_in_executor(self.engine, self.clf.classify_encoded, flat)
             except Exception as e:
-                self._fail(e)
+                self.fail(e)
                 for j in jobs:
                     j.future.set_exception(EngineFault(self.error))
                 continue
@@ -229,18 +233,16 @@ class Batcher:
                 i += len(j.encoded)
 
     def _warmup(self) -> None:
-        warm = getattr(self.clf, "warmup", None)  # an engine with CUDA graphs captures them here
-        if warm is not None:
-            warm()
+        # The Classifier built the prefix and captured its graphs; one real batch proves the path.
         self.clf.classify_encoded([self.clf.encode("warm up")])
 
-    def _fail(self, e: BaseException) -> None:
+    def fail(self, e: BaseException) -> None:
         log.error("engine fault, the server is unhealthy from now on", exc_info=e)
         self.metrics.engine_faults.inc()
         self.error = f"engine fault: {type(e).__name__}: {e}"
 
     def run_on_engine(self, fn, *args):
-        """Anything else that needs the engine (scoring) queues behind the current batch."""
+        """Other engine work (multi-item scoring) runs on the same thread, between batches."""
         return asyncio.get_running_loop().run_in_executor(self.engine, fn, *args)
 
 
@@ -300,6 +302,16 @@ class Guard:
         return body, None
 
 
+def is_unicode(text: str) -> bool:
+    """False for a lone surrogate: valid in JSON ("\\ud800") and in a Python str, not in UTF-8,
+    and a tokenizer raises on it."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def _replay(body: bytes, receive):
     sent = False
 
@@ -314,8 +326,6 @@ def _replay(body: bytes, receive):
 
 
 async def _send_json(send, status: int, detail: str) -> None:
-    import json
-
     body = json.dumps({"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
@@ -340,7 +350,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
     from fastapi import Depends, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
-    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+    from fastapi.security import HTTPBearer
 
     clf = classifier
     for name, v in [("max_queue", max_queue), ("max_body_bytes", max_body_bytes),
@@ -352,7 +362,8 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
     metrics = Metrics()
     batcher = Batcher(clf, metrics, max_queue, batch_window_ms / 1e3)
     cache = ResultCache(cache_size, cache_ttl) if cache_size > 0 else None
-    # One tokenizer thread: a HF fast tokenizer is not safe to call from several threads at once.
+    # One tokenizer thread: tokenizing is mostly GIL-bound Python, so more threads would only
+    # contend, and one keeps requests in arrival order.
     tokenizer = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-tokenize")
     model_name = str(getattr(getattr(clf, "loaded", None), "name", "prefixscore"))
 
@@ -360,7 +371,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
     async def lifespan(app):
         task = asyncio.create_task(batcher.run())
         yield
-        # uvicorn has already let the accepted requests finish; nothing is left to drain here.
+        # uvicorn lets accepted requests finish (up to its graceful-shutdown timeout) before this.
         task.cancel()
         batcher.engine.shutdown(wait=False)
         tokenizer.shutdown(wait=False)
@@ -373,7 +384,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
     if api_key:
         bearer = HTTPBearer(auto_error=False)
 
-        def check_key(creds: HTTPAuthorizationCredentials | None = Depends(bearer)):
+        def check_key(creds=Depends(bearer)):  # None when the header is missing or not Bearer
             if creds is None or not hmac.compare_digest(creds.credentials.encode(), api_key.encode()):
                 raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                     headers={"WWW-Authenticate": "Bearer"})
@@ -395,10 +406,8 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
         out = []
         for i, q in enumerate(queries):
             where = f"query {i}" if len(queries) > 1 else "query"
-            try:
-                q.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InputError(f"{where} is not valid Unicode text (a lone surrogate)") from None
+            if not is_unicode(q):
+                raise InputError(f"{where} is not valid Unicode text (a lone surrogate)")
             try:
                 e = clf.encode(q)
             except InputError as err:
@@ -436,8 +445,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
 
         hits = [cache.get(tuple(e.ids)) for e in encoded] if cache else [None] * len(encoded)
         if cache:
-            metrics.cache_hits.inc(len(encoded) - hits.count(None))
-            metrics.cache_misses.inc(hits.count(None))
+            metrics.cache_lookups(len(encoded) - hits.count(None), hits.count(None))
         todo = [e for e, h in zip(encoded, hits) if h is None]
         start, forward, size = t1, 0.0, 0
         if todo:
@@ -448,15 +456,14 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
                 raise HTTPException(503, str(e)) from None
             results = iter(results)
         out = []
-        for e, h in zip(encoded, hits):
-            if h is None:
+        for e, hit in zip(encoded, hits):
+            cached = hit is not None
+            if not cached:
                 r = next(results)
-                h = (r.label, r.scores)
+                hit = (r.label, r.scores)
                 if cache:
-                    cache.put(tuple(e.ids), h)
-                out.append(ClassifyResult(query=r.query, label=h[0], scores=h[1], cached=False))
-            else:
-                out.append(ClassifyResult(query=e.values["query"], label=h[0], scores=h[1], cached=True))
+                    cache.put(tuple(e.ids), hit)
+            out.append(ClassifyResult(query=e.values["query"], label=hit[0], scores=hit[1], cached=cached))
         t2 = time.perf_counter()
         queue = start - t1
         for stage, secs in (("queue", queue), ("tokenize", t1 - t0), ("forward", forward),
@@ -471,34 +478,38 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
     @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS, dependencies=deps,
               include_in_schema=scorer is not None)
     async def score(req: ScoreRequest):
-        """SGLang-compatible multi-item scoring: per item, the label tokens' scores after query+item."""
+        """SGLang-compatible multi-item scoring: per item, the labels' scores after query + item.
+        apply_softmax=true: softmax over the labels; false: each label token's probability under the
+        whole vocabulary (SGLang's default)."""
         if scorer is None:
             raise HTTPException(501, "no multi-item scorer is configured on this server: start it with "
                                      "--score-template TEMPLATE to enable /v1/score")
-        if batcher.error:
-            raise HTTPException(503, batcher.error)
         items = [req.items] if isinstance(req.items, str) else req.items
         if req.query is None or not items:
             raise HTTPException(422, "query and items are required")
         if len(items) > max_queries:
             raise HTTPException(413, f"{len(items)} items in one request, over the limit of "
                                      f"{max_queries} (--max-queries)")
+        texts = [req.query, *items, *(req.labels or [])]
+        if not all(is_unicode(t) for t in texts if isinstance(t, str)):
+            raise HTTPException(422, "query, items and labels must be valid Unicode text (a lone surrogate)")
         try:
             batcher.admit(len(items))
         except Overloaded as e:
             raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
         except EngineFault as e:
             raise HTTPException(503, str(e)) from None
-        try:
-            scores = await batcher.run_on_engine(_score_call, scorer, req, items)
+        try:  # the scorer tokenizes on the engine thread: one call per request, already batched;
+            # only the fields the client sent: the scorer tells "item_first absent" from "false"
+            out = await batcher.run_on_engine(scorer.score_request, req.model_dump(exclude_unset=True))
         except PrefixScoreError as e:
             raise HTTPException(422, str(e)) from None
         except Exception as e:
-            batcher._fail(e)
+            batcher.fail(e)
             raise HTTPException(503, batcher.error) from None
         finally:
             batcher.depth -= len(items)
-        return ScoreResponse(scores=scores, model=model_name)
+        return ScoreResponse(**{**out, "model": model_name})
 
     @app.get("/healthz", responses={503: {"description": "starting, or unhealthy after an engine fault"}})
     async def healthz():
@@ -520,19 +531,6 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
 
     app.add_middleware(Guard, metrics=metrics, max_body=max_body_bytes)
     return app
-
-
-def _score_call(scorer, req: ScoreRequest, items: list) -> list[list[float]]:
-    """Engine thread: one multi-item scoring call."""
-    if req.labels is not None and req.label_token_ids is not None:
-        raise InputError("give labels or label_token_ids, not both")
-    kw = dict(apply_softmax=req.apply_softmax, item_first=req.item_first)
-    if req.labels is not None:
-        kw["labels"] = req.labels
-    if req.label_token_ids is not None:
-        kw["label_token_ids"] = req.label_token_ids
-    out = scorer.score(req.query, items, **kw)
-    return [list(map(float, row)) for row in getattr(out, "scores", out)]
 
 
 # ---------------------------------------------------------------- command line
@@ -562,6 +560,8 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--cache-ttl", type=float, default=0.0, help="result cache TTL in seconds (0: none)")
     g.add_argument("--score-template", default=None,
                    help="template with {query} and {item} slots: enables /v1/score")
+    g.add_argument("--score-labels", default=None,
+                   help="comma-separated labels of /v1/score when a request names none (default: yes,no)")
     g.add_argument("--max-connections", type=int, default=1000,
                    help="concurrent connections; beyond it uvicorn answers 503")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -573,7 +573,8 @@ def add_command(subparsers, model_args) -> None:
 
 
 def apply_config(a, parser) -> None:
-    """Fill options from a TOML file where the command line left the default."""
+    """Fill options from a TOML file where the command line left the default. The file's values go
+    through the same parser as flags, so they are typed and checked the same way."""
     import tomllib
 
     try:
@@ -584,15 +585,29 @@ def apply_config(a, parser) -> None:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {a.config}: {e}") from None
     known = set(vars(a)) - {"func", "command", "config"}
+    argv = []
     for key, value in cfg.items():
-        dest = key.replace("-", "_")
+        dest, flag = key.replace("-", "_"), "--" + key.replace("_", "-")
         if dest not in known:
             raise ConfigError(f"config file {a.config}: unknown option {key!r}; known: "
                               f"{', '.join(sorted(k.replace('_', '-') for k in known))}")
-        if dest == "labels" and isinstance(value, list):
-            value = ",".join(value)
+        if value is True:
+            argv.append(flag)
+        elif value is False:  # only --chat/--no-chat has a "no" form; other switches default off
+            argv += ["--no-" + flag[2:]] if parser.get_default(dest) is None else []
+        else:
+            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    parser.exit_on_error = False  # a bad value raises, to be reported as the config file's
+    try:
+        from_file = parser.parse_args(argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"config file {a.config}: {e}") from None
+    finally:
+        parser.exit_on_error = True
+    for key in cfg:
+        dest = key.replace("-", "_")
         if getattr(a, dest) == parser.get_default(dest):
-            setattr(a, dest, value)
+            setattr(a, dest, getattr(from_file, dest))
 
 
 def cmd_serve(a, parser) -> int:
@@ -622,8 +637,9 @@ def cmd_serve(a, parser) -> int:
 
 
 def make_scorer(a, clf):
-    try:
-        from .scorer import Scorer
-    except ImportError:
-        raise ConfigError("--score-template needs prefixscore.scorer, which this install lacks") from None
-    return Scorer(model=clf.loaded, template=a.score_template, labels=clf.labels)
+    """The multi-item scorer of /v1/score, on the classifier's weights (loaded once)."""
+    from .scorer import Scorer
+
+    labels = None if a.score_labels is None else [l.strip() for l in a.score_labels.split(",")]
+    return Scorer(model=clf.loaded, template=a.score_template, labels=labels, chat=a.chat,
+                  max_batch_tokens=a.batch_tokens)

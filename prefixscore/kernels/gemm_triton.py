@@ -217,12 +217,11 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
     stay below the weight bytes, then splits K until there are about 2 programs per SM.
     """
     sms = _num_sms(device)
-    two = epi != 0
     bt = max(16, _np2(T))
     if block_n is None:
-        block_n = 16 if T <= 16 else 32 if T <= 32 else 64
-        if two and block_n > 16:
-            block_n //= 2  # two weight tiles per program
+        # H200 sweep (bench/gemm.py, 0.5B shapes, T=8/16): 32 columns per program beat 16 for every
+        # layer incl. the two-tile gate/up epilogue; grow only when there are tiles to spare.
+        block_n = 32 if T <= 32 else 64
         while block_n < 128 and triton.cdiv(ncols, 2 * block_n) >= 2 * sms:
             block_n *= 2
     block_k = 128 if K >= 128 else max(16, _np2(K))
@@ -230,13 +229,14 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
         block_k = min(block_k, 64)
     tiles = triton.cdiv(ncols, block_n)
     kit = triton.cdiv(K, block_k)
-    # Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4 bytes of (L2) traffic: keep that under
-    # twice the weight bytes (N * K * 2) at large T.
-    split = max(1, min(kit, triton.cdiv(2 * sms, tiles), max(2, K // (2 * bt))))
+    # Split K until about 2 programs per SM (none once the tiles alone fill the SMs: the sweep had
+    # gate/up at SPLIT 1 7.6 us vs 8.4 at SPLIT 2). Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4
+    # bytes of (L2) traffic: keep that under twice the weight bytes (N * K * 2) at large T.
+    split = 1 if tiles >= sms else max(1, min(kit, triton.cdiv(2 * sms, tiles), max(2, K // (2 * bt))))
     iters = triton.cdiv(kit, split)
     split = triton.cdiv(kit, iters)
     return dict(BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT=True,
-                num_warps=4, num_stages=min(4, iters + 1) if iters > 1 else 2)
+                num_warps=4, num_stages=3 if iters > 1 else 2)
 
 
 def _finish_config(cfg, K, dtype):

@@ -1,0 +1,490 @@
+"""HTTP service: a real uvicorn on 127.0.0.1 (in a thread, or `prefixscore serve` in a subprocess)
+and a real HTTP client. Tiny random model, CPU."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+
+from conftest import random_queries
+from prefixscore import Classifier, ConfigError, InputError
+from prefixscore.scorer import Scorer
+from prefixscore.server import create_app
+
+LIMITS = dict(max_queries=8, max_tokens=48, max_body_bytes=4096, max_queue=64)
+JSON = {"content-type": "application/json"}
+SCORE_TEMPLATE = "Decide whether the item fits the query.\nQuery: {query}\nItem: {item}\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def clf(tiny_model):
+    return Classifier(tiny_model("llama"), device="cpu")
+
+
+@contextmanager
+def running(app, wait_ready=True):
+    """uvicorn in a thread on a free loopback port; stopped (gracefully) on exit."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        if wait_ready:
+            ready(base)
+        yield base, server
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+        assert not thread.is_alive(), "server thread still running"
+
+
+def ready(base, timeout=30):
+    deadline = time.monotonic() + timeout
+    while httpx.get(base + "/healthz").status_code != 200:
+        assert time.monotonic() < deadline, "server never became ready"
+        time.sleep(0.02)
+
+
+class Wrapped:
+    """The real classifier with a slower, gated or failing engine (tests of timing and faults)."""
+
+    def __init__(self, clf, delay=0.0, gate=None):
+        self.clf, self.delay, self.gate = clf, delay, gate
+        self.fail, self.batches, self.held = False, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self.clf, name)
+
+    def classify_encoded(self, encoded, progress=None):
+        if self.gate is not None:
+            self.held = len(encoded)
+            self.gate.wait(30)
+            self.held = 0
+        time.sleep(self.delay)
+        if self.fail:
+            raise RuntimeError("device lost")
+        self.batches.append(len(encoded))
+        return self.clf.classify_encoded(encoded)
+
+
+def check(results, reference):
+    assert [r["query"] for r in results] == [r.query for r in reference]
+    for got, want in zip(results, reference):
+        assert got["label"] == want.label
+        assert got["scores"].keys() == want.scores.keys()
+        for label, s in want.scores.items():
+            assert abs(got["scores"][label] - s) < 1e-4
+
+
+def metric(text, name):
+    """Value of one sample line of the Prometheus text format (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def post_all(base, bodies):
+    """POST every body to /v1/classify at once, each on its own connection."""
+    async def go():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/classify", json=b) for b in bodies))
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def scorer(clf):
+    return Scorer(clf.loaded, SCORE_TEMPLATE, ["yes", "no"], chat=False)
+
+
+@pytest.fixture(scope="module")
+def server(clf):
+    with running(create_app(clf, **LIMITS)) as (base, _):
+        yield base
+
+
+# ---------------------------------------------------------------- endpoints
+
+def test_classify_one_and_many(server, clf):
+    queries = ["beige trench coat women", "levis 501", "红色连衣裙", "  oversized hoodie 😀"]
+    r = httpx.post(server + "/v1/classify", json={"query": queries[0]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    check(body["results"], clf.classify_batch(queries[:1]))
+    assert body["batch_size"] == 1 and not body["results"][0]["cached"]
+    assert set(body["timing"]) == {"queue_ms", "tokenize_ms", "forward_ms", "total_ms"}
+    assert body["timing"]["forward_ms"] > 0 and body["timing"]["total_ms"] >= body["timing"]["forward_ms"]
+    r = httpx.post(server + "/v1/classify", json={"query": queries})
+    assert r.status_code == 200, r.text
+    check(r.json()["results"], clf.classify_batch(queries))
+
+
+def test_healthz_docs_metrics(server, clf):
+    h = httpx.get(server + "/healthz")
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["labels"] == clf.labels
+    assert httpx.get(server + "/docs").status_code == 200
+    schema = httpx.get(server + "/openapi.json").json()
+    assert {"/v1/classify", "/healthz", "/metrics"} <= set(schema["paths"])
+    httpx.post(server + "/v1/classify", json={"query": "red dress"})
+    httpx.post(server + "/v1/classify", json={"query": ""})
+    m = httpx.get(server + "/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    text = m.text
+    assert metric(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="200"}') >= 1
+    assert metric(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="422"}') >= 1
+    assert metric(text, "prefixscore_batch_size_count") >= 1
+    for stage in ("queue", "tokenize", "forward", "total"):
+        assert metric(text, f'prefixscore_latency_seconds_count{{stage="{stage}"}}') >= 1
+    for name in ("prefixscore_queue_depth", "prefixscore_cache_hit_ratio"):
+        assert f"\n{name} " in text
+
+
+def test_score_without_scorer_is_501(server):
+    r = httpx.post(server + "/v1/score", json={"query": "q", "items": ["a"], "label_token_ids": [1]})
+    assert r.status_code == 501 and "--score-template" in r.json()["detail"]
+    assert "/v1/score" not in httpx.get(server + "/openapi.json").json()["paths"]
+
+
+def test_score_sglang_shape(clf, scorer):
+    """/v1/score answers exactly what Scorer.score_request answers, errors included (422)."""
+    tok = clf.loaded.tokenizer
+    yes, no = tok(" yes")["input_ids"][-1], tok(" no")["input_ids"][-1]
+    q_ids = tok("wool coat")["input_ids"]
+    requests = [
+        {"query": "wool coat", "items": [" a long camel coat", " flip flops"], "label_token_ids": [yes, no]},
+        {"query": "wool coat", "items": " flip flops", "label_token_ids": [yes, no], "apply_softmax": True},
+        {"query": "wool coat", "items": ["s", " parka"], "labels": ["yes", "no"], "apply_softmax": True},
+        {"query": "wool coat", "items": ["parka"]},  # the scorer's own labels
+        {"query": q_ids, "items": [tok(" parka")["input_ids"]], "label_token_ids": [yes, no],
+         "item_first": True},
+        {"query": "q", "items": ["a"], "labels": ["yes"], "label_token_ids": [yes]},  # errors
+        {"query": "q", "items": ["a"], "label_token_ids": [10 ** 9]},
+        {"query": "q", "items": [""]},
+    ]
+    with running(create_app(clf, scorer=scorer, **LIMITS)) as (base, _):
+        assert "/v1/score" in httpx.get(base + "/openapi.json").json()["paths"]
+        for req in requests:
+            r = httpx.post(base + "/v1/score", json={**req, "model": "anything"})
+            try:
+                want = scorer.score_request(req)
+            except InputError as e:
+                assert r.status_code == 422 and r.json()["detail"] == str(e), r.text
+                continue
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["object"] == "scoring" and got["labels"] == want["labels"]
+            assert got["usage"] == want["usage"] and len(got["scores"]) == len(want["scores"])
+            for a, b in zip(got["scores"], want["scores"]):
+                assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+        for req, status, says in [  # checked by the server before the scorer
+            ({"query": "q"}, 422, "items are required"),
+            ({"query": "q", "items": ["a"] * 9}, 413, "limit of 8"),
+            ({"query": "q", "items": ["\ud800"]}, 422, "surrogate"),
+            ({"query": 5, "items": ["a"]}, 422, "query"),
+        ]:
+            r = httpx.post(base + "/v1/score", content=json.dumps(req), headers=JSON)
+            assert r.status_code == status and says in r.json()["detail"], (req, r.text)
+        assert httpx.get(base + "/healthz").status_code == 200  # bad requests are not engine faults
+
+
+# ---------------------------------------------------------------- limits and errors
+
+@pytest.mark.parametrize("body, headers, status, says", [
+    (b'{"query": ', JSON, 422, "JSON decode error"),
+    (b'{"query": "caf\xe9"}', JSON, 400, "not valid UTF-8"),
+    (b'{"query": 5}', JSON, 422, "valid string"),
+    (b'{"query": ["ok", 5]}', JSON, 422, "valid string"),
+    (b'{"query": null}', JSON, 422, "query"),
+    (b'{"queries": ["x"]}', JSON, 422, "query: Field required"),
+    (b'{"query": "x", "extra": 1}', JSON, 422, "extra"),
+    (b'["x"]', JSON, 422, "valid dictionary"),
+    (b'{"query": ""}', JSON, 422, "empty query"),
+    (b'{"query": ["ok", "  "]}', JSON, 422, "query 1: empty query"),
+    (b'{"query": []}', JSON, 422, "empty list"),
+    (b'{"query": "\\ud800"}', JSON, 422, "lone surrogate"),
+    (b'{"query": "x"}', {"content-type": "text/plain"}, 422, "content-type: application/json"),
+    (b'{"query": ["q"' + b', "q"' * 8 + b"]}", JSON, 413, "limit of 8 (--max-queries)"),
+    (b'{"query": "' + b"dress " * 100 + b'"}', JSON, 422, "limit of 48 tokens per query (--max-tokens)"),
+    (b'{"query": "' + b"x" * 5000 + b'"}', JSON, 413, "limit of 4096 bytes (--max-body-bytes)"),
+])
+def test_bad_requests(server, body, headers, status, says):
+    r = httpx.post(server + "/v1/classify", content=body, headers=headers)
+    assert r.status_code == status, r.text
+    assert says in r.json()["detail"]
+
+
+def test_body_limit_without_content_length(server):
+    def chunks():  # chunked transfer: the limit must hold while streaming, not only on the header
+        yield b'{"query": "'
+        for _ in range(100):
+            yield b"x" * 100
+        yield b'"}'
+
+    r = httpx.post(server + "/v1/classify", content=chunks(), headers=JSON)
+    assert r.status_code == 413 and "--max-body-bytes" in r.json()["detail"]
+
+
+def test_wrong_method_and_path(server):
+    assert httpx.get(server + "/v1/classify").status_code == 405
+    assert httpx.post(server + "/v1/models/load", json={"path": "/etc/passwd"}).status_code == 404
+
+
+def test_context_limit(clf):
+    # a query over the model's context (512 positions) is a 422, not a crash
+    with running(create_app(clf, max_tokens=10_000, max_body_bytes=1 << 20)) as (base, _):
+        r = httpx.post(base + "/v1/classify", json={"query": "dress " * 600})
+        assert r.status_code == 422 and "context limit" in r.json()["detail"]
+
+
+def test_api_key(clf):
+    with running(create_app(clf, api_key="s3cret")) as (base, _):
+        url = base + "/v1/classify"
+        assert httpx.post(url, json={"query": "x"}).status_code == 401
+        r = httpx.post(url, json={"query": "x"}, headers={"authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert httpx.post(url, json={"query": "x"}, headers={"authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(base + "/healthz").status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("text, says", [
+    ("bogus = 1\n", "unknown option 'bogus'"),
+    ('port = "abc"\n', "argument --port: invalid int value"),
+    ('mode = "fast"\n', "argument --mode: invalid choice"),
+    ("port = \n", "config file"),
+])
+def test_bad_config_file(tmp_path, capsys, text, says):
+    from prefixscore.cli import main
+
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(text)
+    assert main(["serve", "--config", str(cfg)]) == 2  # before any model is loaded
+    assert says in capsys.readouterr().err
+
+
+def test_bad_config(clf):
+    with pytest.raises(ConfigError, match="max_queue"):
+        create_app(clf, max_queue=0)
+    with pytest.raises(ConfigError, match="max_queries"):
+        create_app(clf, max_queries=100, max_queue=10)
+
+
+# ---------------------------------------------------------------- result cache
+
+def test_cache_identical_results(clf, server):
+    queries = random_queries(12, seed=7)
+    bodies = [{"query": queries[i:i + 3]} for i in range(0, 12, 3)]
+    # one request at a time, so both servers run the same batches: results must be bit-identical
+    plain = [httpx.post(server + "/v1/classify", json=b).json()["results"] for b in bodies]
+    with running(create_app(clf, cache_size=8, cache_ttl=0.5, **LIMITS)) as (base, _):
+        first = [httpx.post(base + "/v1/classify", json=b).json()["results"] for b in bodies]
+        again = httpx.post(base + "/v1/classify", json=bodies[-1]).json()
+        assert [r["cached"] for r in again["results"]] == [True] * 3 and again["batch_size"] == 0
+        assert again["timing"]["forward_ms"] == 0
+        for got, want in zip(first + [again["results"]], plain + [plain[-1]]):
+            assert [{**r, "cached": False} for r in got] == want
+        text = httpx.get(base + "/metrics").text
+        assert metric(text, "prefixscore_cache_hits_total") == 3
+        assert metric(text, "prefixscore_cache_misses_total") == 12
+        assert metric(text, "prefixscore_cache_hit_ratio") == pytest.approx(3 / 15)
+        # LRU: size 8, so the first request's queries were evicted; TTL: everything expires
+        assert not any(r["cached"] for r in httpx.post(base + "/v1/classify", json=bodies[0]).json()["results"])
+        time.sleep(0.6)
+        assert not any(r["cached"] for r in httpx.post(base + "/v1/classify", json=bodies[-1]).json()["results"])
+
+
+# ---------------------------------------------------------------- batching, concurrency, overload
+
+def test_200_concurrent_clients(clf):
+    """Every client gets its own answers (no mixing) while requests share batches."""
+    wrapped = Wrapped(clf)
+    queries = random_queries(300, seed=3)
+    bodies, refs, i = [], [], 0
+    for n in range(200):  # mostly single queries, some lists of 2-3
+        k = 1 + (n % 7 == 0) + (n % 11 == 0)
+        bodies.append({"query": queries[i] if k == 1 else queries[i:i + k]})
+        refs.append(queries[i:i + k])
+        i += k
+    want = clf.classify_batch(queries[:i])
+    with running(create_app(wrapped, max_queue=1024)) as (base, _):
+        warm = len(wrapped.batches)
+        responses = post_all(base, bodies)
+    j = 0
+    for resp, ref in zip(responses, refs):
+        assert resp.status_code == 200, resp.text
+        check(resp.json()["results"], want[j:j + len(ref)])
+        j += len(ref)
+    batches = wrapped.batches[warm:]
+    assert sum(batches) == i and max(batches) > 1  # requests joined running batches
+
+
+def test_batch_window(clf):
+    wrapped = Wrapped(clf)
+    with running(create_app(wrapped, batch_window_ms=300)) as (base, _):
+        warm = len(wrapped.batches)
+        t0 = time.perf_counter()
+        responses = post_all(base, [{"query": q} for q in ("a", "b", "c", "d", "e")])
+        took = time.perf_counter() - t0
+    assert [r.status_code for r in responses] == [200] * 5
+    assert wrapped.batches[warm:] == [5]  # all joined one batch within the window
+    assert 0.25 < took < 2.0  # and the batch did not wait much longer than the window
+    assert all(r.json()["timing"]["queue_ms"] < 1000 for r in responses)
+
+
+def test_overload_429(clf):
+    wrapped = Wrapped(clf, delay=0.3)
+    queries = [f"query {i}" for i in range(40)]
+    want = clf.classify_batch(queries)
+    with running(create_app(wrapped, max_queue=6, max_queries=2)) as (base, _):
+        responses = post_all(base, [{"query": q} for q in queries])
+        text = httpx.get(base + "/metrics").text
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429} and codes.count(429) >= 10
+    for r, w in zip(responses, want):
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and "queue full" in r.json()["detail"]
+        else:
+            check(r.json()["results"], [w])  # accepted requests still succeed, correctly
+    assert metric(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="429"}') == codes.count(429)
+
+
+def test_engine_fault_503(clf):
+    wrapped = Wrapped(clf, delay=0.1)
+    with running(create_app(wrapped)) as (base, _):
+        wrapped.fail = True
+        responses = post_all(base, [{"query": f"q{i}"} for i in range(5)])
+        assert [r.status_code for r in responses] == [503] * 5
+        assert "device lost" in responses[0].json()["detail"]
+        h = httpx.get(base + "/healthz")
+        assert h.status_code == 503 and h.json()["status"] == "unhealthy"
+        assert httpx.post(base + "/v1/classify", json={"query": "x"}).status_code == 503
+        assert metric(httpx.get(base + "/metrics").text, "prefixscore_engine_faults_total") == 1
+
+
+def test_healthz_starting_until_warm(clf):
+    gate = threading.Event()
+    wrapped = Wrapped(clf, gate=gate)
+    with running(create_app(wrapped), wait_ready=False) as (base, _):
+        h = httpx.get(base + "/healthz")
+        assert h.status_code == 503 and h.json()["status"] == "starting"
+        waiting = []
+        t = threading.Thread(target=lambda: waiting.append(httpx.post(base + "/v1/classify", json={"query": "x"}, timeout=30)))
+        t.start()  # a request that arrives while warming up waits for the engine
+        time.sleep(0.2)
+        gate.set()
+        t.join(30)
+        assert waiting[0].status_code == 200
+        assert httpx.get(base + "/healthz").status_code == 200
+
+
+def test_shutdown_drains(clf):
+    wrapped = Wrapped(clf, delay=0.2)
+    queries = [f"drain {i}" for i in range(8)]
+    want = clf.classify_batch(queries)
+    app = create_app(wrapped)
+    with running(app) as (base, server):
+        wrapped.gate = threading.Event()  # hold the engine until every request is accepted
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in queries]
+                while app.state.batcher.depth + wrapped.held < len(queries):
+                    await asyncio.sleep(0.01)
+                server.should_exit = True  # what SIGTERM does
+                wrapped.gate.set()
+                return await asyncio.gather(*sent)
+
+        responses = asyncio.run(go())
+        for r, w in zip(responses, want):
+            assert r.status_code == 200, r.text
+            check(r.json()["results"], [w])
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):  # and no new connections after
+            httpx.post(base + "/v1/classify", json={"query": "late"})
+
+
+def test_cli_serve_config_file_sigterm(clf, tiny_model, tmp_path):
+    """`prefixscore serve --config` as its own process: config file, API key from the environment,
+    and SIGTERM while requests wait in the (3 s) batch window: they all finish."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text(f'model = "{tiny_model("llama")}"\nport = {port}\nbatch-window-ms = 3000\n'
+                   f'device = "cpu"\ncache_size = 100\nlog-level = "warning"\n')
+    env = {**os.environ, "PREFIXSCORE_API_KEY": "k3y", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefixscore.cli", "serve", "--config", str(cfg)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "serve did not become ready"
+            try:
+                if httpx.get(base + "/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        queries = ["red dress", "levis 501", "hoodie"]
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30,
+                                         headers={"authorization": "Bearer k3y"}) as c:
+                sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in queries]
+                while metric((await c.get("/metrics")).text, "prefixscore_queue_depth") < 3:
+                    await asyncio.sleep(0.02)  # all accepted, waiting in the batch window
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*sent)
+
+        responses = asyncio.run(go())
+        assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
+        check([r.json()["results"][0] for r in responses], clf.classify_batch(queries))
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after draining
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# ---------------------------------------------------------------- fuzzing over the schema
+
+def test_schemathesis_no_5xx(clf, scorer):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.generation import GenerationMode
+
+    with running(create_app(clf, scorer=scorer, **LIMITS)) as (base, _):
+        schema = schemathesis.openapi.from_url(base + "/openapi.json")
+        ops = [r.ok() for r in schema.get_all_operations()]
+        assert {op.path for op in ops} == {"/v1/classify", "/v1/score", "/healthz", "/metrics"}
+        for op in ops:
+            post = op.method == "post"  # a GET without parameters has no invalid form
+            for mode in [GenerationMode.POSITIVE] + [GenerationMode.NEGATIVE] * post:
+                @given(case=op.as_strategy(generation_mode=mode))
+                @settings(max_examples=30 if post else 3, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck))
+                def fuzz(case):
+                    case.call_and_validate(base_url=base, checks=[not_a_server_error])
+
+                fuzz()
