@@ -61,7 +61,26 @@ def plan(lengths, gen, branched=False):
             torch.tensor(offs))
 
 
-def attn_inputs(Hq, Hkv, D, P, lengths, dtype, seed, branched=False):
+def multi_item_plan(query_len, item_lens):
+    """One multi-item scoring span: [query part (own causal)][item 1][item 2]..., each item seeing
+    the query part as its base range and itself causally."""
+    q = query_len
+    bs, be, own = [0] * q, [0] * q, [0] * q
+    t = q
+    for L in item_lens:
+        bs += [0] * L
+        be += [q] * L
+        own += [t] * L
+        t += L
+    i32 = dict(dtype=torch.int32, device=DEV)
+    return (torch.tensor(bs, **i32), torch.tensor(be, **i32), torch.tensor(own, **i32),
+            torch.tensor([0, t]))
+
+
+def attn_inputs(Hq, Hkv, D, P, lengths, dtype, seed, branched=False, multi=None):
+    """multi=(query_len, item_lens): one multi-item span instead of `lengths` (ignored then)."""
+    if multi is not None:
+        lengths = [multi[0] + sum(multi[1])]
     gen = torch.Generator().manual_seed(seed)
     T = sum(lengths)
     # q/k/v as views of one fused projection output (strided like the model's), prefix K/V cache
@@ -70,7 +89,7 @@ def attn_inputs(Hq, Hkv, D, P, lengths, dtype, seed, branched=False):
     k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
     v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
     pk, pv = torch.randn(2, P, Hkv, D, generator=gen).to(DEV, dtype)
-    bs, be, own, offs = plan(lengths, gen, branched)
+    bs, be, own, offs = plan(lengths, gen, branched) if multi is None else multi_item_plan(*multi)
     return (q, k, v, pk, pv, bs, be, own, D ** -0.5), offs
 
 
@@ -137,12 +156,20 @@ def check_attention(results):
         ("qwen2.5-7b", 600, [8] * 1024, True),
         ("qwen2.5-0.5b", 48, [8] * 4096, True),
     ]
+    # multi-item spans (query part + items, base = query part), as (query_len, item lengths)
+    multi_cases = [
+        ("qwen2.5-0.5b", 48, (50, [150] * 10)),
+        ("qwen2.5-0.5b", 0, (7, [3, 150, 1, 40, 77])),
+        ("qwen2.5-7b", 48, (50, [150] * 10)),
+    ]
+    cases = [c + (None,) for c in cases] + [(m, P, [mi[0] + sum(mi[1])], True, mi)
+                                             for m, P, mi in multi_cases]
     seed = 0
     for dtype in (torch.bfloat16, torch.float32):
-        for model, P, lengths, branched in cases:
+        for model, P, lengths, branched, multi in cases:
             seed += 1
             Hq, Hkv, D = MODELS[model]
-            args, offs = attn_inputs(Hq, Hkv, D, P, lengths, dtype, seed, branched)
+            args, offs = attn_inputs(Hq, Hkv, D, P, lengths, dtype, seed, branched, multi)
             ref = attention_ref(*args, seg_offsets=offs).float()
             out = torch.full_like(args[0], float("nan"))
             attention_triton(*args, out=out)
@@ -161,10 +188,12 @@ def check_attention(results):
             g.replay()
             g_ok = torch.equal(g_out, out)
             T = sum(lengths)
-            print(f"  {model:13s} {str(dtype)[6:]:8s} P={P:4d} T={T:6d} branched={branched!s:5s} "
+            kind = "multi" if multi else "branched" if branched else "plain"
+            print(f"  {model:13s} {str(dtype)[6:]:8s} P={P:4d} T={T:6d} {kind:8s} "
                   f"max_err={err.max().item():.2e} {'ok' if ok else 'FAIL'} graph={'ok' if g_ok else 'FAIL'}")
             results.append(dict(kind="check", kernel="attention", model=model, dtype=str(dtype), P=P,
-                                T=T, branched=branched, max_err=err.max().item(), ok=ok, graph_ok=g_ok))
+                                T=T, branched=branched, multi=multi is not None,
+                                max_err=err.max().item(), ok=ok, graph_ok=g_ok))
 
 
 def check_label_head(results):
@@ -232,6 +261,46 @@ def bench_attention(results, sweep):
               f"{fmt(gbs, 7)} {fmt(floor, 7)}")
         rec = dict(kind="time", kernel="attention", model=model, P=P, T=T, config=cfg,
                    eager_us=t_eager, graph_us=t_graph, ref_us=t_ref, bytes=nbytes, floor_us=floor)
+        if sweep:
+            timed = []
+            for c in attn_sweep_configs(D, P):
+                t = graph_us(lambda: attention_triton(*args, out=out, config=c), launches=20, reps=10)
+                if t is not None:
+                    timed.append((t, c))
+            timed.sort(key=lambda x: x[0])
+            rec["sweep"] = [dict(us=t, config=c) for t, c in timed]
+            for t, c in timed[:3]:
+                print(f"      sweep {t:8.1f} us  {c}")
+        results.append(rec)
+    bench_attention_multi_item(results, sweep)
+
+
+def bench_attention_multi_item(results, sweep):
+    """One multi-item span: 50-token query part + 100 items x 150 tokens (T = 15050), 0.5B heads.
+    Useful key pairs per token ~ P + 50 + 75; no reference timing (its [T, T] scores need tens of
+    GB). `pairs` = in-batch (query, key) pairs the visibility actually allows, for a GB/s-free view
+    of the cost: a kernel that scanned [span start, t] per block would touch ~T^2 / 2 instead."""
+    print("\n== attention timing (bf16, multi-item: 1 span, 50-token query + 100 items x 150) ==")
+    print(f"  {'model':13s} {'P':>4s} {'T':>6s} {'config':>22s} {'eager':>9s} {'graph':>9s} "
+          f"{'Mpairs':>8s}")
+    model = "qwen2.5-0.5b"
+    Hq, Hkv, D = MODELS[model]
+    multi = (50, [150] * 100)
+    for P in (0, 48):
+        args, _ = attn_inputs(Hq, Hkv, D, P, None, torch.bfloat16, seed=7 + P, multi=multi)
+        T = args[0].shape[0]
+        out = torch.empty_like(args[0])
+        cfg = attn_config(T, Hq // Hkv, Hkv, D, torch.bfloat16, args[0].device)
+        t_eager = eager_us(lambda: attention_triton(*args, out=out))
+        t_graph = graph_us(lambda: attention_triton(*args, out=out))
+        qlen, items = multi
+        pairs = qlen * (qlen + 1) // 2 + sum(L * qlen + L * (L + 1) // 2 for L in items)
+        cfg_s = f"M{cfg['BLOCK_M']} N{cfg['BLOCK_N']} NI{cfg['BLOCK_NI']} w{cfg['num_warps']}"
+        print(f"  {model:13s} {P:4d} {T:6d} {cfg_s:>22s} {fmt(t_eager)} {fmt(t_graph)} "
+              f"{pairs / 1e6:8.2f}")
+        rec = dict(kind="time", kernel="attention", plan="multi_item", model=model, P=P, T=T,
+                   query_len=qlen, n_items=len(items), item_len=items[0], config=cfg,
+                   eager_us=t_eager, graph_us=t_graph, visible_pairs=pairs)
         if sweep:
             timed = []
             for c in attn_sweep_configs(D, P):

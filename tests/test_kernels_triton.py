@@ -82,6 +82,50 @@ def make_plan(T, gen):
     return bs, be, own
 
 
+def make_multi_item_plan(spans, overlap=0):
+    """Multi-item scoring plans: per span (query_len, [item lengths]), back to back. Query part:
+    own causal from the span start, base empty. Item: base = the query part [s, s + q) (adjacent to
+    item 1), own = the item. overlap > 0 stretches each item's base that many keys past its own
+    start (clipped to the item), so base and own ranges overlap and the kernel must not count the
+    shared keys twice."""
+    bs, be, own = [], [], []
+    t = 0
+    for qlen, items in spans:
+        s = t
+        bs += [s] * qlen  # empty base at a non-zero spot
+        be += [s] * qlen
+        own += [s] * qlen
+        t += qlen
+        for L in items:
+            bs += [s] * L
+            be += [t + min(overlap, L) if overlap else s + qlen] * L
+            own += [t] * L
+            t += L
+    i32 = dict(dtype=torch.int32)
+    return torch.tensor(bs, **i32), torch.tensor(be, **i32), torch.tensor(own, **i32)
+
+
+def make_random_plan(T, gen):
+    """The most general plans: spans of random lengths; each row t gets a random own start in
+    [span start, t] and a random base range inside its span (empty a third of the time, else any
+    sub-range, possibly overlapping or adjacent to its own range or reaching past t)."""
+    bs = torch.zeros(T, dtype=torch.int32)
+    be = torch.zeros(T, dtype=torch.int32)
+    own = torch.zeros(T, dtype=torch.int32)
+    t = 0
+    while t < T:
+        L = min(T - t, _randint(gen, 1, 60))
+        for r in range(t, t + L):
+            own[r] = _randint(gen, t, r)
+            if _randint(gen, 0, 2) == 0:
+                bs[r] = be[r] = _randint(gen, 0, T)
+            else:
+                a = _randint(gen, t, t + L - 1)
+                bs[r], be[r] = a, _randint(gen, a + 1, t + L)
+        t += L
+    return bs, be, own
+
+
 def _check_close(out, ref, dtype):
     tol = TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
@@ -101,10 +145,9 @@ ATTN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
-def test_attention(case):
-    P, T, G, Hkv, D, dtype, block_m = ATTN_CASES[case]
-    gen = torch.Generator().manual_seed(1000 + case)
+def _run_attention(P, G, Hkv, D, dtype, block_m, plan, gen, idx_dtype=torch.int32):
+    bs, be, own = plan
+    T = bs.shape[0]
     Hq = G * Hkv
     # q, k, v as views of one fused QKV projection output, prefix K/V interleaved in one cache:
     # strides on dim 0 are not the contiguous ones.
@@ -114,7 +157,7 @@ def test_attention(case):
     v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
     cache = torch.randn(P, 2, Hkv, D, generator=gen).to(DEVICE, dtype)
     pk, pv = cache[:, 0], cache[:, 1]
-    bs, be, own = (x.to(DEVICE) for x in make_plan(T, gen))
+    bs, be, own = (x.to(DEVICE, idx_dtype) for x in (bs, be, own))
     scale = D ** -0.5
     ref = attention_ref(q, k, v, pk, pv, bs, be, own, scale)
 
@@ -127,6 +170,63 @@ def test_attention(case):
     assert not out.isnan().any(), "output not fully written"
     assert buf[:, Hq:].isnan().all(), "wrote outside the output view"
     _check_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_attention(case):
+    P, T, G, Hkv, D, dtype, block_m = ATTN_CASES[case]
+    gen = torch.Generator().manual_seed(1000 + case)
+    _run_attention(P, G, Hkv, D, dtype, block_m, make_plan(T, gen), gen)
+
+
+def _plain_plan(lengths):  # own = the request, base empty (bs == be == 0: must be ignored)
+    own = torch.cat([torch.full((L,), s, dtype=torch.int32)
+                     for s, L in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)])
+    zero = torch.zeros_like(own)
+    return zero, zero.clone(), own
+
+
+# P, G, Hkv, D, dtype, block_m, plan builder (gen -> (bs, be, own)), plan index dtype
+PLAN_CASES = [
+    # multi-item: query part + items of different lengths; 7 heads/token -> blocks straddle items
+    (0, 7, 2, 64, torch.bfloat16, 64, lambda g: make_multi_item_plan([(5, [9, 3, 17, 1, 12, 6])])),
+    (48, 7, 1, 64, torch.float32, 32, lambda g: make_multi_item_plan([(5, [9, 3, 17, 1, 12, 6])])),
+    # two spans, a long item (many key tiles in the own range), one-token query parts
+    (3, 2, 2, 64, torch.float32, 16,
+     lambda g: make_multi_item_plan([(12, [40, 2, 33]), (1, [1, 70]), (40, [5])])),
+    (0, 7, 2, 64, torch.bfloat16, 128,
+     lambda g: make_multi_item_plan([(12, [40, 2, 33]), (1, [1, 70]), (40, [5])])),
+    # base range overlapping the own range (and reaching past t within the item)
+    (5, 2, 1, 64, torch.float32, 16, lambda g: make_multi_item_plan([(7, [10, 4, 25]), (3, [9])], overlap=6)),
+    (0, 7, 2, 64, torch.bfloat16, 64,
+     lambda g: make_multi_item_plan([(7, [10, 4, 25]), (3, [9])], overlap=40)),
+    # fully random ranges: overlapping / adjacent / empty bases, own starts anywhere
+    (4, 1, 2, 64, torch.float32, 16, lambda g: make_random_plan(150, g)),
+    (0, 7, 1, 64, torch.bfloat16, 128, lambda g: make_random_plan(120, g)),
+    # old plain and label-branch plans, int64 plan tensors
+    (9, 7, 1, 64, torch.float32, 32, lambda g: _plain_plan([8, 1, 30, 8, 3])),
+    (9, 7, 1, 64, torch.float32, 32, lambda g: _plain_plan([8, 1, 30, 8, 3])),  # same, int64
+    (20, 2, 2, 64, torch.bfloat16, 16, lambda g: make_plan(100, g)),
+    (0, 7, 2, 64, torch.float32, None, lambda g: make_plan(90, g)),
+]
+PLAN_IDX64 = {1, 5, 9, 11}  # cases that pass the plan as int64
+
+
+@pytest.mark.parametrize("case", range(len(PLAN_CASES)))
+def test_attention_plans(case):
+    P, G, Hkv, D, dtype, block_m, build = PLAN_CASES[case]
+    gen = torch.Generator().manual_seed(3000 + case)
+    idx_dtype = torch.int64 if case in PLAN_IDX64 else torch.int32
+    _run_attention(P, G, Hkv, D, dtype, block_m, build(gen), gen, idx_dtype)
+
+
+def test_multi_item_plan_shape():
+    """The builder itself: item rows see exactly the query part plus their own item prefix."""
+    bs, be, own = make_multi_item_plan([(3, [2, 4])])
+    assert bs.tolist() == [0] * 9 and be.tolist() == [0, 0, 0] + [3] * 6
+    assert own.tolist() == [0, 0, 0, 3, 3, 5, 5, 5, 5]
+    bs, be, own = make_multi_item_plan([(3, [2, 4])], overlap=3)
+    assert be.tolist() == [0, 0, 0, 5, 5, 8, 8, 8, 8]
 
 
 def test_attention_allocates_output():

@@ -5,13 +5,18 @@ that kv head) pair, token-major. Stacking the G query heads of a kv head into th
 the dot means each prefix K/V tile is read once per block of tokens instead of once per query
 head, and GQA ratios like 7 waste no padding (a block simply covers BLOCK_M / G tokens).
 
-Per program: online softmax over the P prefix keys (dense, no mask but the tail), then over the
-in-batch key range [min over rows of the range starts, max over rows of the range ends], masked
-per row with the row's base / own-causal ranges. fp32 state; dots in the input dtype (bf16 tensor
-cores) with fp32 accumulation; fp32 inputs use IEEE dots so they match the reference to ~1e-6.
+Per program: online softmax over the P prefix keys (dense, no mask but the tail), then over two
+in-batch key ranges, each masked per row: the base range [min bs, max be) over the rows that have
+a non-empty base, then the own range [min own_start, max t + 1) with own-causal visibility minus
+the row's base range (so a key both ranges cover is counted once). Scanning one range
+[min start, max end] instead would, for multi-item scoring (one span = query part + many items,
+each item's base = the query part), sweep every earlier item for a block deep in the span:
+O(S^2) key pairs per span of S tokens instead of S x (query + item). fp32 state; dots in the
+input dtype (bf16 tensor cores) with fp32 accumulation; fp32 inputs use IEEE dots so they match
+the reference to ~1e-6.
 
-CUDA-graph safe: the grid and every launch parameter depend only on shapes; the in-batch key range
-is computed inside the kernel from the plan tensors.
+CUDA-graph safe: the grid and every launch parameter depend only on shapes; the in-batch key ranges
+are computed inside the kernel from the plan tensors.
 """
 from __future__ import annotations
 
@@ -61,14 +66,20 @@ def _prefix_attn_kernel(
 
     q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :])
     # Visibility (loaded up front so the latency hides behind the prefix pass): base range
-    # [bs, be), ignored when empty, and own causal range [os, t]. The block's in-batch key range
-    # is [lo, hi): the smallest start to the largest end over its rows.
+    # [bs, be), ignored when empty, and own causal range [os, t]. The block scans two key ranges:
+    # base [b_lo, b_hi) over the rows with a non-empty base (empty, zero trips, when none has
+    # one), and own [o_lo, o_hi) = [min os, max t + 1). Padding rows repeat token T-1's ranges.
     bs = tl.load(BS + tok)
     be = tl.load(BE + tok)
     os_ = tl.load(OS + tok)
     has_base = bs < be
-    lo = tl.maximum(tl.min(tl.where(has_base, tl.minimum(bs, os_), os_), 0), 0)
-    hi = tl.minimum(tl.max(tl.where(has_base, tl.maximum(tok, be - 1), tok), 0) + 1, T)
+    b_lo = tl.maximum(tl.min(tl.where(has_base, bs, T), 0), 0)
+    b_hi = tl.minimum(tl.max(tl.where(has_base, be, 0), 0), T)
+    o_lo = tl.maximum(tl.min(os_, 0), 0)
+    o_hi = tl.minimum(tl.max(tok, 0) + 1, T)
+    # Per-row base bounds for the masks; an empty base becomes [0, 0) so it excludes nothing.
+    bs = tl.where(has_base, bs, 0)
+    be = tl.where(has_base, be, 0)
 
     # Finite start for the running max: a row whose keys in a tile are all masked then gets
     # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
@@ -92,16 +103,30 @@ def _prefix_attn_kernel(
     # requests' look-back, so narrower tiles (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
     k_base = K + kvh * sk_h
     v_base = V + kvh * sv_h
-    for start in range(lo, hi, BLOCK_NI):
+    # 2a) base range: key c is visible to a row iff bs <= c < be.
+    for start in range(b_lo, b_hi, BLOCK_NI):
         cols = start + tl.arange(0, BLOCK_NI)
-        col_ok = cols < hi
+        col_ok = cols < b_hi
         cols64 = cols.to(tl.int64)
         kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
         v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
         c = cols[None, :]
-        vis = ((c >= bs[:, None]) & (c < be[:, None])) | ((c >= os_[:, None]) & (c <= tok[:, None]))
-        s = tl.where(vis & col_ok[None, :], s, float("-inf"))
+        vis = (c >= bs[:, None]) & (c < be[:, None]) & col_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+    # 2b) own range: os <= c <= t, minus the keys 2a already counted for this row (bs <= c < be).
+    for start in range(o_lo, o_hi, BLOCK_NI):
+        cols = start + tl.arange(0, BLOCK_NI)
+        col_ok = cols < o_hi
+        cols64 = cols.to(tl.int64)
+        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+        c = cols[None, :]
+        in_base = (c >= bs[:, None]) & (c < be[:, None])
+        vis = (c >= os_[:, None]) & (c <= tok[:, None]) & ~in_base & col_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
