@@ -49,7 +49,10 @@ def summary(ms, per=1):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=100, help="timed calls per row")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads for every row")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from hf_reference import hf_generate
     from transformers import AutoModelForCausalLM

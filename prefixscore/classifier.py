@@ -10,7 +10,7 @@ from .engine import Engine
 from .kernels.label_head import rms_norm
 from .errors import ConfigError, InputError
 from .labels import LabelTrie, check_labels
-from .loading import LoadedModel, load
+from .loading import obtain
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_template
 
 MODES = ("logprobs", "logits")
@@ -26,30 +26,6 @@ class Result:
         return asdict(self)
 
 
-def resolve_device(device) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device cuda requested but no CUDA GPU is available")
-    return dev
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ConfigError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
-    return names[dtype]
-
-
 class Classifier:
     """Classifier(model=None, template=None, labels=None): None means the bundled SmolLM2-135M-Instruct,
     the seed prompt and the nine seed labels. `model` is a HF folder or a .gguf file (or an already
@@ -57,7 +33,15 @@ class Classifier:
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, device=None,
                  dtype=None, chat: bool | None = None, mode: str = "logprobs", truncate: bool = False,
-                 max_batch_tokens: int = 16384, graphs: bool = True):
+                 max_batch_tokens: int = 16384, graphs: bool = True, head=None):
+        head_file = None
+        if head is not None:  # a trained head (heads.py): template, labels, chat default to its own
+            from .heads import read_head
+
+            head_file = read_head(head)  # unreadable file: ModelLoadError before loading a model
+            template = head_file.meta["template"] if template is None else template
+            labels = head_file.labels if labels is None else labels
+            chat = head_file.meta["chat"] if chat is None else chat
         template = SEED_TEMPLATE if template is None else template
         labels = check_labels(SEED_LABELS if labels is None else labels)
         check_template(template, ("query",))  # fail fast, before loading a model
@@ -65,25 +49,30 @@ class Classifier:
             raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if max_batch_tokens < 1:
             raise ConfigError("max_batch_tokens must be positive")
-        if isinstance(model, LoadedModel):
-            self.loaded = model
-        else:
-            dev = resolve_device(device)
-            self.loaded = load(model, dev, resolve_dtype(dtype, dev))
+        self.loaded = obtain(model, device, dtype)
         self.engine = Engine(self.loaded)
         tok = self.loaded.tokenizer
         self.prompt = Prompt(tok, template, chat=chat)
         self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)
         # Branch tokens follow the suffix, so the prompt itself must leave room for them.
         self.prompt.context_limit = self.engine.config.context_limit - self.trie.max_len
-        if mode == "logits" and not self.trie.first_distinct:
+        self.labels, self.mode, self.truncate = labels, mode, truncate
+        self.head = None
+        if head_file is not None:  # refuse a head trained for another model, template or labels
+            from .heads import check_head
+
+            check_head(head_file, self, head)
+            self.head = head_file.to(self.engine.device, self.engine.dtype)
+        if mode == "logits" and not self.trie.first_distinct and self.head is None:
             raise ConfigError("mode 'logits' needs labels whose first tokens differ; these share a "
                               "first token, so use mode 'logprobs'")
-        self.labels, self.mode, self.truncate = labels, mode, truncate
         self.max_batch_tokens = max_batch_tokens
         self.prefix_kv = self.engine.prefill(self.prompt.prefix_ids)
         self.weight = self.engine.label_weight(self.trie.columns)
-        self.capture_info = self.engine.capture(self.prefix_kv, self.weight, mode == "logprobs",
+        # A linear head is an N-row projection like the label rows: graphs capture it instead.
+        linear = self.head is not None and self.head.kind == "linear"
+        weight, logprobs = (self.head.weight, False) if linear else (self.weight, mode == "logprobs")
+        self.capture_info = self.engine.capture(self.prefix_kv, weight, logprobs,
                                                 max_batch_tokens) if graphs else {}
 
     @property
@@ -113,7 +102,8 @@ class Classifier:
 
     def _chunks(self, encoded):
         """Group request indices by prefix use (cached / exact) and by a token budget per batch."""
-        branch = sum(len(p) for p in self.trie.branch_paths()) if self.mode == "logprobs" else 0
+        branches = self.mode == "logprobs" and self.head is None
+        branch = sum(len(p) for p in self.trie.branch_paths()) if branches else 0
         for cached in (True, False):
             chunk, size = [], 0
             for i, e in enumerate(encoded):
@@ -146,6 +136,12 @@ class Classifier:
 
     def _run(self, batch: list[Encoded]) -> list[Result]:
         logprobs = self.mode == "logprobs"
+        if self.head is not None:
+            from .heads import head_scores
+
+            scores, best = head_scores(self, self.head, batch, logprobs)
+            return [Result(e.values["query"], self.labels[d], dict(zip(self.labels, s)))
+                    for e, d, s in zip(batch, best.tolist(), scores.tolist())]
         plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch], self.trie,
                              branches=logprobs)
         prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix

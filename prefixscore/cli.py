@@ -29,6 +29,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="wrap the template in the model's chat template (default: if it has one)")
     g.add_argument("--truncate", action="store_true", help="cut queries that exceed the context instead of failing")
     g.add_argument("--batch-tokens", type=int, default=16384, help="max new tokens per forward batch")
+    g.add_argument("--head", default=None,
+                   help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
 
 
 def _read_text(path: str, what: str) -> str:
@@ -58,7 +60,8 @@ def make_classifier(a):
 
     t0 = time.perf_counter()
     clf = Classifier(a.model, _template(a), _labels(a), device=a.device, dtype=a.dtype, chat=a.chat,
-                     mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens)
+                     mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
+                     head=getattr(a, "head", None))
     _err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")
@@ -133,11 +136,11 @@ def cmd_eval(a) -> int:
     from .io import read_rows
 
     rows = read_rows(a.data, a.input_format, (a.column, a.label_column))
-    labels = _labels(a) or SEED_LABELS
-    unknown = sorted({r[a.label_column] for r in rows} - set(labels))
-    if unknown:
-        raise InputError(f"{a.data}: gold labels not in the label set: {', '.join(unknown)}")
+    labels = _labels(a) or (None if getattr(a, "head", None) else SEED_LABELS)
+    if labels is not None:  # fail before loading the model when we can
+        _check_gold(rows, a, labels)
     clf = make_classifier(a)
+    _check_gold(rows, a, clf.labels)
     queries = [r[a.column] for r in rows]
     results, secs = run_batches(clf, queries)
     rep = confusion_report([r[a.label_column] for r in rows], [r.label for r in results], clf.labels)
@@ -149,6 +152,12 @@ def cmd_eval(a) -> int:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=1)
     return 0
+
+
+def _check_gold(rows, a, labels) -> None:
+    unknown = sorted({r[a.label_column] for r in rows} - set(labels))
+    if unknown:
+        raise InputError(f"{a.data}: gold labels not in the label set: {', '.join(unknown)}")
 
 
 def build_parser() -> argparse.ArgumentParser:

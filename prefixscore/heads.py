@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
 import random
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -58,6 +60,11 @@ class HeadWeights:
     def hidden_size(self) -> int:
         return self.weight.shape[1]
 
+    @functools.cached_property
+    def host_bias(self) -> torch.Tensor:
+        """fp32 CPU copy of the bias: Engine.run returns the kernel's logits on the host."""
+        return self.bias.detach().float().cpu()
+
     def tensors(self) -> dict[str, torch.Tensor]:
         t = {"weight": self.weight, "bias": self.bias}
         if self.kind == "mlp":
@@ -81,7 +88,7 @@ def model_identity(loaded) -> dict:
     """What the head's input depends on: the model's shape and a sample of its weights.
 
     The signature is fp32 values from fixed places (embedding, output head, first/middle/last layer,
-    final norm), compared with a tolerance that lets the same weights load in fp32, bf16 or fp16 but
+    norms), compared with a tolerance that lets the same weights load in fp32, bf16 or fp16 but
     not a different model or a fine-tune. The path is recorded for messages only, so a moved or
     copied model still matches."""
     m, c = loaded.model, loaded.model.config
@@ -90,9 +97,10 @@ def model_identity(loaded) -> dict:
     parts = [
         m.embed_tokens.weight[rows.to(m.embed_tokens.weight.device), :32],
         loaded.lm_head[rows.to(loaded.lm_head.device), :32],
-        m.layers[0].self_attn.q_proj.weight[:2, :32],
+        m.layers[0].self_attn.o_proj.weight[:2, :32],  # (q/k/v and gate/up get fused at load)
         m.layers[L // 2].self_attn.o_proj.weight[:2, :32],
         m.layers[L - 1].mlp.down_proj.weight[:2, :32],
+        m.layers[0].input_layernorm.weight[:32],
         m.norm.weight[:64],
     ]
     sig = torch.cat([p.detach().float().cpu().reshape(-1) for p in parts])
@@ -193,10 +201,11 @@ def load_head(path, clf) -> HeadWeights:
 @torch.inference_mode()
 def head_scores(clf, head: HeadWeights, batch, logprobs: bool = True):
     """Run pre-tokenized requests (Classifier.encode) through the model and the head ->
-    (scores [B, N] fp32: log-softmax over the N labels, or raw logits; best [B] label index).
+    (scores [B, N] fp32 on the CPU: log-softmax over the N labels, or raw logits; best [B]).
 
-    Linear: the fused label-head kernel with weight = the head's rows and every row allowed (the
-    bias is added after it). MLP: the normed read-out rows, then the MLP in torch."""
+    Linear: Engine.run, i.e. the fused label-head kernel (and, on the GPU, a CUDA graph captured for
+    (prefix, head.weight, logprobs=False)) with the head's rows as the projection and every row
+    allowed; the bias is added to the N logits on the host. MLP: normed read-out rows, MLP in torch."""
     from .batch import plan_classify
     from .kernels.label_head import rms_norm
 
@@ -207,10 +216,10 @@ def head_scores(clf, head: HeadWeights, batch, logprobs: bool = True):
     if head.kind == "linear":
         plan.allowed = torch.ones(plan.batch, head.num_labels, dtype=torch.bool)
         logits, _ = eng.run(plan, prefix, head.weight, logprobs=False)
-        logits = logits + head.bias.float()
+        logits = logits.float().cpu() + head.host_bias
     else:
         h, plan = eng.hidden(plan, prefix)
-        logits = head.logits(rms_norm(h[plan.rows], eng.model.norm.weight, eng.model.norm.eps))
+        logits = head.logits(rms_norm(h[plan.rows], eng.model.norm.weight, eng.model.norm.eps)).cpu()
     best = logits.argmax(-1)
     return (torch.log_softmax(logits, -1) if logprobs else logits), best
 
@@ -237,11 +246,12 @@ class FitOptions:
     hidden: int = 256  # MLP width
     epochs: int = 200
     patience: int = 20  # epochs without a better validation loss before stopping
-    lr: float = 3e-3
-    weight_decay: float = 1e-2
+    lr: float = 1e-3
+    weight_decay: float = 1.0  # AdamW's decoupled decay: strong, there are few rows per feature
     batch_size: int = 32
     val_frac: float = 0.2
     dropout: float = 0.1  # MLP only
+    refit: bool = True  # after early stopping, train again on train + validation rows
     seed: int = 0
 
     def check(self) -> "FitOptions":
@@ -295,40 +305,22 @@ def _loss_acc(net, x, y, hard):
     return F.cross_entropy(logits, y).item(), (logits.argmax(-1) == hard).float().mean().item()
 
 
-def fit_head(features: torch.Tensor, targets: torch.Tensor, labels: list[str],
-             opts: FitOptions | None = None, log=print) -> tuple[HeadWeights, dict]:
-    """Train an N-way head on features [B, H] (Classifier.features). targets: label index [B] (int)
-    or label probabilities [B, N] (distillation). A stratified validation split drives early
-    stopping (the best epoch's weights are kept); without one the last epoch is kept.
-    Deterministic for a seed on CPU. -> (head in fp32 with standardization folded in, info)."""
-    o = (opts or FitOptions()).check()
-    N = len(labels)
-    x = features.detach().float().cpu().clone()  # clone: features may be inference tensors
-    y = targets.detach().cpu().clone()
-    y = y.float() if y.is_floating_point() else y.long()
-    hard = y.argmax(-1) if y.is_floating_point() else y
-    if x.ndim != 2 or len(x) != len(y) or len(x) == 0:
-        raise InputError(f"need features [B, H] and B targets, got {tuple(x.shape)} and {len(y)}")
-    if hard.min() < 0 or hard.max() >= N or (y.is_floating_point() and y.shape[1] != N):
-        raise InputError(f"targets must index the {N} labels")
-    tr, va = split_indices(hard.tolist(), o.val_frac, o.seed)
-    if not tr:
-        raise InputError("no training rows left after the validation split")
-
-    # Standardize with train statistics (trains well regardless of the model's feature scale).
+def _train(x, y, hard, tr, va, epochs, N, o: FitOptions, log):
+    """Minibatch AdamW on standardized features; with a validation set, early stopping on its loss
+    (the best epoch's weights are kept). -> (net, mu, sd, history, best epoch)."""
+    # Standardize with train statistics (trains well whatever the model's feature scale).
     mu = x[tr].mean(0)
     var = x[tr].var(0, unbiased=False)
     sd = (var + 1e-3 * var.mean() + 1e-12).sqrt()  # floor: a constant feature must not blow up
     z = (x - mu) / sd
-
     with torch.random.fork_rng(devices=[]):  # seed init and dropout without touching global RNG
         torch.manual_seed(o.seed)
         net = _net(x.shape[1], N, o)
         opt = torch.optim.AdamW(net.parameters(), lr=o.lr, weight_decay=o.weight_decay)
         gen = torch.Generator().manual_seed(o.seed)
         tr_t = torch.tensor(tr)
-        best, best_state, best_epoch, stale, hist = math.inf, None, 0, 0, []
-        for epoch in range(1, o.epochs + 1):
+        best, best_state, best_epoch, stale, hist = math.inf, None, epochs, 0, []
+        for epoch in range(1, epochs + 1):
             net.train()
             for b in torch.randperm(len(tr), generator=gen).split(o.batch_size):
                 i = tr_t[b]
@@ -338,7 +330,7 @@ def fit_head(features: torch.Tensor, targets: torch.Tensor, labels: list[str],
                 opt.step()
             net.eval()
             with torch.no_grad():
-                rec = dict(epoch=epoch, **dict(zip(("train_loss", "train_acc"), _loss_acc(net, z[tr], y[tr], hard[tr]))))
+                rec = {"epoch": epoch, **dict(zip(("train_loss", "train_acc"), _loss_acc(net, z[tr], y[tr], hard[tr])))}
                 if va:
                     rec |= dict(zip(("val_loss", "val_acc"), _loss_acc(net, z[va], y[va], hard[va])))
             hist.append(rec)
@@ -353,23 +345,56 @@ def fit_head(features: torch.Tensor, targets: torch.Tensor, labels: list[str],
                 stale += 1
                 if stale >= o.patience:
                     if log:
-                        log(f"early stop: no better validation loss for {o.patience} epochs; "
-                            f"keeping epoch {best_epoch}")
+                        log(f"early stop: no better validation loss for {o.patience} epochs; best epoch {best_epoch}")
                     break
         if best_state is not None:
             net.load_state_dict(best_state)
-    final = hist[best_epoch - 1] if va else hist[-1]
+    return net, mu, sd, hist, best_epoch
+
+
+def fit_head(features: torch.Tensor, targets: torch.Tensor, labels: list[str],
+             opts: FitOptions | None = None, log=print) -> tuple[HeadWeights, dict]:
+    """Train an N-way head on features [B, H] (Classifier.features). targets: label index [B] (int)
+    or label probabilities [B, N] (distillation).
+
+    A stratified validation split picks the number of epochs by early stopping; then (refit, the
+    default) the head is trained again on all rows for that many epochs, so no labeled row is left
+    out of the final head. Without a validation split it trains for `epochs`. Deterministic for a
+    seed on CPU. -> (head in fp32 with the standardization folded in, info: the validation numbers
+    come from the selection run)."""
+    o = (opts or FitOptions()).check()
+    N = len(labels)
+    x = features.detach().float().cpu().clone()  # clone: features may be inference tensors
+    y = targets.detach().cpu().clone()
+    y = y.float() if y.is_floating_point() else y.long()
+    hard = y.argmax(-1) if y.is_floating_point() else y
+    if x.ndim != 2 or len(x) != len(y) or len(x) == 0:
+        raise InputError(f"need features [B, H] and B targets, got {tuple(x.shape)} and {len(y)}")
+    if hard.min() < 0 or hard.max() >= N or (y.is_floating_point() and y.shape[1] != N):
+        raise InputError(f"targets must index the {N} labels")
+    tr, va = split_indices(hard.tolist(), o.val_frac, o.seed)
+    if not tr:
+        raise InputError("no training rows left after the validation split")
+    net, mu, sd, hist, best_epoch = _train(x, y, hard, tr, va, o.epochs, N, o, log)
+    info = {"options": asdict(o), "rows": len(x), "train_rows": len(tr), "val_rows": len(va),
+            "epochs_run": len(hist), "best_epoch": best_epoch,
+            **{k: round(v, 6) for k, v in hist[best_epoch - 1].items() if k != "epoch"}}
+    if va and o.refit:
+        if log:
+            log(f"refit on all {len(x)} rows for {best_epoch} epochs")
+        net, mu, sd, hist, _ = _train(x, y, hard, sorted(tr + va), [], best_epoch, N, o, log)
+        info |= {"refit_train_loss": round(hist[-1]["train_loss"], 6),
+                 "refit_train_acc": round(hist[-1]["train_acc"], 6)}
 
     # Fold the standardization into the first layer: W (x - mu) / sd + b = (W / sd) x + (b - (W / sd) mu).
     first = net if o.kind == "linear" else net[0]
     with torch.no_grad():
         w = first.weight / sd
         b = first.bias - w @ mu
-        head = (HeadWeights("linear", list(labels), w, b) if o.kind == "linear" else
-                HeadWeights("mlp", list(labels), w, b, net[3].weight.detach().clone(), net[3].bias.detach().clone()))
-    info = {"options": asdict(o), "rows": len(x), "train_rows": len(tr), "val_rows": len(va),
-            "epochs_run": len(hist), "best_epoch": final["epoch"],
-            **{k: round(v, 6) for k, v in final.items() if k != "epoch"}}
+        if o.kind == "linear":
+            head = HeadWeights("linear", list(labels), w, b)
+        else:
+            head = HeadWeights("mlp", list(labels), w, b, net[3].weight.clone(), net[3].bias.clone())
     return head, info
 
 
@@ -471,6 +496,8 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
             clf = Classifier(loaded, few_shot_template(template, train, k, labels, seed), labels, chat=chat,
                              **clf_opts)
             plens.append(clf.prefix_len)
+            if not modes:  # the process's first forward passes are slow (allocator, thread pools)
+                clf.classify_batch(queries[:8])
             t0 = time.perf_counter()
             for i, r in zip(test, clf.classify_batch([queries[i] for i in test])):
                 pred[i] = r.label
@@ -533,7 +560,7 @@ def _shots(text: str) -> list[int]:
 def _fit_options(a) -> FitOptions:
     return FitOptions(kind=a.kind, hidden=a.hidden, epochs=a.epochs, patience=a.patience, lr=a.lr,
                       weight_decay=a.weight_decay, batch_size=a.batch_size, val_frac=a.val_frac,
-                      seed=a.seed).check()
+                      refit=a.refit, seed=a.seed).check()
 
 
 def _labeled(path, fmt, column, label_column, labels) -> tuple[list[str], list[str]]:
@@ -575,18 +602,17 @@ def cmd_fit_head(a) -> int:
                              max_batch_tokens=a.batch_tokens)
         _err(f"teacher: prompt mode, prefix {teacher.prefix_len} tokens; labeling {len(queries)} queries")
         results, _ = run_batches(teacher, queries)
+        # scores are log-probabilities under label-constrained decoding: softmax = that distribution
         scores = torch.tensor([[r.scores[l] for l in labels] for r in results])
-        targets = scores.softmax(-1) if a.soft else scores.argmax(-1)
-        from collections import Counter
-
+        targets = scores.softmax(-1) if a.soft else torch.tensor([labels.index(r.label) for r in results])
         _err("teacher decisions: " + ", ".join(f"{l}: {c}" for l, c in
                                                 Counter(r.label for r in results).most_common()))
     else:
         targets = torch.tensor([labels.index(g) for g in gold])
+    _err(f"reading the hidden state of {len(queries)} queries (prefix {clf.prefix_len} tokens)")
     t0 = time.perf_counter()
     x = clf.features(queries)
-    _err(f"features of {len(queries)} queries in {time.perf_counter() - t0:.1f} s "
-         f"(prefix {clf.prefix_len} tokens); training a {opts.kind} head")
+    _err(f"done in {time.perf_counter() - t0:.1f} s; training a {opts.kind} head")
     head, info = fit_head(x, targets, labels, opts, log=print)
     info |= {"source": ("teacher-soft" if a.soft else "teacher") if a.teacher else "labels",
              "data": a.data}
@@ -599,14 +625,12 @@ def cmd_fit_head(a) -> int:
 
 def cmd_eval_modes(a) -> int:
     from .cli import _labels, _template
-    from .loading import load
-    from .classifier import resolve_device, resolve_dtype
+    from .loading import obtain
     from .prompt import SEED_LABELS, SEED_TEMPLATE
 
     labels = _labels(a) or SEED_LABELS
     queries, gold = _labeled(a.data, a.input_format, a.column, a.label_column, labels)
-    dev = resolve_device(a.device)
-    loaded = load(a.model, dev, resolve_dtype(a.dtype, dev))
+    loaded = obtain(a.model, a.device, a.dtype)
     rep = compare_modes(loaded, queries, gold, labels, _template(a) or SEED_TEMPLATE, chat=a.chat,
                         head_template=a.head_template, head_chat=a.head_chat, shots=_shots(a.shots),
                         folds=a.folds, seed=a.seed, opts=_fit_options(a),
@@ -635,10 +659,12 @@ def _fit_args(p) -> None:
     g.add_argument("--hidden", type=int, default=256, help="MLP width")
     g.add_argument("--epochs", type=int, default=200, help="at most this many epochs")
     g.add_argument("--patience", type=int, default=20, help="early stopping: epochs without a better val loss")
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--weight-decay", type=float, default=1e-2)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=1.0, help="AdamW decoupled weight decay")
     g.add_argument("--batch-size", type=int, default=32)
     g.add_argument("--val-frac", type=float, default=0.2, help="stratified validation share (0: none)")
+    g.add_argument("--refit", default=True, action=argparse.BooleanOptionalAction,
+                   help="after early stopping, train again on all rows for the best epoch count")
     g.add_argument("--seed", type=int, default=0, help="split, initialization and example choice")
 
 

@@ -50,16 +50,7 @@ def read_rows(path: str, fmt: str = "auto", columns: tuple[str, ...] = ("query",
                 for n, r in enumerate(reader, start=2):
                     rows.append(_checked(r, columns, path, n))
             elif fmt == "jsonl":
-                for n, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise InputError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-                    if not isinstance(obj, dict):
-                        raise InputError(f"{path}:{n}: expected a JSON object per line")
-                    rows.append(_checked(obj, columns, path, n))
+                rows = [_checked(obj, columns, path, n) for n, obj in iter_jsonl(f, path)]
             else:
                 raise InputError(f"unknown input format {fmt!r}: use txt, csv or jsonl")
         except UnicodeDecodeError:
@@ -67,6 +58,21 @@ def read_rows(path: str, fmt: str = "auto", columns: tuple[str, ...] = ("query",
     if not rows:
         raise InputError(f"{path}: no rows")
     return rows
+
+
+def iter_jsonl(f, path: str):
+    """(line number, object) for each non-blank line; a line that is not a JSON object is an error
+    naming it."""
+    for n, line in enumerate(f, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{path}:{n}: expected a JSON object per line")
+        yield n, obj
 
 
 def _checked(row: dict, columns, path, n) -> dict:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .errors import ModelLoadError
+from .errors import ConfigError, ModelLoadError
 from .model import Transformer, rope_inv_freq
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -27,6 +26,38 @@ class LoadedModel:
     lm_head: torch.Tensor  # [vocab, hidden]: only label rows are ever read from it
     tokenizer: object
     name: str  # what the user asked for, resolved to a path (recorded in trained heads)
+
+
+def resolve_device(device) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda requested but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ConfigError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+    return names[dtype]
+
+
+def obtain(model, device=None, dtype=None) -> LoadedModel:
+    """A LoadedModel as given, or loaded from a path (None: the bundled model) on device/dtype."""
+    if isinstance(model, LoadedModel):
+        return model
+    dev = resolve_device(device)
+    return load(model, dev, resolve_dtype(dtype, dev))
 
 
 def bundled_model_path() -> Path:

@@ -45,12 +45,11 @@ import numpy as np
 import torch
 
 from .batch import Plan
-from .classifier import resolve_device, resolve_dtype
 from .engine import Engine
 from .errors import ConfigError, InputError
 from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
-from .loading import LoadedModel, load
+from .loading import obtain
 from .prompt import Prompt, check_template, sentinel
 
 SLOTS = ("query", "item")
@@ -150,11 +149,7 @@ class Scorer:
             labels = check_labels(DEFAULT_LABELS if labels is None else labels)
         if template is not None:
             check_template(template, SLOTS)  # fail fast, before loading a model
-        if isinstance(model, LoadedModel):
-            self.loaded = model
-        else:
-            dev = resolve_device(device)
-            self.loaded = load(model, dev, resolve_dtype(dtype, dev))
+        self.loaded = obtain(model, device, dtype)
         self.engine = Engine(self.loaded)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer
@@ -606,19 +601,13 @@ def plan_items(groups: list[_Group], trie: LabelTrie, branches: list[tuple]) -> 
 
 def _read_requests(path: str) -> list[tuple[int, dict]]:
     """JSONL, one {"query": ..., "items": [...]} per line (other keys are passed through)."""
-    from .io import _open
+    from .io import _open, iter_jsonl
 
     out = []
     with _open(path) as f:
         try:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-                if not isinstance(obj, dict) or "query" not in obj or "items" not in obj:
+            for n, obj in iter_jsonl(f, path):
+                if "query" not in obj or "items" not in obj:
                     raise InputError(f"{path}:{n}: expected an object with \"query\" and \"items\"")
                 out.append((n, obj))
         except UnicodeDecodeError:

@@ -95,3 +95,24 @@ def random_queries(n, seed):
             q = "  " + q
         out.append(q)
     return out
+
+
+def fix_interpreter_loop_bounds():
+    """triton#9171: with numpy >= 2.4 the interpreter's scalars are (1,)-shaped arrays whose
+    int() raises, so every runtime loop bound (`range(0, P, BLOCK)`) fails. Fixed upstream after
+    Triton 3.6; patch the one lambda here (test-only, harmless where already fixed)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    orig = getattr(interpreter, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    patched._index_fixed = True
+    interpreter._patch_lang_tensor = patched

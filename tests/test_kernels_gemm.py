@@ -13,7 +13,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -27,25 +26,9 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 TS = [1, 3, 8, 16, 33, 64]
 
 
-def _fix_interpreter_loop_bounds():
-    """triton#9171 (see tests/test_kernels_triton.py): runtime scalars' __index__ under numpy>=2.4."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
+from conftest import fix_interpreter_loop_bounds  # noqa: E402
 
-    orig = getattr(interpreter, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_index_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._index_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-_fix_interpreter_loop_bounds()
+fix_interpreter_loop_bounds()
 
 from prefixscore.kernels.gemm_triton import (  # noqa: E402
     gate_up_silu_small, gemm_config, linear_small, qkv_rope_small)

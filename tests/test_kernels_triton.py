@@ -11,7 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
@@ -23,27 +22,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-def _fix_interpreter_loop_bounds():
-    """triton#9171: with numpy >= 2.4 the interpreter's scalars are (1,)-shaped arrays whose
-    int() raises, so every runtime loop bound (`range(0, P, BLOCK)`) fails. Fixed upstream after
-    Triton 3.6; patch the one lambda here (test-only, harmless where already fixed)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
+from conftest import fix_interpreter_loop_bounds  # noqa: E402
 
-    orig = getattr(interpreter, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_index_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._index_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-_fix_interpreter_loop_bounds()
+fix_interpreter_loop_bounds()
 
 from prefixscore.kernels.attention_triton import attention_triton  # noqa: E402
 from prefixscore.kernels.label_head_triton import label_head_triton  # noqa: E402

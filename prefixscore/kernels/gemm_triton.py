@@ -26,7 +26,6 @@ counters live in a small cached int32 buffer per (device, stream) that every ker
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
