@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import attention
+from .kernels.attention import span_layout
 from .kernels.fused import add_rms_norm
 from .kernels.gemm import gate_up_silu, linear, qkv_rope
 
@@ -58,8 +59,11 @@ class Attention(nn.Module):
         if ctx.kv_out is not None:  # building the prefix cache: keep post-RoPE K/V
             ctx.kv_out.append((k, v))
         pk, pv = ctx.prefix_kv[layer]
+        if ctx.layout is None and not q.is_cuda:  # CPU: spans and masks once per forward
+            ctx.layout = span_layout(ctx.base_start, ctx.base_end, ctx.own_start, ctx.seg_offsets,
+                                     pk.shape[0])
         o = attention(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
-                      c.head_dim ** -0.5, ctx.seg_offsets)
+                      c.head_dim ** -0.5, ctx.seg_offsets, ctx.layout)
         return linear(o.reshape(h.shape[0], -1), self.o_proj.weight)
 
 
@@ -119,6 +123,7 @@ class Context:
     own_start: torch.Tensor
     seg_offsets: torch.Tensor | None = None  # CPU hint for the torch reference only
     kv_out: list | None = None
+    layout: tuple | None = None  # CPU attention's padded spans and masks (kernels/attention.py)
 
 
 class Transformer(nn.Module):

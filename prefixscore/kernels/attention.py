@@ -13,6 +13,7 @@ base_start, base_end, own_start int32 [T]. Hq is a multiple of Hkv (GQA). Return
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 
@@ -72,11 +73,44 @@ def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, 
     return out.to(q.dtype)
 
 
-def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None):
-    """Dispatch: the Triton kernel on CUDA, the torch reference elsewhere."""
+def span_layout(base_start, base_end, own_start, seg_offsets, P):
+    """The CPU path's view of a batch, built once per forward (not per layer): spans padded to
+    [S, L] (index into the flat arrays, validity) and the boolean mask over prefix ++ span keys."""
+    T = base_start.shape[0]
+    offs = seg_offsets.tolist() if seg_offsets is not None else [0, T]
+    starts, lens = torch.tensor(offs[:-1]), torch.tensor(offs[1:]) - torch.tensor(offs[:-1])
+    L = int(lens.max())
+    ar = torch.arange(L)
+    valid = ar[None, :] < lens[:, None]
+    idx = (starts[:, None] + ar[None, :]).clamp(max=T - 1)
+    j, t = idx[:, None, :], idx[:, :, None]
+    bs, be, os_ = (x.long()[idx][:, :, None] for x in (base_start, base_end, own_start))
+    vis = (((j >= bs) & (j < be)) | ((j >= os_) & (j <= t))) & valid[:, None, :]
+    mask = torch.cat([torch.ones(idx.shape[0], L, P, dtype=torch.bool), vis], dim=-1)[:, None]
+    return idx, valid, mask
+
+
+def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
+    """CPU path: the same function as attention_ref through torch's fused SDPA (a few ops per layer
+    instead of ~25; the parity tests against HF cover it, tests/test_attention_cpu.py pins it to
+    the reference)."""
+    idx, valid, mask = layout
+    S = idx.shape[0]
+    kk = torch.cat([prefix_k.expand(S, *prefix_k.shape), k[idx]], dim=1).transpose(1, 2)
+    vv = torch.cat([prefix_v.expand(S, *prefix_v.shape), v[idx]], dim=1).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[idx].transpose(1, 2), kk, vv, attn_mask=mask, scale=scale,
+                                         enable_gqa=True).transpose(1, 2)
+    return out[0] if S == 1 else out[valid]
+
+
+def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
+              layout=None):
+    """Dispatch: the Triton kernel on CUDA, SDPA with a per-batch layout on CPU (or the reference)."""
     if q.is_cuda and use_triton():
         from .attention_triton import attention_triton
 
         return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale)
+    if layout is not None:
+        return attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale)
     return attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
                          seg_offsets)
