@@ -74,7 +74,7 @@ class Prompt:
         split = len(prefix_ids)
         for probe in PROBES:
             full = self.encode_text(self.render(**{s: probe for s in slots}))
-            split = min(split, _common(full, prefix_ids))
+            split = min(split, common_prefix_len(full, prefix_ids))
         self.prefix_ids = prefix_ids[:split]
 
     def _render_raw(self, values: dict) -> str:
@@ -134,7 +134,10 @@ class Prompt:
         return self.encode(truncate=False, **{**values, s: v[:lo]})
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    if a[:len(b)] == b:  # the usual case, compared at C speed
+        return min(len(a), len(b))
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -50,7 +50,7 @@ from .errors import ConfigError, InputError
 from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
 from .loading import obtain
-from .prompt import Prompt, check_template, sentinel
+from .prompt import Prompt, check_template, common_prefix_len, sentinel
 
 SLOTS = ("query", "item")
 DEFAULT_TEMPLATE = ("Decide whether the item is relevant to the query. Answer yes or no.\n"
@@ -108,18 +108,6 @@ class _Head:
     @property
     def single_tokens(self) -> bool:
         return all(len(p) == 1 for p in self.trie.paths)
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    if a[:len(b)] == b:  # the usual case, compared at C speed
-        return min(len(a), len(b))
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Scorer:
@@ -396,7 +384,7 @@ class Scorer:
             # Per item, how many of its tokens equal the query part's (at least one token of its
             # own stays, for the read-out). Share the length that saves the most tokens; an item
             # whose tokens merge deeper across the slot boundary is computed alone.
-            q = [min(_common(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
+            q = [min(common_prefix_len(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
             L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
             aligned = [i for i, n in zip(idx, q) if n >= L]
             groups += [_Group(start, kv, [], [full[i][start:]], [i]) for i, n in zip(idx, q) if n < L]
