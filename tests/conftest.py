@@ -28,8 +28,15 @@ def bundled():
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer(bundled):
-    return bundled.tokenizer
+def smol_tokenizer(request):
+    """SmolLM2's tokenizer (tiny test models use it). PREFIXSCORE_TEST_TOKENIZER names a folder
+    with its tokenizer files instead of the bundled GGUF (the GPU machine has no `gguf`)."""
+    folder = os.environ.get("PREFIXSCORE_TEST_TOKENIZER")
+    if folder:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    return request.getfixturevalue("bundled").tokenizer
 
 
 def tiny_hf_config(arch: str, **kw):
