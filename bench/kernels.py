@@ -262,17 +262,22 @@ def bench_attention(results, sweep):
         rec = dict(kind="time", kernel="attention", model=model, P=P, T=T, config=cfg,
                    eager_us=t_eager, graph_us=t_graph, ref_us=t_ref, bytes=nbytes, floor_us=floor)
         if sweep:
-            timed = []
-            for c in attn_sweep_configs(D, P):
-                t = graph_us(lambda: attention_triton(*args, out=out, config=c), launches=20, reps=10)
-                if t is not None:
-                    timed.append((t, c))
-            timed.sort(key=lambda x: x[0])
-            rec["sweep"] = [dict(us=t, config=c) for t, c in timed]
-            for t, c in timed[:3]:
-                print(f"      sweep {t:8.1f} us  {c}")
+            rec["sweep"] = sweep_attention(args, out, D, P)
         results.append(rec)
     bench_attention_multi_item(results, sweep)
+
+
+def sweep_attention(args, out, D, P):
+    """Time each candidate launch config in a CUDA graph; print the best three; fastest first."""
+    timed = []
+    for c in attn_sweep_configs(D, P):
+        t = graph_us(lambda: attention_triton(*args, out=out, config=c), launches=20, reps=10)
+        if t is not None:
+            timed.append((t, c))
+    timed.sort(key=lambda x: x[0])
+    for t, c in timed[:3]:
+        print(f"      sweep {t:8.1f} us  {c}")
+    return [dict(us=t, config=c) for t, c in timed]
 
 
 def bench_attention_multi_item(results, sweep):
@@ -302,15 +307,7 @@ def bench_attention_multi_item(results, sweep):
                    query_len=qlen, n_items=len(items), item_len=items[0], config=cfg,
                    eager_us=t_eager, graph_us=t_graph, visible_pairs=pairs)
         if sweep:
-            timed = []
-            for c in attn_sweep_configs(D, P):
-                t = graph_us(lambda: attention_triton(*args, out=out, config=c), launches=20, reps=10)
-                if t is not None:
-                    timed.append((t, c))
-            timed.sort(key=lambda x: x[0])
-            rec["sweep"] = [dict(us=t, config=c) for t, c in timed]
-            for t, c in timed[:3]:
-                print(f"      sweep {t:8.1f} us  {c}")
+            rec["sweep"] = sweep_attention(args, out, D, P)
         results.append(rec)
 
 

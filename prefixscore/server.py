@@ -367,6 +367,15 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
     tokenizer = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-tokenize")
     model_name = str(getattr(getattr(clf, "loaded", None), "name", "prefixscore"))
 
+    def admit(n: int) -> None:
+        """Reserve queue room for n queries/items: 429 when full, 503 once the engine faulted."""
+        try:
+            batcher.admit(n)
+        except Overloaded as e:
+            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
+        except EngineFault as e:
+            raise HTTPException(503, str(e)) from None
+
     @asynccontextmanager
     async def lifespan(app):
         task = asyncio.create_task(batcher.run())
@@ -429,12 +438,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
         if len(queries) > max_queries:
             raise HTTPException(413, f"{len(queries)} queries in one request, over the limit of "
                                      f"{max_queries} (--max-queries)")
-        try:
-            batcher.admit(len(queries))
-        except Overloaded as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-        except EngineFault as e:
-            raise HTTPException(503, str(e)) from None
+        admit(len(queries))
         try:
             encoded = await asyncio.get_running_loop().run_in_executor(tokenizer, encode_all, queries)
         except InputError as e:
@@ -493,12 +497,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
         texts = [req.query, *items, *(req.labels or [])]
         if not all(is_unicode(t) for t in texts if isinstance(t, str)):
             raise HTTPException(422, "query, items and labels must be valid Unicode text (a lone surrogate)")
-        try:
-            batcher.admit(len(items))
-        except Overloaded as e:
-            raise HTTPException(429, str(e), headers={"Retry-After": "1"}) from None
-        except EngineFault as e:
-            raise HTTPException(503, str(e)) from None
+        admit(len(items))
         try:  # the scorer tokenizes on the engine thread: one call per request, already batched;
             # only the fields the client sent: the scorer tells "item_first absent" from "false"
             out = await batcher.run_on_engine(scorer.score_request, req.model_dump(exclude_unset=True))
