@@ -82,13 +82,25 @@ class Classifier:
     def encode(self, query: str) -> Encoded:
         return self.prompt.encode(truncate=self.truncate, query=query)
 
+    def encode_many(self, queries: list[str]) -> list[Encoded]:
+        """encode() for many queries in one tokenizer call. An InputError carries `.index`, the
+        position of the first bad query."""
+        return self.prompt.encode_many([{"query": q} for q in queries], self.truncate)
+
     def classify(self, query: str) -> Result:
         return self.classify_batch([query])[0]
 
     def classify_batch(self, queries, progress=None) -> list[Result]:
         if isinstance(queries, str):
             raise InputError("classify_batch takes a list of strings; use classify() for one")
-        return self.classify_encoded([self.encode(q) for q in queries], progress)
+        queries = list(queries)
+        try:
+            encoded = self.encode_many(queries)
+        except InputError as e:
+            if len(queries) > 1:
+                raise InputError(f"query {e.index}: {e}") from None
+            raise
+        return self.classify_encoded(encoded, progress)
 
     def classify_encoded(self, encoded: list[Encoded], progress=None) -> list[Result]:
         """Run pre-tokenized requests (see encode) in as few flat batches as fit max_batch_tokens."""
@@ -122,7 +134,7 @@ class Classifier:
     def features(self, queries: list[str]) -> torch.Tensor:
         """Final-normed hidden state at each query's read-out position (the root row), [B, hidden]
         in fp32: the input of a trained N-way head (heads.py)."""
-        encoded = [self.encode(q) for q in queries]
+        encoded = self.encode_many(list(queries))
         out = torch.empty(len(encoded), self.engine.config.hidden_size)
         for chunk in self._chunks(encoded):
             batch = [encoded[i] for i in chunk]

@@ -79,7 +79,10 @@ def run_batches(clf, queries: list[str]):
     with tqdm(total=len(queries), unit="q", disable=None if len(queries) > 256 else True,
               file=sys.stderr, desc="classify") as bar:
         t0 = time.perf_counter()
-        encoded = [clf.encode(q) for q in queries]
+        try:
+            encoded = clf.encode_many(queries)
+        except InputError as e:
+            raise InputError(f"query {e.index + 1}: {e}") from None
         results = clf.classify_encoded(encoded, progress=bar.update)
         return results, time.perf_counter() - t0
 

@@ -229,7 +229,7 @@ def classify_with_head(clf, head: HeadWeights, queries: list[str], logprobs: boo
     follow the classifier's token budget."""
     from .classifier import Result
 
-    encoded = [clf.encode(q) for q in queries]
+    encoded = clf.encode_many(queries)
     out = [None] * len(encoded)
     for chunk in clf._chunks(encoded):
         scores, best = head_scores(clf, head, [encoded[i] for i in chunk], logprobs)

@@ -70,12 +70,14 @@ class Prompt:
             raise ConfigError("the chat template altered the slot; pass chat=False")
         self.pieces = pieces  # [text0, sentinel, text1, sentinel, text2, ...]
         self.prefix_text = pieces[0]
-        prefix_ids = self.encode_text(self.prefix_text)
+        self.backend = None  # the HF call first: the reference the Rust backend must match
+        texts = [self.prefix_text] + [self.render(**{s: probe for s in slots}) for probe in PROBES]
+        prefix_ids, *probed = self.encode_texts(texts)
         split = len(prefix_ids)
-        for probe in PROBES:
-            full = self.encode_text(self.render(**{s: probe for s in slots}))
+        for full in probed:
             split = min(split, common_prefix_len(full, prefix_ids))
         self.prefix_ids = prefix_ids[:split]
+        self.backend = rust_backend(tokenizer, texts, not self.chat, [prefix_ids, *probed])
 
     def _render_raw(self, values: dict) -> str:
         text = self.template
@@ -94,18 +96,38 @@ class Prompt:
         return "".join(out)
 
     def encode_text(self, text: str) -> list[int]:
+        return self.encode_texts([text])[0]
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
         # A chat template writes its own special tokens; a plain template gets the tokenizer's (BOS).
-        return self.tokenizer(text, add_special_tokens=not self.chat)["input_ids"]
+        special = not self.chat
+        if self.backend is not None:
+            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=special)]
+        return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def encode(self, truncate: bool = False, **values) -> Encoded:
-        for s in self.slots:
-            v = values.get(s)
-            if not isinstance(v, str):
-                raise InputError(f"{s} must be a string, got {type(v).__name__}")
-            if not v.strip():
-                raise InputError(f"empty {s}")
-        text = self.render(**values)
-        ids = self.encode_text(text)
+        return self.encode_many([values], truncate)[0]
+
+    def encode_many(self, values_list: list[dict], truncate: bool = False) -> list[Encoded]:
+        """encode() for many requests with one tokenizer call (parallel, off the GIL, when the Rust
+        backend is used). Raises the first request's InputError, with `.index` set to it."""
+        for i, values in enumerate(values_list):
+            for s in self.slots:
+                v = values.get(s)
+                if not isinstance(v, str):
+                    raise _at(InputError(f"{s} must be a string, got {type(v).__name__}"), i)
+                if not v.strip():
+                    raise _at(InputError(f"empty {s}"), i)
+        texts = [self.render(**values) for values in values_list]
+        out = []
+        for i, (values, text, ids) in enumerate(zip(values_list, texts, self.encode_texts(texts))):
+            try:
+                out.append(self._encoded(values, text, ids, truncate))
+            except InputError as e:
+                raise _at(e, i) from None
+        return out
+
+    def _encoded(self, values: dict, text: str, ids: list[int], truncate: bool) -> Encoded:
         limit = self.context_limit
         if limit and len(ids) > limit:
             if not truncate:
@@ -132,6 +154,26 @@ class Prompt:
         if lo == 0 or not v[:lo].strip():
             raise InputError(f"the template alone nearly fills the context limit of {limit} tokens")
         return self.encode(truncate=False, **{**values, s: v[:lo]})
+
+
+def _at(e: InputError, index: int) -> InputError:
+    e.index = index
+    return e
+
+
+def rust_backend(tokenizer, texts: list[str], special: bool, reference: list[list[int]]):
+    """The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer, when it gives the same ids as the
+    HF call on `texts` (the prefix and the probes): calling it directly skips ~0.1 ms of Python
+    wrapping per call and tokenizes a batch in parallel without the GIL. None otherwise (a
+    tokenizer that pre-processes text in Python keeps the HF call)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch"):
+        return None
+    try:
+        fast = [e.ids for e in backend.encode_batch(texts, add_special_tokens=special)]
+    except Exception:  # a backend of another shape: keep the HF call
+        return None
+    return backend if fast == reference else None
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -347,7 +347,7 @@ class Scorer:
             raise InputError("empty query")
         items = self._check_items(items, text=True)
         texts = [self.prompt.render(query=query, item=it) for it in items]
-        full = self.tokenizer(texts, add_special_tokens=not self.prompt.chat)["input_ids"]
+        full = self.prompt.encode_texts(texts)
         shared = self.prompt.encode_text(self._before_item(query))
         return self._checked(Prepared(items, full, shared))
 

@@ -32,6 +32,34 @@ def test_split_reproduces_whole_prompt_tokens(smol_tokenizer, name, chat):
         if e.start:  # the cached prefix is literally the start of the whole prompt's tokens
             assert e.ids[: e.start] == p.prefix_ids
     assert len(p.prefix_ids) >= len(p.encode_text(p.prefix_text)) - 2  # at most a merge or two back
+    assert p.backend is not None  # the ids above came from the Rust backend, checked against HF
+
+
+def test_batch_encoding_and_backend_fallback(smol_tokenizer):
+    """encode_many (one batched backend call) equals encode one by one; a backend that disagrees
+    with the HF call on the probes is not used."""
+    p = Prompt(smol_tokenizer, TEMPLATES["colon"], chat=True)
+    qs = QUERIES + random_queries(40, seed=2)
+    assert [e.ids for e in p.encode_many([{"query": q} for q in qs])] == \
+        [smol_tokenizer(p.render(query=q), add_special_tokens=False)["input_ids"] for q in qs]
+    with pytest.raises(InputError) as err:
+        p.encode_many([{"query": "ok"}, {"query": "fine"}, {"query": " "}])
+    assert err.value.index == 2
+
+    class Lowering:  # a tokenizer that edits text in Python before its Rust backend sees it
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def __call__(self, text, **kw):
+            return self.inner([t.lower() for t in text] if isinstance(text, list) else text.lower(), **kw)
+
+    q = Prompt(Lowering(smol_tokenizer), TEMPLATES["colon"], chat=True)
+    assert q.backend is None  # its backend disagrees with its own call: the call is kept
+    assert q.encode(query="Red Dress").ids == \
+        smol_tokenizer(q.render(query="Red Dress").lower(), add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("name", ["space", "none", "trailing"])
