@@ -488,3 +488,36 @@ def test_schemathesis_no_5xx(clf, scorer):
                     case.call_and_validate(base_url=base, checks=[not_a_server_error])
 
                 fuzz()
+
+
+def test_bad_request_fails_alone_in_its_batch(clf):
+    """The engine thread tokenizes a whole batch in one call; a request with an over-long query in
+    that batch gets its 422 and the others in the same batch their answers."""
+    wrapped = Wrapped(clf)
+    good = [f"good {i}" for i in range(5)]
+    want = clf.classify_batch(good)
+    app = create_app(wrapped, **LIMITS)
+    with running(app) as (base, _):
+        wrapped.gate = threading.Event()  # hold the engine so every request joins one batch
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                first = asyncio.create_task(c.post("/v1/classify", json={"query": "holder"}))
+                while wrapped.held == 0:
+                    await asyncio.sleep(0.01)
+                sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in good]
+                sent.insert(2, asyncio.create_task(c.post("/v1/classify", json={"query": ["ok", "word " * 200]})))
+                while app.state.batcher.depth < len(good) + 2:
+                    await asyncio.sleep(0.01)
+                wrapped.gate.set()
+                return await first, await asyncio.gather(*sent)
+
+        first, responses = asyncio.run(go())
+    assert first.status_code == 200
+    bad = responses.pop(2)
+    assert bad.status_code == 422 and "query 1 is" in bad.json()["detail"] and "--max-tokens" in bad.json()["detail"]
+    for r, w in zip(responses, want):
+        assert r.status_code == 200, r.text
+        check(r.json()["results"], [w])
+        assert r.json()["batch_size"] == len(good)
+    assert wrapped.batches[-1] == len(good)
