@@ -101,8 +101,8 @@ class Prompt:
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
         # A chat template writes its own special tokens; a plain template gets the tokenizer's (BOS).
         special = not self.chat
-        if self.backend is not None:
-            return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=special)]
+        if self.backend is not None:  # no offsets: the fast form (tokenizers >= 0.21), ~20% less
+            return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=special)]
         return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def encode(self, truncate: bool = False, **values) -> Encoded:
@@ -167,10 +167,10 @@ def rust_backend(tokenizer, texts: list[str], special: bool, reference: list[lis
     wrapping per call and tokenizes a batch in parallel without the GIL. None otherwise (a
     tokenizer that pre-processes text in Python keeps the HF call)."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch"):
+    if backend is None or not hasattr(backend, "encode_batch_fast"):
         return None
     try:
-        fast = [e.ids for e in backend.encode_batch(texts, add_special_tokens=special)]
+        fast = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
     except Exception:  # a backend of another shape: keep the HF call
         return None
     return backend if fast == reference else None
