@@ -38,6 +38,11 @@ class Plan:
     def num_tokens(self) -> int:
         return self.tokens.shape[0]
 
+    def pinned(self) -> "Plan":
+        """Host tensors in page-locked memory, so copies to the GPU are asynchronous."""
+        return Plan(**{k: (v.pin_memory() if k != "seg_offsets" and torch.is_tensor(v) else v)
+                       for k, v in self.__dict__.items()})
+
     def to(self, device) -> "Plan":
         moved = {k: (v if k == "seg_offsets" or not torch.is_tensor(v) else v.to(device, non_blocking=True))
                  for k, v in self.__dict__.items()}

@@ -62,17 +62,39 @@ class Engine:
         h = m(tokens, positions, ctx)
         return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs)
 
-    @torch.inference_mode()
     def run(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
         """-> (scores [R, N] fp32, best [R]) on the CPU for the plan's read-out rows."""
+        return self.launch(plan, prefix_kv, weight, logprobs)()
+
+    @torch.inference_mode()
+    def launch(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
+        """Queue the plan's forward and return `collect()`, which waits for it and returns what
+        run() returns. On CUDA an eager (past the graphs) forward is queued without a host sync,
+        so the host can prepare the next plan while the GPU works. Graph replays share static
+        buffers: they finish before launch returns."""
         g = self.graphs.get((id(prefix_kv), id(weight), logprobs))
         if g is not None and plan.num_tokens <= g.max_tokens:
-            return g.run(plan)
-        p = plan.to(self.device)
+            out = g.run(plan)
+            return lambda: out
+        cuda = self.device.type == "cuda"
+        p = plan.pinned().to(self.device) if cuda else plan  # pinned: the copies do not block
         ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets)
         scores, best = self.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, weight,
                                            logprobs)
-        return scores.cpu(), best.cpu()
+        if not cuda:
+            return lambda: (scores, best)
+        host = (torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True),
+                torch.empty(best.shape, dtype=best.dtype, pin_memory=True))
+        host[0].copy_(scores, non_blocking=True)
+        host[1].copy_(best, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def collect():
+            done.synchronize()
+            return host
+
+        return collect
 
     def capture(self, prefix_kv, weight, logprobs: bool, max_tokens: int) -> dict:
         """CUDA graphs for every bucket up to max_tokens; returns capture time and memory."""

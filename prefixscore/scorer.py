@@ -462,13 +462,24 @@ class Scorer:
                 groups.append(g)
             n += len(prep.full)
         scores, decisions = [None] * n, [None] * n
-        for batch in self._passes(groups, branch):
-            s, d = self._run_pass(batch, mode, head, branches)
+
+        def collect(batch, pending):
+            s, d = pending()
             slots = [i for g in batch for i in g.slots]
             for i, si, di in zip(slots, s, d):
                 scores[i], decisions[i] = si, di
             if progress is not None:
                 progress(len(slots))
+
+        # One pass in flight while the host plans the next (eager passes are queued without a sync).
+        last = None
+        for batch in self._passes(groups, branch):
+            pending = self._launch_pass(batch, mode, head, branches)
+            if last is not None:
+                collect(*last)
+            last = (batch, pending)
+        if last is not None:
+            collect(*last)
         out, i = [], 0
         for prep in prepared:
             out.append([ItemResult(it, head.labels[decisions[i + j]],
@@ -500,21 +511,27 @@ class Scorer:
                 yield batch
 
     @torch.inference_mode()
-    def _run_pass(self, groups: list[_Group], mode: str, head: _Head, branches):
+    def _launch_pass(self, groups: list[_Group], mode: str, head: _Head, branches):
+        """Queue one flat pass; returns a function that waits for it -> (scores, decisions) lists."""
         plan = plan_items(groups, head.trie, branches)
         kv, trie = groups[0].kv, head.trie
         if mode == "vocab_probs":
             probs = self._vocab_probs(plan, kv, [p[0] for p in trie.paths])
-            return probs.tolist(), probs.argmax(-1).tolist()
-        s, best = self.engine.run(plan, kv, head.weight, mode != "logits")  # a graph if captured
-        if mode == "logits":
-            label_scores, decision = trie.assemble_logits(s, best)
-        else:
-            label_scores, decision = trie.assemble(s, best, plan.batch)
-        label_scores = np.asarray(label_scores)
-        if mode == "softmax":
-            label_scores = np.exp(label_scores)
-        return label_scores.tolist(), np.asarray(decision).tolist()
+            return lambda: (probs.tolist(), probs.argmax(-1).tolist())
+        pending = self.engine.launch(plan, kv, head.weight, mode != "logits")  # a graph if captured
+
+        def collect():
+            s, best = pending()
+            if mode == "logits":
+                label_scores, decision = trie.assemble_logits(s, best)
+            else:
+                label_scores, decision = trie.assemble(s, best, plan.batch)
+            label_scores = np.asarray(label_scores)
+            if mode == "softmax":
+                label_scores = np.exp(label_scores)
+            return label_scores.tolist(), np.asarray(decision).tolist()
+
+        return collect
 
     def _vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
         """Each label token's probability under the whole vocabulary: the full output head, but

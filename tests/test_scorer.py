@@ -360,14 +360,16 @@ def test_cli_score(models, tmp_path, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_matches_hf(tiny_model):
-    """The same 128 random requests on the GPU in bf16 against HF in bf16 on the same weights:
-    scores within 2e-2; decisions equal wherever HF's top two labels are further apart than that."""
+    """The same 128 random requests on the GPU in bf16 against HF on the same weights. bf16 has no
+    single right answer, so the yardstick is HF fp32: our bf16 scores may be at most twice as far
+    from it as HF's own bf16 scores are (and 2e-2 always passes); decisions equal HF fp32's
+    wherever its top two labels are further apart than that bound."""
     from transformers import AutoModelForCausalLM
 
     for arch in ARCHS:
         path = tiny_model(arch)
         loaded = load(path, "cuda", torch.bfloat16)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
         template, chat = TEMPLATES["query_first"]
         requests = random_requests(32, seed=ARCHS.index(arch))
         for layout in ("packed", "alone"):
@@ -377,17 +379,23 @@ def test_gpu_bf16_matches_hf(tiny_model):
             prompts = [whole_prompt(sc.tokenizer, template, chat, q, it) for q, its in requests
                        for it in its]
             cols = [p[0] for p in sc.trie.paths]
+            refs = {}
             with torch.no_grad():
-                logits = []
-                for b in range(0, len(prompts), 32):
-                    ids, mask = _left_pad(prompts[b:b + 32], 0)
-                    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-                    out = hf(input_ids=ids.cuda(), attention_mask=mask.cuda(), position_ids=pos.cuda(),
-                             logits_to_keep=1)
-                    logits.append(out.logits[:, -1, cols].float().cpu())
-                ref = torch.cat(logits).softmax(-1)
+                for dtype in (torch.float32, torch.bfloat16):
+                    hf.to(dtype)
+                    logits = []
+                    for b in range(0, len(prompts), 32):
+                        ids, mask = _left_pad(prompts[b:b + 32], 0)
+                        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+                        out = hf(input_ids=ids.cuda(), attention_mask=mask.cuda(),
+                                 position_ids=pos.cuda(), logits_to_keep=1)
+                        logits.append(out.logits[:, -1, cols].float().cpu())
+                    refs[dtype] = torch.cat(logits).softmax(-1)
+                hf.to(torch.float32)
+            ref = refs[torch.float32]
             got = torch.tensor([[r.scores[l] for l in sc.labels] for r in ours])
-            assert (got - ref).abs().max() < 2e-2, (arch, layout)
+            bound = max(2e-2, 2 * (refs[torch.bfloat16] - ref).abs().max().item())
+            assert (got - ref).abs().max() < bound, (arch, layout, bound)
             top2 = ref.topk(2, -1).values
-            clear = (top2[:, 0] - top2[:, 1]) > 2e-2
+            clear = (top2[:, 0] - top2[:, 1]) > bound
             assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear]), (arch, layout)
