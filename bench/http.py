@@ -259,7 +259,12 @@ def main():
     except ImportError:
         pass
 
-    out = {"serve_flags": serve_flags, "cpus": os.cpu_count()}
+    import importlib.util
+
+    # uvicorn picks httptools and uvloop when they are installed, else pure-Python h11 / asyncio
+    stack = {m: importlib.util.find_spec(m) is not None for m in ("httptools", "uvloop")}
+    out = {"serve_flags": serve_flags, "cpus": os.cpu_count(), "server_stack": stack}
+    print(f"server stack: {stack}", flush=True)
     out["inproc"], out["engine"] = inprocess(serve_flags, queries, a.serial)
     print(f"in-process classify(q): p50 {out['inproc']['p50_ms']:.3f} ms  p99 {out['inproc']['p99_ms']:.3f} ms",
           flush=True)

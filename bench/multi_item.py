@@ -115,6 +115,25 @@ def check(sc, hf, req, device):
     return out
 
 
+def profile(fn) -> dict:
+    """Kernel time of one call by kernel name (torch profiler), and the call's wall and GPU time."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
+        fn()
+        torch.cuda.synchronize()
+    by = {}
+    for e in p.key_averages():
+        us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if us and e.device_type.name == "CUDA":
+            by[e.key[:80]] = (by.get(e.key[:80], (0, 0))[0] + us, e.count)
+    top = sorted(by.items(), key=lambda kv: -kv[1][0])[:15]
+    total = sum(v[0] for v in by.values())
+    return {"kernel_us_total": total, "top": [{"kernel": k, "us": v[0], "count": v[1]} for k, v in top]}
+
+
 def measure_floors(device):
     if device.type != "cuda":
         return None
@@ -165,6 +184,20 @@ def main():
         res["rows"][f"prefixscore {layout}"] = {**summary(ms, a.items), "items_per_span": m,
                                                 "tokens_per_request": tokens}
         print(layout, res["rows"][f"prefixscore {layout}"], flush=True)
+    if device.type == "cuda":
+        import prefixscore.model as M
+
+        sc.layout = "packed"
+        res["profile_packed"] = profile(lambda: sc.score_ids(*reqs[3]))
+        print("profile", json.dumps(res["profile_packed"])[:1500], flush=True)
+        for chunk in (1024, 2048, 4096):  # the MLP of a 15k-token pass in L2-sized chunks
+            M.MLP_CHUNK = chunk
+            for q, items in reqs[:2]:
+                sc.score_ids(q, items)
+            ms = [timed(lambda: sc.score_ids(q, items), device)[1] for q, items in reqs[3:]]
+            res["rows"][f"prefixscore packed, MLP in {chunk}-token chunks"] = summary(ms, a.items)
+            print(chunk, res["rows"][f"prefixscore packed, MLP in {chunk}-token chunks"], flush=True)
+        M.MLP_CHUNK = None
     # the batch form: several requests per call (auto layout)
     sc.layout = "auto"
     batches = [reqs[3:][i:i + a.per_call] for i in range(0, a.requests, a.per_call)]
