@@ -6,7 +6,8 @@ Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), b
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
   correctness  ours (pinned prefix, flat batch, graphs, Triton) vs HF on the full 56-token prompt:
                decisions and label log-probs, 500 random requests per shape
-  W1           batch 1: GPU time of one graph replay (CUDA events), and the whole engine call
+  W1           batch 1: GPU time of one graph replay (CUDA events), and the whole engine call;
+               the replay again with graphs captured without programmatic dependent launch
   W2           4096 requests at once: requests/s
   W4           W1 on the 7B shape
   peers        HF eager full prompt; HF eager with the prefix KV reused; our engine with plain torch
@@ -225,9 +226,12 @@ def host_profile(fn, n=300):
     return s.getvalue()[-3500:]
 
 
-def plain_graph(ours, suffix):
-    """The same engine with torch reference kernels (no Triton), captured in one CUDA graph."""
-    K.USE_TRITON = False
+def variant_graph(ours, suffix, **switches):
+    """W1 replay of the same engine captured with kernels/ switches changed (USE_TRITON=False: torch
+    reference kernels, the plain graph; USE_PDL=False: Triton without programmatic launch)."""
+    saved = {k: getattr(K, k) for k in switches}
+    for k, v in switches.items():
+        setattr(K, k, v)
     try:
         w = ours.weight.clone()  # a distinct key for the engine's graph table
         ours.engine.capture(ours.prefix, w, True, 16)
@@ -236,7 +240,8 @@ def plain_graph(ours, suffix):
         g = ours.engine.graphs[(id(ours.prefix), id(w), True)].graphs[16]
         return stats(gpu_times(g.replay))
     finally:
-        K.USE_TRITON = True
+        for k, v in saved.items():
+            setattr(K, k, v)
 
 
 def profile_kernels(ours, suffix):
@@ -273,7 +278,8 @@ def run_shape(shape, floors, batches, quick):
     res["w1_gpu_replay"] = stats(gpu_times(ours.replay_fn(one)))
     res["w1_engine_call"] = stats(wall_times(lambda: ours.classify_ids(one)))
     res["w1_host_profile"] = host_profile(lambda: ours.classify_ids(one))
-    res["plain_graph"] = plain_graph(ours, one[0])
+    res["plain_graph"] = variant_graph(ours, one[0], USE_TRITON=False)
+    res["w1_gpu_replay_no_pdl"] = variant_graph(ours, one[0], USE_PDL=False)
     res.update(hf_peers(hf, ours.prefix_ids))
     res["profile_w1"] = profile_kernels(ours, one[0])
     sweep = {}
@@ -383,6 +389,7 @@ def print_table(r):
         print(f"{'row':34s} {'p50 ms':>9s} {'p99 ms':>9s}")
         rows = [("weight-read floor", {"p50_ms": s["weight_floor_ms"], "p99_ms": float('nan')}),
                 ("prefixscore GPU (graph replay)", s["w1_gpu_replay"]),
+                ("same, without PDL", s.get("w1_gpu_replay_no_pdl", {"skipped": 1})),
                 ("prefixscore engine call (ids)", s["w1_engine_call"]),
                 ("plain torch kernels, one graph", s["plain_graph"]),
                 ("HF eager, full prompt", s["hf_eager_full_prompt"]),

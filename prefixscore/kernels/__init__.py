@@ -1,5 +1,6 @@
 """Kernels with a torch reference and (on CUDA) a Triton implementation behind the same call."""
 USE_TRITON = True  # False: torch references on CUDA too (the plain-graph baseline in bench/)
+USE_PDL = True  # programmatic dependent launch on Hopper+ (kernels/pdl.py); bench/ flips it
 from .attention import attention, attention_ref
 from .label_head import label_head, label_head_ref
 
