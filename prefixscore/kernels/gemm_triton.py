@@ -78,12 +78,13 @@ def _skinny_kernel(
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     k0 = pid_k * (ITERS * BLOCK_K)
     if PDL:
-        # The weights are never written: pull the first tiles of this program's slice into L2
-        # while the previous kernel finishes, then wait for it before reading x.
-        kp = tl.minimum(k0 + tl.arange(0, PF_LINES) * 64, K - 1)[None, :]
-        prefetch_l2(wa_ptr + kp)
-        if TWO:
-            prefetch_l2(wb_ptr + kp)
+        if PF_LINES > 0:
+            # The weights are never written: pull the first tiles of this program's slice into
+            # L2 while the previous kernel finishes, then wait for it before reading x.
+            kp = tl.minimum(k0 + tl.arange(0, PF_LINES) * 64, K - 1)[None, :]
+            prefetch_l2(wa_ptr + kp)
+            if TWO:
+                prefetch_l2(wb_ptr + kp)
         tl.extra.cuda.gdc_launch_dependents()  # kernels/pdl.py
         tl.extra.cuda.gdc_wait()
     for i in range(ITERS):
@@ -288,7 +289,9 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None):
         out = x
     # Prefetch (PDL only) the first two K tiles of each weight row, in 64-element steps: all of a
     # one-tile split, and never more than L2 holds for 7B-sized layers.
-    pf = triton.next_power_of_2(max(1, min(cfg["ITERS"], 2) * cfg["BLOCK_K"] // 64))
+    from . import PDL_PREFETCH
+
+    pf = triton.next_power_of_2(max(1, min(cfg["ITERS"], 2) * cfg["BLOCK_K"] // 64)) if PDL_PREFETCH else 0
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
