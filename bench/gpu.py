@@ -6,8 +6,7 @@ Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), b
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
   correctness  ours (pinned prefix, flat batch, graphs, Triton) vs HF on the full 56-token prompt:
                decisions and label log-probs, 500 random requests per shape
-  W1           batch 1: GPU time of one graph replay (CUDA events), and the whole engine call;
-               the replay again with graphs captured without programmatic dependent launch
+  W1           batch 1: GPU time of one graph replay (CUDA events), and the whole engine call
   W2           4096 requests at once: requests/s
   W4           W1 on the 7B shape
   peers        HF eager full prompt; HF eager with the prefix KV reused; our engine with plain torch
@@ -228,7 +227,7 @@ def host_profile(fn, n=300):
 
 def variant_graph(ours, suffix, **switches):
     """W1 replay of the same engine captured with kernels/ switches changed (USE_TRITON=False: torch
-    reference kernels, the plain graph; USE_PDL=False: Triton without programmatic launch)."""
+    reference kernels, the plain graph)."""
     saved = {k: getattr(K, k) for k in switches}
     for k, v in switches.items():
         setattr(K, k, v)
@@ -279,8 +278,6 @@ def run_shape(shape, floors, batches, quick):
     res["w1_engine_call"] = stats(wall_times(lambda: ours.classify_ids(one)))
     res["w1_host_profile"] = host_profile(lambda: ours.classify_ids(one))
     res["plain_graph"] = variant_graph(ours, one[0], USE_TRITON=False)
-    res["w1_gpu_replay_no_pdl"] = variant_graph(ours, one[0], USE_PDL=False)
-    res["w1_gpu_replay_pdl_no_prefetch"] = variant_graph(ours, one[0], USE_PDL=True, PDL_PREFETCH=False)
     res.update(hf_peers(hf, ours.prefix_ids))
     res["profile_w1"] = profile_kernels(ours, one[0])
     sweep = {}
@@ -298,26 +295,6 @@ def run_shape(shape, floors, batches, quick):
     del hf, ours
     torch.cuda.empty_cache()
     return res
-
-
-def w1_variants(shapes):
-    """W1 (and W4) replay with the kernel switches of kernels/__init__.py, one engine per shape."""
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
-    for shape in shapes:
-        hf = hf_model(shape)
-        ours = Synthetic(hf)
-        del hf
-        one = random_suffixes(1, seed=9)
-        r = {"default": stats(gpu_times(ours.replay_fn(one))),
-             "engine_call": stats(wall_times(lambda: ours.classify_ids(one)))}
-        for name, sw in [("no_pdl", dict(USE_PDL=False)), ("pdl_prefetch", dict(USE_PDL=True)),
-                         ("pdl_no_prefetch", dict(USE_PDL=True, PDL_PREFETCH=False))]:
-            r[name] = variant_graph(ours, one[0], **sw)
-        out["shapes"][shape] = r
-        print(shape, json.dumps(r), flush=True)
-        del ours
-        torch.cuda.empty_cache()
-    (OUT / "gpu_w1_variants.json").write_text(json.dumps(out, indent=1))
 
 
 def real_form(quick):
@@ -386,12 +363,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
-    ap.add_argument("--w1-variants", action="store_true",
-                    help="only W1/W4: GPU replay with and without PDL, and the engine call")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    if a.w1_variants:
-        return w1_variants(["0.5B"] + ([] if a.skip_7b else ["7B"]))
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "floors": measure_floors(),
                "peers": peers_available(), "shapes": []}
     print(results["floors"], flush=True)
@@ -414,8 +387,6 @@ def print_table(r):
         print(f"{'row':34s} {'p50 ms':>9s} {'p99 ms':>9s}")
         rows = [("weight-read floor", {"p50_ms": s["weight_floor_ms"], "p99_ms": float('nan')}),
                 ("prefixscore GPU (graph replay)", s["w1_gpu_replay"]),
-                ("same, without PDL", s.get("w1_gpu_replay_no_pdl", {"skipped": 1})),
-                ("same, PDL without L2 prefetch", s.get("w1_gpu_replay_pdl_no_prefetch", {"skipped": 1})),
                 ("prefixscore engine call (ids)", s["w1_engine_call"]),
                 ("plain torch kernels, one graph", s["plain_graph"]),
                 ("HF eager, full prompt", s["hf_eager_full_prompt"]),

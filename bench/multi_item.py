@@ -185,19 +185,9 @@ def main():
                                                 "tokens_per_request": tokens}
         print(layout, res["rows"][f"prefixscore {layout}"], flush=True)
     if device.type == "cuda":
-        import prefixscore.model as M
-
         sc.layout = "packed"
         res["profile_packed"] = profile(lambda: sc.score_ids(*reqs[3]))
         print("profile", json.dumps(res["profile_packed"])[:1500], flush=True)
-        for chunk in (1024, 2048, 4096):  # the MLP of a 15k-token pass in L2-sized chunks
-            M.MLP_CHUNK = chunk
-            for q, items in reqs[:2]:
-                sc.score_ids(q, items)
-            ms = [timed(lambda: sc.score_ids(q, items), device)[1] for q, items in reqs[3:]]
-            res["rows"][f"prefixscore packed, MLP in {chunk}-token chunks"] = summary(ms, a.items)
-            print(chunk, res["rows"][f"prefixscore packed, MLP in {chunk}-token chunks"], flush=True)
-        M.MLP_CHUNK = None
     # the batch form: several requests per call (auto layout)
     sc.layout = "auto"
     batches = [reqs[3:][i:i + a.per_call] for i in range(0, a.requests, a.per_call)]

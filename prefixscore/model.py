@@ -25,10 +25,6 @@ from .kernels.fused import add_rms_norm
 from .kernels.gemm import gate_up_silu, linear, qkv_rope
 
 
-# Tokens per MLP chunk for large batches (None: one pass). bench/multi_item.py measures it.
-MLP_CHUNK: int | None = None
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -85,16 +81,6 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, h):
-        C = MLP_CHUNK
-        if not C or h.shape[0] <= C:
-            return self._mlp(h)
-        # Many tokens: the [C, 2I] gate/up and [C, I] intermediates of a chunk stay in L2
-        out = torch.empty_like(h)
-        for i in range(0, h.shape[0], C):
-            out[i:i + C] = self._mlp(h[i:i + C])
-        return out
-
-    def _mlp(self, h):
         return linear(gate_up_silu(h, self.wgu, self.bgu), self.down_proj.weight, self.down_proj.bias)
 
 

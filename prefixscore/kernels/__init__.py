@@ -1,7 +1,5 @@
 """Kernels with a torch reference and (on CUDA) a Triton implementation behind the same call."""
 USE_TRITON = True  # False: torch references on CUDA too (the plain-graph baseline in bench/)
-USE_PDL = False  # programmatic dependent launch on Hopper+ (kernels/pdl.py): measured slower, off
-PDL_PREFETCH = True  # with PDL, skinny GEMMs pull their first weight tiles into L2 before waiting
 from .attention import attention, attention_ref
 from .label_head import label_head, label_head_ref
 

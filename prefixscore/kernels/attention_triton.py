@@ -26,8 +26,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
-
 
 @triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -54,11 +52,8 @@ def _prefix_attn_kernel(
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
     T, P, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    if PDL:  # kernels/pdl.py: let the next kernel launch; wait for the previous one's writes
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
@@ -214,6 +209,6 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         out.stride(0), out.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        **cfg, **pdl_launch(q),
+        **cfg,
     )
     return out

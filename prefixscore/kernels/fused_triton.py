@@ -6,15 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
-
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, H, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # kernels/pdl.py: let the next kernel launch; wait for the previous one's writes
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -38,7 +33,7 @@ def add_rms_norm_triton(x, residual, weight, eps, out=None, res_out=None):
     res_out = torch.empty_like(x) if res_out is None else res_out
     _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out, res_out, H,
                                eps, HAS_RES=residual is not None,
-                               BLOCK=triton.next_power_of_2(H), num_warps=4, **pdl_launch(x))
+                               BLOCK=triton.next_power_of_2(H), num_warps=4)
     return out, res_out
 
 

@@ -32,7 +32,6 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import pdl_launch, prefetch_l2
 
 
 @triton.jit
@@ -46,7 +45,6 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    PDL: tl.constexpr, PF_LINES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -77,16 +75,6 @@ def _skinny_kernel(
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     k0 = pid_k * (ITERS * BLOCK_K)
-    if PDL:
-        if PF_LINES > 0:
-            # The weights are never written: pull the first tiles of this program's slice into
-            # L2 while the previous kernel finishes, then wait for it before reading x.
-            kp = tl.minimum(k0 + tl.arange(0, PF_LINES) * 64, K - 1)[None, :]
-            prefetch_l2(wa_ptr + kp)
-            if TWO:
-                prefetch_l2(wb_ptr + kp)
-        tl.extra.cuda.gdc_launch_dependents()  # kernels/pdl.py
-        tl.extra.cuda.gdc_wait()
     for i in range(ITERS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -287,18 +275,13 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None):
         if not qk_norm:
             qn = kn = x
         out = x
-    # Prefetch (PDL only) the first two K tiles of each weight row, in 64-element steps: all of a
-    # one-tile split, and never more than L2 holds for 7B-sized layers.
-    from . import PDL_PREFETCH
-
-    pf = triton.next_power_of_2(max(1, min(cfg["ITERS"], 2) * cfg["BLOCK_K"] // 64)) if PDL_PREFETCH else 0
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
         T, x.stride(0), out.stride(0) if rope is None else 0, eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, PF_LINES=pf, **cfg, **pdl_launch(x),
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg,
     )
 
 

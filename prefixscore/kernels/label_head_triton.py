@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import pdl_launch
-
 from .attention_triton import _num_sms
 
 
@@ -25,11 +23,8 @@ def _label_head_kernel(
     sx_t, sw_n, sa_r, ss_r,
     R, N, H, eps,
     LOGPROBS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    if PDL:  # kernels/pdl.py: let the next kernel launch; wait for the previous one's writes
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
     src = tl.load(ROWS + r, mask=r_ok, other=0).to(tl.int64)
@@ -139,6 +134,6 @@ def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=
         LOGPROBS=bool(logprobs),
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED,
-        **cfg, **pdl_launch(hidden),
+        **cfg,
     )
     return out_scores, out_best
