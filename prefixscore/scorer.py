@@ -15,13 +15,14 @@ padded to a token bucket) run it unchanged. Layouts (`layout=`):
     packed  the query part once, then every item of the request, in one span
     alone   every item its own span with its own copy of the query part (no base range)
     auto    (default) items per span by estimated cost: new-token FLOPs + the in-batch attention
-            the kernel scans. Today's kernel scans a span from its start, so one very long packed
-            span pays quadratic attention; auto then settles on a few items per span.
+            the kernel scans. On the GPU the kernel scans an item's base range and own range
+            separately, so items do not pay for each other and auto packs whole requests; the CPU
+            reference attention is dense per span, so there auto settles on a few items per span.
 
 Why not a second pass with per-request prefix KV ("in-batch prefix caching")? In this flat design a
 span's base range already *is* a per-request prefix computed in the same pass, so a second pass
-would only add a launch and a KV copy. Its one real advantage, that items would not scan past each
-other's keys, belongs in the attention kernel (scan the base range, then the own range; see
+would only add a launch and a KV copy. Its one real advantage, that items do not scan past each
+other's keys, is in the attention kernel (it scans the base range, then the own range; see
 `_scan`), where it helps packed spans and label-trie branches alike.
 
 Exactness: each item's whole prompt is tokenized as one text, and the query part is only the tokens
@@ -412,13 +413,14 @@ class Scorer:
             n += s
         return out + [cur]
 
-    def _scan(self, S: int) -> float:
-        """In-batch (query row, key) pairs the attention visits for a span of S tokens. The Triton
-        kernel scans each row block's keys from the lowest range start of its rows (for items: the
-        span's start, their base range) to its last token: S^2/2 per span. The torch reference
-        pads each span to a dense S x S block. (A kernel that scanned the base range and the own
-        range separately would make packed spans cost ~ S x (query part + item) instead.)"""
-        return S * S / 2 if self.engine.device.type == "cuda" else float(S * S)
+    def _scan(self, shared: int, items: list[int]) -> float:
+        """In-batch (query row, key) pairs the attention visits for one span: the query part, then
+        items of the given sizes. The Triton kernel scans each row's base range (the query part)
+        and its own causal range separately, so an item costs ~ size x (query part + size / 2)
+        whatever else shares the span. The torch reference pads each span to a dense S x S block."""
+        if self.engine.device.type == "cuda":
+            return shared * shared / 2 + sum(n * (shared + n / 2) for n in items)
+        return float((shared + sum(items)) ** 2)
 
     def _cost_weights(self) -> tuple[float, float]:
         """FLOPs per new token (GEMMs + the pinned prefix scan) and per in-batch pair scanned."""
@@ -441,8 +443,8 @@ class Scorer:
         w_tok, w_pair = self._cost_weights()
 
         def cost(m):
-            spans = [shared + sum(sizes[j] for j in c) for c in self._fill(shared, sizes, m)]
-            return sum(w_tok * S + w_pair * self._scan(S) for S in spans)
+            spans = [[sizes[j] for j in c] for c in self._fill(shared, sizes, m)]
+            return sum(w_tok * (shared + sum(c)) + w_pair * self._scan(shared, c) for c in spans)
 
         candidates = {n} | {2 ** k for k in range(n.bit_length()) if 2 ** k < n}
         return min(sorted(candidates), key=cost)

@@ -180,6 +180,13 @@ def test_auto_layout_by_estimated_cost(models):
     sc = Scorer(loaded, TEMPLATES["query_first"][0], LABELS, chat=False)
     assert sc.items_per_span(200, [5] * 50) > 1  # long query part, short items: share it
     assert sc.items_per_span(0, [40] * 50) == 1  # nothing to share: spans only cost attention
+    assert sc.items_per_span(50, [150] * 100) < 100  # CPU: dense attention per span
+    sc.engine.device = torch.device("cuda")  # the GPU kernel's cost: items do not scan each other
+    try:
+        assert sc.items_per_span(50, [150] * 100) == 100  # W3: pack the whole request
+        assert sc.items_per_span(0, [40] * 50) == 1
+    finally:
+        sc.engine.device = torch.device("cpu")
     assert Scorer(loaded, TEMPLATES["query_first"][0], LABELS, chat=False,
                   layout="alone").items_per_span(200, [5] * 50) == 1
     # item first: only the pinned prefix is shared, so every item is its own span
