@@ -39,6 +39,7 @@ from pathlib import Path
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 OUT = Path(os.environ.get("OUT") or "bench/results")
 TARGET_P99_MS = 5.0
+KEEP_ALIVE_S = 4.0  # below uvicorn's 5 s keep-alive timeout
 
 
 def pct(xs, q):
@@ -133,6 +134,9 @@ async def open_loop(port, raws, rate, duration, max_requests, timeout, max_conns
             async with free:
                 while not idle and opened >= max_conns:
                     await free.wait()
+                while idle and time.perf_counter() - idle[-1].since > KEEP_ALIVE_S:
+                    idle.pop().close()  # the server may have closed it: never reuse a stale one
+                    opened -= 1
                 if idle:
                     conn = idle.pop()
                 else:
@@ -141,6 +145,7 @@ async def open_loop(port, raws, rate, duration, max_requests, timeout, max_conns
                 conn = await Conn.open(port)
             status, _ = await asyncio.wait_for(conn.request(raws[i % len(raws)]), timeout)
             results[i] = (1e3 * (time.perf_counter() - scheduled), status)
+            conn.since = time.perf_counter()
             idle.append(conn)
         except Exception as e:  # a timeout or a broken connection: count it, drop the connection
             results[i] = (1e3 * (time.perf_counter() - scheduled), type(e).__name__)
