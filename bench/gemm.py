@@ -119,7 +119,7 @@ def check(out, ref):
     return err  # <= 1 means within atol = rtol = 2e-2
 
 
-def sweep_configs(model, kind, N, K, T, level):
+def sweep_configs(model, kind, N, K, T, level, only_bn=None):
     """A few configs around the heuristic: column tile, programs per SM (split-K), K tile, stages."""
     epi = {"gated": 1, "rope": 2}.get(kind, 0)
     D = MODELS[model][4]
@@ -131,6 +131,8 @@ def sweep_configs(model, kind, N, K, T, level):
         bns = sorted({max(16, base // 2), base, min(128, base * 2)})
         if level == "full":
             bns = [16, 32, 64, 128]
+        if only_bn:
+            bns = [b for b in bns if b in only_bn] or list(only_bn)
     full = level == "full"
     for bn in bns:
         for mult in ((0.5, 1, 2, 3, 4, 8) if full else (1, 2, 4)):
@@ -172,6 +174,7 @@ def main():
     ap.add_argument("--models", nargs="*", default=list(MODELS))
     ap.add_argument("--T", nargs="*", type=int, default=[1, 8, 16, 32, 64])
     ap.add_argument("--layers", nargs="*", default=None)
+    ap.add_argument("--bn", nargs="*", type=int, default=None, help="sweep only these column tiles")
     ap.add_argument("--sweep", choices=["none", "small", "full"], default="small")
     ap.add_argument("--budget-s", type=float, default=500,
                     help="stop sweeping (heuristic rows only) after this many seconds")
@@ -213,7 +216,9 @@ def main():
                     sweep = []
                     if args.sweep != "none" and time.time() - t_start < args.budget_s:
                         seen = set()
-                        for c in sweep_configs(model, kind, N, K, T, args.sweep):
+                        for c in sweep_configs(model, kind, N, K, T, args.sweep, args.bn):
+                            if time.time() - t_start > args.budget_s:
+                                break
                             c = resolve(c, kind, N, K, T, model)
                             key = json.dumps(c, sort_keys=True)
                             if key in seen:
