@@ -218,11 +218,16 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
     sms = _num_sms(device)
     bt = max(16, _np2(T))
     if block_n is None:
-        # H200 sweep (bench/gemm.py, 0.5B shapes, T=8/16): 32 columns per program beat 16 for every
-        # layer incl. the two-tile gate/up epilogue; grow only when there are tiles to spare.
+        # H200 sweeps (bench/gemm.py, T=8/16): 32 columns per program beat 16 and 64 for every
+        # layer of both model shapes, incl. the two-tile gate/up epilogue.
         block_n = 32 if T <= 32 else 64
-        while block_n < 128 and triton.cdiv(ncols, 2 * block_n) >= 2 * sms:
-            block_n *= 2
+    wide = (2 if epi else 1) * ncols * K * 2 >= (16 << 20)  # a 7B-class weight (0.5B: <= 9 MB)
+    if wide and bt == 16 and epi != 1 and dtype != torch.float32:
+        # 7B-class weights at T <= 16 (sweep: bench/results/gemm_7b_T16_*.json): deeper loads
+        # per program beat more programs -- K tiles of 256, split-K 2 -- e.g. down 37.9 -> 36.0 us,
+        # o 10.3 -> 10.0, QKV+RoPE 13.7 -> 13.0 (floors 31.8, 6.0, 7.7).
+        return dict(BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=256, SPLIT=2, DOT=True, num_warps=4,
+                    num_stages=3 if epi == 2 else 4)
     block_k = 128 if K >= 128 else max(16, _np2(K))
     if dtype == torch.float32:
         block_k = min(block_k, 64)
