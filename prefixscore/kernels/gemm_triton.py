@@ -224,10 +224,15 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
     wide = (2 if epi else 1) * ncols * K * 2 >= (16 << 20)  # a 7B-class weight (0.5B: <= 9 MB)
     if wide and bt == 16 and epi != 1 and dtype != torch.float32:
         # 7B-class weights at T <= 16 (sweep: bench/results/gemm_7b_T16_*.json): deeper loads
-        # per program beat more programs -- K tiles of 256, split-K 2 -- e.g. down 37.9 -> 36.0 us,
-        # o 10.3 -> 10.0, QKV+RoPE 13.7 -> 13.0 (floors 31.8, 6.0, 7.7).
-        return dict(BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=256, SPLIT=2, DOT=True, num_warps=4,
-                    num_stages=3 if epi == 2 else 4)
+        # per program beat more programs -- split-K 2, 4 stages; long rows (down, K = 18944) in
+        # 64 x 256 tiles. Down 37.9 -> 35.4 us, o 10.3 -> 9.8, QKV+RoPE 13.7 -> 13.0 (floors 31.8,
+        # 6.0, 7.7).
+        if epi == 2:
+            return dict(BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=256, SPLIT=2, DOT=True, num_warps=4,
+                        num_stages=3)
+        long_k = K >= 8192
+        return dict(BLOCK_T=bt, BLOCK_N=64 if long_k else 32, BLOCK_K=256 if long_k else 128,
+                    SPLIT=2, DOT=True, num_warps=4, num_stages=4)
     block_k = 128 if K >= 128 else max(16, _np2(K))
     if dtype == torch.float32:
         block_k = min(block_k, 64)
