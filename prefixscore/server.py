@@ -250,6 +250,8 @@ class Batcher:
         except InputError as e:
             where = f"query {e.index}" if len(queries) > 1 else "query"
             return InputError(f"{where}: {e}")
+        except Exception as e:  # the tokenizer itself raised: this request's input, not an engine fault
+            return InputError(f"the tokenizer could not encode this request: {type(e).__name__}: {e}")
         return self._check_tokens(encoded, queries)
 
     def _batch(self, jobs: list[Job]) -> list:
@@ -258,7 +260,7 @@ class Batcher:
         t0 = time.perf_counter()
         try:
             flat = self.clf.encode_many([q for j in jobs for q in j.queries])
-        except InputError:  # some job has a bad query: tokenize job by job to find it
+        except Exception:  # some job has a bad query: tokenize job by job to find it
             per_job = [self._encode(j.queries) for j in jobs]
         else:
             per_job, i = [], 0

@@ -521,3 +521,21 @@ def test_bad_request_fails_alone_in_its_batch(clf):
         check(r.json()["results"], [w])
         assert r.json()["batch_size"] == len(good)
     assert wrapped.batches[-1] == len(good)
+
+
+def test_tokenizer_exception_is_the_requests_fault(clf):
+    """A tokenizer that raises on some text (not an InputError) fails that request with 422; the
+    server stays healthy and other requests are answered."""
+    class Picky(Wrapped):
+        def encode_many(self, queries):
+            if any("boom" in q for q in queries):
+                raise RuntimeError("cannot encode this")
+            return self.clf.encode_many(queries)
+
+    with running(create_app(Picky(clf))) as (base, _):
+        bad = httpx.post(base + "/v1/classify", json={"query": ["fine", "boom"]})
+        assert bad.status_code == 422 and "tokenizer could not encode" in bad.json()["detail"]
+        good = httpx.post(base + "/v1/classify", json={"query": "fine"})
+        assert good.status_code == 200
+        check(good.json()["results"], clf.classify_batch(["fine"]))
+        assert httpx.get(base + "/healthz").status_code == 200
