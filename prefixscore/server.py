@@ -248,8 +248,7 @@ class Batcher:
         try:
             encoded = self.clf.encode_many(queries)
         except InputError as e:
-            where = f"query {e.index}" if len(queries) > 1 else "query"
-            return InputError(f"{where}: {e}")
+            return InputError(f"{query_name(e.index, len(queries))}: {e}")
         except Exception as e:  # the tokenizer itself raised: this request's input, not an engine fault
             return InputError(f"the tokenizer could not encode this request: {type(e).__name__}: {e}")
         return self._check_tokens(encoded, queries)
@@ -305,9 +304,9 @@ class Batcher:
         for i, e in enumerate(encoded):
             n = len(e.ids) - self.clf.prefix_len
             if n > self.max_tokens:
-                where = f"query {i}" if len(queries) > 1 else "query"
-                return InputError(f"{where} is {n} tokens after the cached prefix, over the limit of "
-                                  f"{self.max_tokens} tokens per query (--max-tokens)")
+                return InputError(f"{query_name(i, len(queries))} is {n} tokens after the cached "
+                                  f"prefix, over the limit of {self.max_tokens} tokens per query "
+                                  f"(--max-tokens)")
         return encoded
 
     def _warmup(self) -> None:
@@ -378,6 +377,11 @@ class Guard:
         except UnicodeDecodeError as e:
             return b"", (400, f"request body is not valid UTF-8 (byte {e.start})")
         return body, None
+
+
+def query_name(i: int, n: int) -> str:
+    """How an error names query i of a request of n queries."""
+    return f"query {i}" if n > 1 else "query"
 
 
 def is_unicode(text: str) -> bool:
@@ -496,8 +500,8 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
                                      f"{max_queries} (--max-queries)")
         for i, q in enumerate(queries):  # a tokenizer raises on a lone surrogate: say what it is
             if not is_unicode(q):
-                where = f"query {i}" if len(queries) > 1 else "query"
-                raise HTTPException(422, f"{where} is not valid Unicode text (a lone surrogate)")
+                raise HTTPException(422, f"{query_name(i, len(queries))} is not valid Unicode text "
+                                         f"(a lone surrogate)")
         admit(len(queries))
         try:
             a: Answer = await batcher.submit(queries)
