@@ -309,34 +309,27 @@ def _prep(x, w, bias):
 
 def linear_small(x, w, bias=None, out=None, config=None):
     """x [T, K] @ w[N, K]^T (+ bias) -> [T, N], T <= 64. `out` may have any row stride."""
-    x, w, bias = _prep(x, w, bias)
-    T, K = x.shape
-    N = w.shape[0]
-    if out is None:
-        out = torch.empty((T, N), dtype=x.dtype, device=x.device)
-    assert out.shape == (T, N) and out.stride(-1) == 1
-    if T == 0:
-        return out
-    cfg = gemm_config(T, N, K, 0, x.dtype, x.device)
-    cfg.update(config or {})
-    _launch(x, w, bias, 0, N, cfg, out=out)
-    return out
+    return _plain_or_gated(x, w, bias, out, config, epi=0)
 
 
 def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None):
     """silu(x @ Wg^T (+bg)) * (x @ Wu^T (+bu)) -> [T, I] with w_gu = [Wg; Wu] of shape [2I, K]."""
-    x, w_gu, bias = _prep(x, w_gu, bias)
-    T, K = x.shape
     assert w_gu.shape[0] % 2 == 0
-    I = w_gu.shape[0] // 2
+    return _plain_or_gated(x, w_gu, bias, out, config, epi=1)
+
+
+def _plain_or_gated(x, w, bias, out, config, epi):
+    x, w, bias = _prep(x, w, bias)
+    T, K = x.shape
+    cols = w.shape[0] // (2 if epi == 1 else 1)  # output columns: N, or I for [Wg; Wu]
     if out is None:
-        out = torch.empty((T, I), dtype=x.dtype, device=x.device)
-    assert out.shape == (T, I) and out.stride(-1) == 1
+        out = torch.empty((T, cols), dtype=x.dtype, device=x.device)
+    assert out.shape == (T, cols) and out.stride(-1) == 1
     if T == 0:
         return out
-    cfg = gemm_config(T, I, K, 1, x.dtype, x.device)
+    cfg = gemm_config(T, cols, K, epi, x.dtype, x.device)
     cfg.update(config or {})
-    _launch(x, w_gu, bias, 1, I, cfg, out=out)
+    _launch(x, w, bias, epi, cols, cfg, out=out)
     return out
 
 
