@@ -278,6 +278,8 @@ def run_shape(shape, floors, batches, quick):
     res["w1_engine_call"] = stats(wall_times(lambda: ours.classify_ids(one)))
     res["w1_host_profile"] = host_profile(lambda: ours.classify_ids(one))
     res["plain_graph"] = variant_graph(ours, one[0], USE_TRITON=False)
+    # the same graph with each RMSNorm as its own kernel instead of the next GEMM's prologue
+    res["w1_norms_unfused"] = variant_graph(ours, one[0], FUSE_NORMS=False)
     res.update(hf_peers(hf, ours.prefix_ids))
     res["profile_w1"] = profile_kernels(ours, one[0])
     sweep = {}
@@ -297,6 +299,18 @@ def run_shape(shape, floors, batches, quick):
     return res
 
 
+def real_form_model(folder=Path("/tmp/q05"), carry=Path(".carry")):
+    """A HF folder: random Qwen2.5-0.5B-shape weights (SmolLM2's vocabulary) + the carried
+    SmolLM2 tokenizer files. Also for bench.http/bench.host on the GPU machine:
+    python -c 'from bench.gpu import real_form_model; real_form_model()'"""
+    hf = hf_model("0.5B", vocab=49152)
+    hf.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (carry / f).exists():
+            (folder / f).write_bytes((carry / f).read_bytes())
+    return folder
+
+
 def real_form(quick):
     """W1b: the whole classify(query) call, tokenizer and all, on a 0.5B-shape random model."""
     carry = Path(".carry")
@@ -304,13 +318,7 @@ def real_form(quick):
         return {"skipped": "no .carry/tokenizer.json"}
     from prefixscore import Classifier
 
-    hf = hf_model("0.5B", vocab=49152)
-    folder = Path("/tmp/q05")
-    hf.save_pretrained(folder)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (carry / f).exists():
-            (folder / f).write_bytes((carry / f).read_bytes())
-    del hf
+    folder = real_form_model()
     t0 = time.perf_counter()
     clf = Classifier(str(folder), device="cuda")
     ready = time.perf_counter() - t0
@@ -387,6 +395,7 @@ def print_table(r):
         print(f"{'row':34s} {'p50 ms':>9s} {'p99 ms':>9s}")
         rows = [("weight-read floor", {"p50_ms": s["weight_floor_ms"], "p99_ms": float('nan')}),
                 ("prefixscore GPU (graph replay)", s["w1_gpu_replay"]),
+                ("same, RMSNorm as its own kernels", s.get("w1_norms_unfused", {"skipped": 1})),
                 ("prefixscore engine call (ids)", s["w1_engine_call"]),
                 ("plain torch kernels, one graph", s["plain_graph"]),
                 ("HF eager, full prompt", s["hf_eager_full_prompt"]),

@@ -112,9 +112,11 @@ class Engine:
 class GraphRunner:
     """Static buffers + one CUDA graph per token bucket for one (prefix, label weight, mode).
 
-    Int inputs live in one [6, Tmax] int32 buffer (tokens, positions, base_start, base_end,
-    own_start, rows) so a call is one H2D copy. Padding tokens see only themselves and the prefix;
-    padding rows read token 0 with every label allowed; their outputs are never read.
+    Int inputs (tokens, positions, base_start, base_end, own_start, rows) live in one flat int32
+    buffer that bucket Tb reads as [6, Tb] from its start, so a call is one contiguous H2D copy
+    (torch stages a strided slice of a [6, Tmax] buffer through a temporary). Padding tokens see
+    only themselves and the prefix; padding rows read token 0 with every label allowed; their
+    outputs are never read.
     """
 
     def __init__(self, engine: Engine, prefix_kv, weight, logprobs, max_tokens):
@@ -122,9 +124,9 @@ class GraphRunner:
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
         self.max_tokens = Tmax = self.buckets[-1]
         N, dev = weight.shape[0], engine.device
-        self.host = torch.zeros(6, Tmax, dtype=torch.int32).pin_memory()
+        self.host = torch.zeros(6 * Tmax, dtype=torch.int32).pin_memory()
         self.host_allowed = torch.ones(Tmax, N, dtype=torch.bool).pin_memory()
-        self.ints = torch.zeros(6, Tmax, dtype=torch.int32, device=dev)
+        self.ints = torch.zeros(6 * Tmax, dtype=torch.int32, device=dev)
         self.allowed = torch.ones(Tmax, N, dtype=torch.bool, device=dev)
         self.out_scores = torch.empty(Tmax, N).pin_memory()
         self.out_best = torch.empty(Tmax, dtype=torch.int64).pin_memory()
@@ -134,7 +136,7 @@ class GraphRunner:
         self.graphs, self.outputs = {}, {}
         pool = None
         for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
-            self.ints[4, :T] = self.pad[:T].to(dev)  # own_start = t: valid visibility everywhere
+            self.ints[4 * T:5 * T] = self.pad[:T].to(dev)  # own_start = t: valid visibility everywhere
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
                 self._body(T)
             torch.cuda.synchronize()
@@ -145,7 +147,7 @@ class GraphRunner:
             self.graphs[T] = g
 
     def _body(self, T):
-        tokens, pos, bs, be, own, rows = self.ints[:, :T]
+        tokens, pos, bs, be, own, rows = self.ints[:6 * T].view(6, T)
         ctx = Context(self.prefix_kv, bs, be, own)
         return self.engine.forward_scores(tokens, pos, ctx, rows, self.allowed[:T], self.weight,
                                           self.logprobs)
@@ -153,7 +155,8 @@ class GraphRunner:
     def run(self, plan: Plan):
         T, R = plan.num_tokens, plan.rows.shape[0]
         Tb = next(b for b in self.buckets if b >= T)
-        h, a = self.host_np, self.host_allowed_np  # numpy views of the pinned buffers: cheap writes
+        h = self.host_np[:6 * Tb].reshape(6, Tb)  # numpy views of the pinned buffers: cheap writes
+        a = self.host_allowed_np
         for i, x in enumerate((plan.tokens, plan.positions, plan.base_start, plan.base_end,
                                plan.own_start)):
             h[i, :T] = x.numpy()
@@ -163,7 +166,7 @@ class GraphRunner:
         h[5, R:Tb] = 0  # padding rows read token 0 (stale indices could point past this bucket)
         a[:R] = plan.allowed.numpy()
         a[R:Tb] = True
-        self.ints[:, :Tb].copy_(self.host[:, :Tb], non_blocking=True)
+        self.ints[:6 * Tb].copy_(self.host[:6 * Tb], non_blocking=True)
         self.allowed[:Tb].copy_(self.host_allowed[:Tb], non_blocking=True)
         self.graphs[Tb].replay()
         scores, best = self.outputs[Tb]

@@ -1,13 +1,14 @@
 """The transformer math, over a flat batch of tokens [T, hidden] with no padding.
 
-Llama / Mistral / Qwen2 / Qwen3 share this block:
-    h = RMSNorm(x + residual)                       (add_rms_norm: one kernel)
-    q, k, v = split(h @ Wqkv (+ bias, Qwen2))       (Q, K, V fused into one GEMM)
-    q, k = RoPE(RMSNorm_head(q), RMSNorm_head(k))   (per-head norm for Qwen3 only; fused into the
-                                                     QKV GEMM's epilogue for small T: kernels/gemm)
-    o = attention(q, k, v | pinned prefix K/V, in-batch visibility ranges) @ Wo
-    h = RMSNorm(o + residual)
-    x = (silu(h @ Wgate) * (h @ Wup)) @ Wdown       (gate/up fused into one GEMM with SiLU*mul epilogue)
+Llama / Mistral / Qwen2 / Qwen3 share this block, x being the residual stream:
+    q, k, v = split(RMSNorm(x) @ Wqkv (+ bias, Qwen2))   (Q, K, V fused into one GEMM)
+    q, k = RoPE(RMSNorm_head(q), RMSNorm_head(k))        (per-head norm for Qwen3 only)
+    x = x + attention(q, k, v | pinned prefix K/V, in-batch visibility ranges) @ Wo
+    h = RMSNorm(x)
+    x = x + (silu(h @ Wgate) * (h @ Wup)) @ Wdown        (gate/up fused into one GEMM)
+For small T on CUDA (kernels/gemm) RoPE and SiLU*mul are GEMM epilogues, each residual add is the
+epilogue of the GEMM before it (O, down), and each RMSNorm the prologue of the GEMM after it (QKV,
+gate/up; Normed): five kernels per layer.
 Module names follow Hugging Face so a HF state dict loads as is; `fuse()` then concatenates the
 weights. The vocabulary head is not here: only its label-token rows are used (kernels/label_head).
 """
@@ -21,8 +22,7 @@ from torch import nn
 from .config import ModelConfig
 from .kernels import attention
 from .kernels.attention import span_layout
-from .kernels.fused import add_rms_norm
-from .kernels.gemm import gate_up_silu, linear, qkv_rope
+from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.bqkv = torch.cat([m.bias for m in p]).contiguous() if self.c.qkv_bias else None
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, h, cos, sin, ctx: "Context", layer: int):
+    def forward(self, h: Normed, residual, cos, sin, ctx: "Context", layer: int):
         c = self.c
         qn = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
         q, k, v = qkv_rope(h, self.wqkv, self.bqkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim,
@@ -64,7 +64,7 @@ class Attention(nn.Module):
                                      pk.shape[0])
         o = attention(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                       c.head_dim ** -0.5, ctx.seg_offsets, ctx.layout)
-        return linear(o.reshape(h.shape[0], -1), self.o_proj.weight)
+        return linear_residual(o.reshape(q.shape[0], -1), self.o_proj.weight, None, residual)
 
 
 class MLP(nn.Module):
@@ -80,8 +80,9 @@ class MLP(nn.Module):
         self.bgu = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.bias else None
         del self.gate_proj, self.up_proj
 
-    def forward(self, h):
-        return linear(gate_up_silu(h, self.wgu, self.bgu), self.down_proj.weight, self.down_proj.bias)
+    def forward(self, h: Normed, residual):
+        return linear_residual(gate_up_silu(h, self.wgu, self.bgu), self.down_proj.weight,
+                               self.down_proj.bias, residual)
 
 
 class Block(nn.Module):
@@ -92,11 +93,12 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, residual, cos, sin, ctx, layer):
+    def forward(self, x, ssq, cos, sin, ctx, layer):
+        """x: the residual stream; ssq: its per-row sums of squares if the GEMM that wrote x left
+        them (then the norm runs in the next GEMM's prologue). -> the same for the next layer."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        h, residual = add_rms_norm(x, residual, n1.weight, n1.eps)
-        h, residual = add_rms_norm(self.self_attn(h, cos, sin, ctx, layer), residual, n2.weight, n2.eps)
-        return self.mlp(h), residual
+        x, ssq = self.self_attn(Normed(x, ssq, n1.weight, n1.eps), x, cos, sin, ctx, layer)
+        return self.mlp(Normed(x, ssq, n2.weight, n2.eps), x)
 
 
 def rope_inv_freq(c: ModelConfig):
@@ -152,7 +154,7 @@ class Transformer(nn.Module):
         """tokens, positions [T] -> hidden states [T, hidden] before the final norm."""
         x = self.embed_tokens(tokens)
         cos, sin = self.rope(positions, x.dtype)
-        residual = None
+        ssq = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, ctx, i)
-        return x + residual
+            x, ssq = layer(x, ssq, cos, sin, ctx, i)
+        return x

@@ -1,6 +1,6 @@
 """Small fused kernels of the transformer block: each replaces 2-5 elementwise launches.
 
-  add_rms_norm(x, residual, w)  -> (norm(x + residual) * w, x + residual)
+  rms_norm(x, w)                -> norm(x) * w
   rope_qk(qkv, cos, sin, ...)   -> q, k with optional per-head RMSNorm (Qwen3), then RoPE
   silu_mul(gate_up)             -> silu(gate) * up
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention import use_triton
-from .label_head import rms_norm
+from .label_head import rms_norm as _rms_norm_ref
 
 
 def _rotate_half(x):
@@ -22,18 +22,12 @@ def _rotate_half(x):
 
 
 # ---------------------------------------------------------------- torch references (CPU path)
-def add_rms_norm_ref(x, residual, weight, eps):
-    if residual is not None:
-        x = x + residual
-    return rms_norm(x, weight, eps), x
-
-
 def rope_qk_ref(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
     """qkv [T, (Hq+2Hkv)*D] -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
     T = qkv.shape[0]
     q, k, v = qkv.view(T, Hq + 2 * Hkv, D).split([Hq, Hkv, Hkv], dim=1)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = _rms_norm_ref(q, q_norm, eps), _rms_norm_ref(k, k_norm, eps)
     c, s = cos[:, None], sin[:, None]
     q = (q * c + _rotate_half(q) * s).to(qkv.dtype)
     k = (k * c + _rotate_half(k) * s).to(qkv.dtype)
@@ -46,12 +40,13 @@ def silu_mul_ref(gate_up):
 
 
 # ---------------------------------------------------------------- dispatch
-def add_rms_norm(x, residual, weight, eps):
+def rms_norm(x, weight, eps):
+    """norm(x) * weight, the block's RMSNorm (torch reference: label_head.rms_norm)."""
     if x.is_cuda and use_triton():
-        from .fused_triton import add_rms_norm_triton
+        from .fused_triton import rms_norm_triton
 
-        return add_rms_norm_triton(x, residual, weight, eps)
-    return add_rms_norm_ref(x, residual, weight, eps)
+        return rms_norm_triton(x, weight, eps)
+    return _rms_norm_ref(x, weight, eps)
 
 
 def rope_qk(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):

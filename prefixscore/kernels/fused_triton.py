@@ -8,33 +8,26 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, H, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
     dt = out_ptr.dtype.element_ty
     # All arithmetic in fp32, rounded to the dtype where HF rounds (bf16 math in the interpreter
     # is not reliable, and this gives the same values).
-    x = tl.load(x_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = (x + tl.load(r_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)).to(dt)
-    tl.store(res_ptr + row * H + offs, x.to(dt), mask=m)  # the new residual stream
-    xf = x.to(tl.float32)
+    xf = tl.load(x_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
     y = (xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32)  # round before the weight, like HF
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * H + offs, (w * y).to(dt), mask=m)  # exact product, rounded once
 
 
-def add_rms_norm_triton(x, residual, weight, eps, out=None, res_out=None):
+def rms_norm_triton(x, weight, eps, out=None):
     T, H = x.shape
+    x = x.contiguous()
     out = torch.empty_like(x) if out is None else out
-    res_out = torch.empty_like(x) if res_out is None else res_out
-    _add_rms_norm_kernel[(T,)](x, residual if residual is not None else x, weight, out, res_out, H,
-                               eps, HAS_RES=residual is not None,
-                               BLOCK=triton.next_power_of_2(H), num_warps=4)
-    return out, res_out
+    _rms_norm_kernel[(T,)](x, weight, out, H, eps, BLOCK=triton.next_power_of_2(H), num_warps=4)
+    return out
 
 
 @triton.jit

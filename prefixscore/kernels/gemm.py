@@ -1,19 +1,27 @@
 """Linear layers for few tokens: torch references and the dispatch to kernels/gemm_triton.py.
 
   linear(x, w, b)                    -> x @ w^T (+ b)                          (F.linear)
+  linear_residual(x, w, b, r)        -> (r + x @ w^T (+ b), ssq)               (addmm)
   gate_up_silu(x, w_gu, b)           -> silu(x @ Wg^T) * (x @ Wu^T)            (linear + silu_mul)
   qkv_rope(x, w_qkv, b, cos, sin, ...) -> q, k, v after per-head norm + RoPE (linear + rope_qk)
 
+gate_up_silu and qkv_rope also take x as Normed (RMSNorm of the residual stream, not yet computed).
+
 On CUDA with T <= SMALL_T_MAX tokens these are one skinny Triton kernel each (weight read spread
-over every SM, epilogue fused); larger T stays on cuBLAS (F.linear) + the fused elementwise kernels.
+over every SM, epilogue fused), and the block's RMSNorms and residual adds ride along: the GEMM
+that writes the residual stream (O, down) adds the residual in its epilogue and leaves per-row
+sums of squares (ssq), and the GEMM that reads the stream (QKV, gate/up) normalises it in its
+prologue. Larger T stays on cuBLAS (F.linear) + the fused elementwise kernels.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .attention import use_triton
-from .fused import rope_qk, rope_qk_ref, silu_mul, silu_mul_ref
+from .fused import rms_norm, rope_qk, rope_qk_ref, silu_mul, silu_mul_ref
 
 SMALL_T_MAX = 64  # crossover to cuBLAS (tune from bench/gemm.py)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -32,10 +40,50 @@ def qkv_rope_ref(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None,
     return rope_qk_ref(F.linear(x, w_qkv, bias), cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
 
 
+@dataclass
+class Normed:
+    """rms_norm(x) * weight as a GEMM input, left for the GEMM's prologue when the skinny GEMM that
+    wrote x also left its per-row sums of squares (ssq); otherwise computed first (tensor())."""
+    x: torch.Tensor
+    ssq: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+
+    def tensor(self):
+        return rms_norm(self.x, self.weight, self.eps)
+
+
+def _fuse_norms() -> bool:
+    from . import FUSE_NORMS  # read at call time, like USE_TRITON
+
+    return FUSE_NORMS
+
+
+def _prologue(x, w):
+    """-> (the GEMM input, norm arguments for the skinny kernel's prologue or None)."""
+    if not isinstance(x, Normed):
+        return x, None
+    if x.ssq is not None and _small(x.x, w) and _fuse_norms():
+        return x.x, (x.weight, x.eps, x.ssq)
+    return x.tensor(), None
+
+
 # ---------------------------------------------------------------- dispatch
 def _small(x, w) -> bool:
     return (x.is_cuda and use_triton() and x.dim() == 2 and 0 < x.shape[0] <= SMALL_T_MAX
             and x.dtype in _DTYPES and w.dtype == x.dtype)
+
+
+def linear_residual(x, w, bias, residual):
+    """-> (residual + x @ w^T (+ bias), ssq): the new residual stream and, from the skinny kernel,
+    its per-row sums of squares by column tile for the next Normed (None on the other paths)."""
+    if _small(x, w):
+        from .gemm_triton import linear_residual_small
+
+        return linear_residual_small(x, w, bias, residual)
+    if bias is None:  # cuBLAS adds the residual in its epilogue (one rounding instead of HF's two)
+        return torch.addmm(residual, x, w.t()), None
+    return residual + F.linear(x, w, bias), None
 
 
 def linear(x, w, bias=None, out=None):
@@ -49,17 +97,25 @@ def linear(x, w, bias=None, out=None):
 
 
 def gate_up_silu(x, w_gu, bias=None):
+    x, norm = _prologue(x, w_gu)
     if _small(x, w_gu):
         from .gemm_triton import gate_up_silu_small
 
-        return gate_up_silu_small(x, w_gu, bias)
+        return gate_up_silu_small(x, w_gu, bias, norm=norm)
     return silu_mul(F.linear(x, w_gu, bias))
+
+
+def _rope_fits(D):
+    return (D // 2) >= 16 and (D // 2) & (D // 2 - 1) == 0
 
 
 def qkv_rope(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
     """-> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (v may be a view on the cuBLAS path)."""
-    if _small(x, w_qkv) and (D // 2) >= 16 and (D // 2) & (D // 2 - 1) == 0:
+    if isinstance(x, Normed) and not _rope_fits(D):
+        x = x.tensor()
+    x, norm = _prologue(x, w_qkv)
+    if _small(x, w_qkv) and _rope_fits(D):
         from .gemm_triton import qkv_rope_small
 
-        return qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
+        return qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, norm=norm)
     return rope_qk(F.linear(x, w_qkv, bias), cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)

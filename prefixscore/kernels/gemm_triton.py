@@ -5,7 +5,9 @@ once and does almost no math per byte, so what matters is how many bytes are in 
 SMs and how few fixed costs (launches, epilogue kernels, split-K reduce kernels) there are.
 
 One kernel, three epilogues (EPI):
-  0  plain:  out = x @ w^T (+ bias)
+  0  plain:  out = x @ w^T (+ bias); with RESID, out = residual + x @ w^T (+ bias) and per-row sums
+             of squares of out over this program's columns (ssq [column tiles, T]) for the next
+             RMSNorm, which then runs in the next GEMM's prologue (NORM)
   1  gated:  w = [Wg; Wu] ([2I, K]); out[T, I] = silu(x @ Wg^T) * (x @ Wu^T)   (replaces silu_mul)
   2  rope:   w = Wqkv; one program = one head of D columns, held as two accumulators (the first
              and second halves of the head) so RoPE's rotate-half pairs meet in registers;
@@ -17,6 +19,9 @@ weight read over every SM; each split runs ITERS steps of BLOCK_K (static trip c
 pipeliner keeps num_stages tiles in flight). Split-K partials go to an fp32 workspace; the last
 program of a column tile to finish (an atomic counter per tile, reset by that program) sums the
 partials in split order -- deterministic -- and runs the epilogue. No second kernel.
+
+NORM prologue: x is the residual stream; the GEMM multiplies rms_norm(x) * norm_w instead, the
+row norms summed from the ssq its producer left (no norm kernel, no extra pass over x).
 
 The inner product is tl.dot with T padded to BLOCK_T >= 16 (mma; tensor-core throughput is not
 the limit here) or, with DOT=False, an FMA broadcast-reduce for tiny T (BLOCK_T >= 1).
@@ -38,9 +43,11 @@ from .attention_triton import _num_sms
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
-    T, stride_xt, stride_ot, eps,
+    NW, SSQ_IN, R, SSQ_OUT,
+    T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, NT: tl.constexpr, NTP: tl.constexpr, RESID: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -71,6 +78,11 @@ def _skinny_kernel(
     wa_ptr = W + tl.minimum(cols_a, N - 1)[:, None] * K
     wb_ptr = W + tl.minimum(cols_b, N - 1)[:, None] * K
     x_ptr = X + t[:, None] * stride_xt
+    xdt = X.dtype.element_ty
+    if NORM:  # rstd of each row from the producer's per-tile sums of squares (fixed order)
+        tile = tl.arange(0, NTP)[:, None]
+        ssq = tl.load(SSQ_IN + tile * T + t[None, :], mask=(tile < NT) & t_ok[None, :], other=0.0)
+        rstd = tl.rsqrt(tl.sum(ssq, 0) / K + norm_eps)[:, None]
 
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -80,10 +92,17 @@ def _skinny_kernel(
         if EVEN_K:
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0)
             wa = tl.load(wa_ptr + k[None, :], eviction_policy="evict_first")
+            if NORM:
+                nw = tl.load(NW + k)
         else:
             k_ok = k < K
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            if NORM:
+                nw = tl.load(NW + k, mask=k_ok, other=0.0)
+        if NORM:  # as add_rms_norm: x * rstd rounded to the dtype, times the weight, rounded
+            xv = (xv.to(tl.float32) * rstd).to(xdt).to(tl.float32)
+            xv = (nw.to(tl.float32)[None, :] * xv).to(xdt)
         # acc += x @ w^T, inlined (a nested jit call costs ~10 ms per call in the interpreter)
         if DOT:
             if UPCAST:  # interpreter only: it multiplies bf16 bit patterns in tl.dot (triton#11584)
@@ -136,7 +155,13 @@ def _skinny_kernel(
                 acc_b += tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         if EPI == 0:
             dt = OUT.dtype.element_ty
-            tl.store(OUT + tc * stride_ot + cols_a[None, :], acc_a.to(dt), mask=m_out)
+            y = acc_a.to(dt)
+            if RESID:  # HF: residual + linear(x), both in the dtype, the sum rounded once
+                r = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0)
+                y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+                yf = tl.where(m_out, y.to(tl.float32), 0.0)
+                tl.store(SSQ_OUT + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
+            tl.store(OUT + tc * stride_ot + cols_a[None, :], y, mask=m_out)
         elif EPI == 1:
             dt = OUT.dtype.element_ty
             # HF: gate and up rounded to the dtype by their linears, silu(gate) rounded, then the
@@ -262,7 +287,8 @@ def _finish_config(cfg, K, dtype):
     return cfg
 
 
-def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None):
+def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None):
+    """norm: (weight, eps, ssq) of the NORM prologue; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
     cfg = _finish_config(cfg, K, x.dtype)
@@ -285,11 +311,21 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None):
         if not qk_norm:
             qn = kn = x
         out = x
+    nw, norm_eps, ssq_in = norm if norm is not None else (x, 0.0, x)
+    nt = ssq_in.shape[0] if norm is not None else 1
+    r, ssq_out = resid if resid is not None else (x, x)
+    if norm is not None:
+        assert nw.shape == (K,) and ssq_in.shape[1:] == (T,) and ssq_in.is_contiguous()
+    if resid is not None:
+        assert epi == 0 and r.shape == out.shape and r.stride() == out.stride()
+        assert ssq_out.shape == (tiles, T) and ssq_out.dtype == torch.float32
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
-        T, x.stride(0), out.stride(0) if rope is None else 0, eps,
+        nw, ssq_in, r, ssq_out,
+        T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
+        NORM=norm is not None, NT=nt, NTP=_np2(nt), RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg,
     )
@@ -312,31 +348,50 @@ def linear_small(x, w, bias=None, out=None, config=None):
     return _plain_or_gated(x, w, bias, out, config, epi=0)
 
 
-def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None):
-    """silu(x @ Wg^T (+bg)) * (x @ Wu^T (+bu)) -> [T, I] with w_gu = [Wg; Wu] of shape [2I, K]."""
+def linear_residual_small(x, w, bias, residual, config=None):
+    """residual + x @ w^T (+ bias) -> (out [T, N], ssq [column tiles, T] fp32): ssq holds each
+    row's sum of squares of out over one column tile, for the next GEMM's `norm` prologue."""
+    return _plain_or_gated(x, w, bias, None, config, epi=0, residual=residual)
+
+
+def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None, norm=None):
+    """silu(x @ Wg^T (+bg)) * (x @ Wu^T (+bu)) -> [T, I] with w_gu = [Wg; Wu] of shape [2I, K].
+    norm=(weight, eps, ssq): x is multiplied as rms_norm(x) * weight, ssq from linear_residual_small."""
     assert w_gu.shape[0] % 2 == 0
-    return _plain_or_gated(x, w_gu, bias, out, config, epi=1)
+    return _plain_or_gated(x, w_gu, bias, out, config, epi=1, norm=norm)
 
 
-def _plain_or_gated(x, w, bias, out, config, epi):
+def _plain_or_gated(x, w, bias, out, config, epi, norm=None, residual=None):
     x, w, bias = _prep(x, w, bias)
     T, K = x.shape
     cols = w.shape[0] // (2 if epi == 1 else 1)  # output columns: N, or I for [Wg; Wu]
     if out is None:
         out = torch.empty((T, cols), dtype=x.dtype, device=x.device)
     assert out.shape == (T, cols) and out.stride(-1) == 1
-    if T == 0:
-        return out
     cfg = gemm_config(T, cols, K, epi, x.dtype, x.device)
     cfg.update(config or {})
-    _launch(x, w, bias, epi, cols, cfg, out=out)
-    return out
+    resid = None
+    if residual is not None:
+        tiles = triton.cdiv(cols, cfg["BLOCK_N"])
+        resid = (residual.contiguous(), torch.empty((tiles, T), dtype=torch.float32, device=x.device))
+        assert out.is_contiguous() and resid[0].shape == out.shape
+    if T > 0:
+        _launch(x, w, bias, epi, cols, cfg, out=out, norm=_norm_args(norm), resid=resid)
+    return out if resid is None else (out, resid[1])
+
+
+def _norm_args(norm):
+    if norm is None:
+        return None
+    weight, eps, ssq = norm
+    return weight.contiguous(), float(eps), ssq.contiguous()
 
 
 def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6,
-                   config=None):
+                   config=None, norm=None):
     """x @ Wqkv^T (+ bias), then (Qwen3 per-head RMSNorm and) RoPE on q and k, as
-    fused.rope_qk_ref after a plain linear -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    fused.rope_qk_ref after a plain linear -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
+    norm: as gate_up_silu_small's."""
     x, w_qkv, bias = _prep(x, w_qkv, bias)
     T, K = x.shape
     H = Hq + 2 * Hkv
@@ -354,5 +409,5 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
     cfg.update(config or {})
     cfg["BLOCK_N"] = D // 2
     _launch(x, w_qkv, bias, 2, H * (D // 2), cfg,
-            rope=(cos, sin, q_norm, k_norm, q, k, v, Hq, Hkv, D, eps))
+            rope=(cos, sin, q_norm, k_norm, q, k, v, Hq, Hkv, D, eps), norm=_norm_args(norm))
     return q, k, v
