@@ -6,9 +6,12 @@ Llama / Mistral / Qwen2 / Qwen3 share this block, x being the residual stream:
     x = x + attention(q, k, v | pinned prefix K/V, in-batch visibility ranges) @ Wo
     h = RMSNorm(x)
     x = x + (silu(h @ Wgate) * (h @ Wup)) @ Wdown        (gate/up fused into one GEMM)
-For small T on CUDA (kernels/gemm) RoPE and SiLU*mul are GEMM epilogues, each residual add is the
-epilogue of the GEMM before it (O, down), and each RMSNorm the prologue of the GEMM after it (QKV,
-gate/up; Normed): five kernels per layer.
+Each RMSNorm's weight is folded into the columns of the linear after it at load (fuse(): W' = W
+diag(w), one rounding of W' in bf16), so the norm left to compute is a per-row scale 1/rms(x) that
+commutes with the GEMM. For small T on CUDA (kernels/gemm) RoPE and SiLU*mul are GEMM epilogues,
+each residual add is the epilogue of the GEMM before it (O, down), which also leaves the row sums
+of squares, and each 1/rms scale the epilogue of the GEMM after it (QKV, gate/up; Normed): five
+kernels per layer.
 Module names follow Hugging Face so a HF state dict loads as is; `fuse()` then concatenates the
 weights. The vocabulary head is not here: only its label-token rows are used (kernels/label_head).
 """
@@ -23,6 +26,11 @@ from .config import ModelConfig
 from .kernels import attention
 from .kernels.attention import span_layout
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
+
+
+def fold(w, norm_weight):
+    """W diag(norm_weight): RMSNorm(x) @ W^T == (x / rms(x)) @ fold(W, norm_weight)^T."""
+    return (w.float() * norm_weight.float()[None, :]).to(w.dtype).contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -45,9 +53,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, c.rms_norm_eps)
             self.k_norm = RMSNorm(D, c.rms_norm_eps)
 
-    def fuse(self):
+    def fuse(self, norm_weight):
         p = (self.q_proj, self.k_proj, self.v_proj)
-        self.wqkv = torch.cat([m.weight for m in p]).contiguous()
+        self.wqkv = fold(torch.cat([m.weight for m in p]), norm_weight)
         self.bqkv = torch.cat([m.bias for m in p]).contiguous() if self.c.qkv_bias else None
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -75,8 +83,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
-    def fuse(self):
-        self.wgu = torch.cat([self.gate_proj.weight, self.up_proj.weight]).contiguous()
+    def fuse(self, norm_weight):
+        self.wgu = fold(torch.cat([self.gate_proj.weight, self.up_proj.weight]), norm_weight)
         self.bgu = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.bias else None
         del self.gate_proj, self.up_proj
 
@@ -95,10 +103,13 @@ class Block(nn.Module):
 
     def forward(self, x, ssq, cos, sin, ctx, layer):
         """x: the residual stream; ssq: its per-row sums of squares if the GEMM that wrote x left
-        them (then the norm runs in the next GEMM's prologue). -> the same for the next layer."""
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        x, ssq = self.self_attn(Normed(x, ssq, n1.weight, n1.eps), x, cos, sin, ctx, layer)
-        return self.mlp(Normed(x, ssq, n2.weight, n2.eps), x)
+        them (then the norm is a scale in the next GEMM's epilogue). -> the same for the next layer."""
+        x, ssq = self.self_attn(Normed(x, ssq, self.input_layernorm.eps), x, cos, sin, ctx, layer)
+        return self.mlp(Normed(x, ssq, self.post_attention_layernorm.eps), x)
+
+    def fuse(self):
+        self.self_attn.fuse(self.input_layernorm.weight)
+        self.mlp.fuse(self.post_attention_layernorm.weight)
 
 
 def rope_inv_freq(c: ModelConfig):
@@ -139,10 +150,9 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def fuse(self):
-        """Concatenate Q/K/V and gate/up weights (after loading HF-named weights)."""
+        """Concatenate Q/K/V and gate/up weights, folding in the norms (after loading HF names)."""
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.fuse()
         return self
 
     def rope(self, positions, dtype):

@@ -27,9 +27,10 @@ def test_rms_norm(T, H, dtype):
     g = torch.Generator().manual_seed(T * H)
     x = (torch.randn(T, H, generator=g) * 3).to(DEV, dtype)
     w = torch.rand(H, generator=g).add(0.5).to(DEV, dtype)
-    out = torch.full_like(x, float("nan"))
-    fused_triton.rms_norm_triton(x, w, 1e-5, out)
-    close(out, rms_norm_ref(x, w, 1e-5), dtype)
+    for weight in (w, None):  # None: unit weight (the block's norms, folded into the next linear)
+        out = torch.full_like(x, float("nan"))
+        fused_triton.rms_norm_triton(x, weight, 1e-5, out)
+        close(out, rms_norm_ref(x, weight, 1e-5), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

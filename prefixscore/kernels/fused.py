@@ -41,7 +41,8 @@ def silu_mul_ref(gate_up):
 
 # ---------------------------------------------------------------- dispatch
 def rms_norm(x, weight, eps):
-    """norm(x) * weight, the block's RMSNorm (torch reference: label_head.rms_norm)."""
+    """norm(x) * weight, the block's RMSNorm (torch reference: label_head.rms_norm); weight None:
+    unit weight (the block's norm weights are folded into the next linear, model.py)."""
     if x.is_cuda and use_triton():
         from .fused_triton import rms_norm_triton
 

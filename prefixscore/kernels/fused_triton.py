@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -18,15 +18,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
     xf = tl.load(x_ptr + row * H + offs, mask=m, other=0.0).to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / H
     y = (xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32)  # round before the weight, like HF
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * H + offs, (w * y).to(dt), mask=m)  # exact product, rounded once
+    if HAS_W:
+        y = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32) * y  # exact, rounded once
+    tl.store(out_ptr + row * H + offs, y.to(dt), mask=m)
 
 
 def rms_norm_triton(x, weight, eps, out=None):
     T, H = x.shape
     x = x.contiguous()
     out = torch.empty_like(x) if out is None else out
-    _rms_norm_kernel[(T,)](x, weight, out, H, eps, BLOCK=triton.next_power_of_2(H), num_warps=4)
+    _rms_norm_kernel[(T,)](x, x if weight is None else weight, out, H, eps, HAS_W=weight is not None,
+                           BLOCK=triton.next_power_of_2(H), num_warps=4)
     return out
 
 

@@ -5,13 +5,15 @@
   gate_up_silu(x, w_gu, b)           -> silu(x @ Wg^T) * (x @ Wu^T)            (linear + silu_mul)
   qkv_rope(x, w_qkv, b, cos, sin, ...) -> q, k, v after per-head norm + RoPE (linear + rope_qk)
 
-gate_up_silu and qkv_rope also take x as Normed (RMSNorm of the residual stream, not yet computed).
+gate_up_silu and qkv_rope also take x as Normed: the residual stream's RMSNorm with unit weight, not
+yet computed (the norm weight is folded into their weight columns, model.py).
 
 On CUDA with T <= SMALL_T_MAX tokens these are one skinny Triton kernel each (weight read spread
 over every SM, epilogue fused), and the block's RMSNorms and residual adds ride along: the GEMM
 that writes the residual stream (O, down) adds the residual in its epilogue and leaves per-row
-sums of squares (ssq), and the GEMM that reads the stream (QKV, gate/up) normalises it in its
-prologue. Larger T stays on cuBLAS (F.linear) + the fused elementwise kernels.
+sums of squares (ssq), and the GEMM that reads the stream (QKV, gate/up) scales its output rows
+by 1/rms (rms_norm(x) @ W^T = rstd * (x @ W^T)). Larger T stays on cuBLAS (F.linear, addmm) + the
+fused elementwise kernels.
 """
 from __future__ import annotations
 
@@ -42,15 +44,14 @@ def qkv_rope_ref(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None,
 
 @dataclass
 class Normed:
-    """rms_norm(x) * weight as a GEMM input, left for the GEMM's prologue when the skinny GEMM that
-    wrote x also left its per-row sums of squares (ssq); otherwise computed first (tensor())."""
+    """rms_norm(x) (unit weight) as a GEMM input, left for the GEMM's epilogue when the skinny GEMM
+    that wrote x also left its per-row sums of squares (ssq); otherwise computed first (tensor())."""
     x: torch.Tensor
     ssq: torch.Tensor | None
-    weight: torch.Tensor
     eps: float
 
     def tensor(self):
-        return rms_norm(self.x, self.weight, self.eps)
+        return rms_norm(self.x, None, self.eps)
 
 
 def _fuse_norms() -> bool:
@@ -60,11 +61,11 @@ def _fuse_norms() -> bool:
 
 
 def _prologue(x, w):
-    """-> (the GEMM input, norm arguments for the skinny kernel's prologue or None)."""
+    """-> (the GEMM input, norm arguments for the skinny kernel's NORM epilogue or None)."""
     if not isinstance(x, Normed):
         return x, None
     if x.ssq is not None and _small(x.x, w) and _fuse_norms():
-        return x.x, (x.weight, x.eps, x.ssq)
+        return x.x, (x.eps, x.ssq)
     return x.tensor(), None
 
 

@@ -7,7 +7,7 @@ SMs and how few fixed costs (launches, epilogue kernels, split-K reduce kernels)
 One kernel, three epilogues (EPI):
   0  plain:  out = x @ w^T (+ bias); with RESID, out = residual + x @ w^T (+ bias) and per-row sums
              of squares of out over this program's columns (ssq [column tiles, T]) for the next
-             RMSNorm, which then runs in the next GEMM's prologue (NORM)
+             RMSNorm, which then runs inside the next GEMM (NORM)
   1  gated:  w = [Wg; Wu] ([2I, K]); out[T, I] = silu(x @ Wg^T) * (x @ Wu^T)   (replaces silu_mul)
   2  rope:   w = Wqkv; one program = one head of D columns, held as two accumulators (the first
              and second halves of the head) so RoPE's rotate-half pairs meet in registers;
@@ -20,8 +20,11 @@ pipeliner keeps num_stages tiles in flight). Split-K partials go to an fp32 work
 program of a column tile to finish (an atomic counter per tile, reset by that program) sums the
 partials in split order -- deterministic -- and runs the epilogue. No second kernel.
 
-NORM prologue: x is the residual stream; the GEMM multiplies rms_norm(x) * norm_w instead, the
-row norms summed from the ssq its producer left (no norm kernel, no extra pass over x).
+NORM: x is the residual stream and w has the RMSNorm weight folded into its columns (model.py), so
+rms_norm(x) @ w^T = rstd[t] * (x @ w^T): the loop is the plain GEMM's and the epilogue scales each
+row by rstd, summed from the ssq the producer left (no norm kernel, no extra pass over x).
+(Normalising x inside the loop instead puts elementwise work between x's load and tl.dot, which
+Triton then stops pipelining: +11 us per 7B GEMM on the H200.)
 
 The inner product is tl.dot with T padded to BLOCK_T >= 16 (mma; tensor-core throughput is not
 the limit here) or, with DOT=False, an FMA broadcast-reduce for tiny T (BLOCK_T >= 1).
@@ -43,7 +46,7 @@ from .attention_triton import _num_sms
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
-    NW, SSQ_IN, R, SSQ_OUT,
+    SSQ_IN, R, SSQ_OUT,
     T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -78,11 +81,6 @@ def _skinny_kernel(
     wa_ptr = W + tl.minimum(cols_a, N - 1)[:, None] * K
     wb_ptr = W + tl.minimum(cols_b, N - 1)[:, None] * K
     x_ptr = X + t[:, None] * stride_xt
-    xdt = X.dtype.element_ty
-    if NORM:  # rstd of each row from the producer's per-tile sums of squares (fixed order)
-        tile = tl.arange(0, NTP)[:, None]
-        ssq = tl.load(SSQ_IN + tile * T + t[None, :], mask=(tile < NT) & t_ok[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(ssq, 0) / K + norm_eps)[:, None]
 
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -92,17 +90,10 @@ def _skinny_kernel(
         if EVEN_K:
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0)
             wa = tl.load(wa_ptr + k[None, :], eviction_policy="evict_first")
-            if NORM:
-                nw = tl.load(NW + k)
         else:
             k_ok = k < K
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-            if NORM:
-                nw = tl.load(NW + k, mask=k_ok, other=0.0)
-        if NORM:  # as add_rms_norm: x * rstd rounded to the dtype, times the weight, rounded
-            xv = (xv.to(tl.float32) * rstd).to(xdt).to(tl.float32)
-            xv = (nw.to(tl.float32)[None, :] * xv).to(xdt)
         # acc += x @ w^T, inlined (a nested jit call costs ~10 ms per call in the interpreter)
         if DOT:
             if UPCAST:  # interpreter only: it multiplies bf16 bit patterns in tl.dot (triton#11584)
@@ -149,6 +140,12 @@ def _skinny_kernel(
         last = True
 
     if last:
+        if NORM:  # rstd of each row from the producer's per-tile sums of squares (fixed order)
+            tile = tl.arange(0, NTP)[:, None]
+            ssq = tl.load(SSQ_IN + tile * T + t[None, :], mask=(tile < NT) & t_ok[None, :], other=0.0)
+            rstd = tl.rsqrt(tl.sum(ssq, 0) / K + norm_eps)[:, None]
+            acc_a *= rstd
+            acc_b *= rstd
         if HAS_BIAS:
             acc_a += tl.load(B + cols_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
             if TWO:
@@ -288,7 +285,7 @@ def _finish_config(cfg, K, dtype):
 
 
 def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None):
-    """norm: (weight, eps, ssq) of the NORM prologue; resid: (residual, ssq_out) of RESID."""
+    """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
     cfg = _finish_config(cfg, K, x.dtype)
@@ -311,18 +308,18 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         if not qk_norm:
             qn = kn = x
         out = x
-    nw, norm_eps, ssq_in = norm if norm is not None else (x, 0.0, x)
+    norm_eps, ssq_in = norm if norm is not None else (0.0, x)
     nt = ssq_in.shape[0] if norm is not None else 1
     r, ssq_out = resid if resid is not None else (x, x)
     if norm is not None:
-        assert nw.shape == (K,) and ssq_in.shape[1:] == (T,) and ssq_in.is_contiguous()
+        assert ssq_in.shape[1:] == (T,) and ssq_in.is_contiguous()
     if resid is not None:
         assert epi == 0 and r.shape == out.shape and r.stride() == out.stride()
         assert ssq_out.shape == (tiles, T) and ssq_out.dtype == torch.float32
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
-        nw, ssq_in, r, ssq_out,
+        ssq_in, r, ssq_out,
         T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, NTP=_np2(nt), RESID=resid is not None,
@@ -356,7 +353,8 @@ def linear_residual_small(x, w, bias, residual, config=None):
 
 def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None, norm=None):
     """silu(x @ Wg^T (+bg)) * (x @ Wu^T (+bu)) -> [T, I] with w_gu = [Wg; Wu] of shape [2I, K].
-    norm=(weight, eps, ssq): x is multiplied as rms_norm(x) * weight, ssq from linear_residual_small."""
+    norm=(eps, ssq): x is the residual stream, multiplied as rms_norm(x) (unit weight: fold the
+    norm's weight into w_gu); ssq from linear_residual_small."""
     assert w_gu.shape[0] % 2 == 0
     return _plain_or_gated(x, w_gu, bias, out, config, epi=1, norm=norm)
 
@@ -383,8 +381,8 @@ def _plain_or_gated(x, w, bias, out, config, epi, norm=None, residual=None):
 def _norm_args(norm):
     if norm is None:
         return None
-    weight, eps, ssq = norm
-    return weight.contiguous(), float(eps), ssq.contiguous()
+    eps, ssq = norm
+    return float(eps), ssq.contiguous()
 
 
 def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6,

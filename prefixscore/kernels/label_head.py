@@ -16,10 +16,10 @@ from .attention import use_triton
 
 
 def rms_norm(x, weight, eps):
-    """HF Llama RMSNorm: normalise in fp32, cast back, then scale."""
+    """HF Llama RMSNorm: normalise in fp32, cast back, then scale (weight None: unit weight)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return xf.to(x.dtype) if weight is None else weight * xf.to(x.dtype)
 
 
 def label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True):
