@@ -8,9 +8,10 @@ The server runs the engine on its own thread, and there the same call measured ~
 graph runner's call: filling the pinned buffers and queueing the H2D/D2H copies) in four modes:
   main      the calling thread
   worker    a worker thread, timed inside it (no hand-off)
-  pinned    the worker thread pinned to the CPU the main thread last ran on
+  pinned    the worker thread pinned to one CPU (the last, as `prefixscore serve --engine-cpu auto`)
   handoff   submit(classify).result() from the main thread, timed there (two thread wake-ups)
-Prints a table of phase medians (µs) and writes $OUT/host.json (bench/results/host.json).
+On CPU, "copies" is the whole eager forward. Prints a table of phase medians (µs) and writes
+$OUT/host.json (bench/results/host.json).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def main():
             os.sched_setaffinity(0, old)
 
     def pinned_calls():
-        with pinned_to({os.sched_getcpu() if hasattr(os, "sched_getcpu") else min(cpu)}):
+        with pinned_to({max(cpu)}):
             return run_calls(clf, ph, queries, a.calls)
 
     for mode in ("main", "worker", "pinned", "main"):

@@ -287,6 +287,36 @@ def test_bad_config(clf):
         create_app(clf, max_queries=100, max_queue=10)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
+def test_engine_cpu(clf):
+    from prefixscore.server import engine_cpu
+
+    cpus = os.sched_getaffinity(0)
+    assert engine_cpu("none", "cuda") is None
+    assert engine_cpu("auto", "cpu") is None  # CPU inference keeps its OpenMP workers' CPUs
+    assert engine_cpu("auto", "cuda") == (max(cpus) if len(cpus) >= 4 else None)
+    with pytest.raises(ConfigError, match="CPU number"):
+        engine_cpu("fast", "cuda")
+    with pytest.raises(ConfigError, match="may run on CPUs"):
+        engine_cpu(str(max(cpus) + 1), "cuda")
+    # the engine thread pins itself; the calling thread keeps its CPUs
+    seen = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(clf, name)
+
+        def classify_encoded(self, encoded, progress=None):
+            seen.append(os.sched_getaffinity(0))
+            return clf.classify_encoded(encoded, progress)
+
+    cpu = min(cpus)
+    with running(create_app(Recording(), engine_cpu=cpu)) as (base, _):
+        assert httpx.post(base + "/v1/classify", json={"query": "red dress"}).status_code == 200
+    assert seen and all(s == {cpu} for s in seen)
+    assert os.sched_getaffinity(0) == cpus
+
+
 # ---------------------------------------------------------------- result cache
 
 def test_cache_identical_results(clf, server):
