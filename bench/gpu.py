@@ -280,6 +280,8 @@ def run_shape(shape, floors, batches, quick):
     res["plain_graph"] = variant_graph(ours, one[0], USE_TRITON=False)
     # the same graph with each RMSNorm as its own kernel instead of the next GEMM's prologue
     res["w1_norms_unfused"] = variant_graph(ours, one[0], FUSE_NORMS=False)
+    # ... and with attention and the O GEMM as two kernels
+    res["w1_attn_o_unfused"] = variant_graph(ours, one[0], FUSE_ATTN_O=False)
     res.update(hf_peers(hf, ours.prefix_ids))
     res["profile_w1"] = profile_kernels(ours, one[0])
     sweep = {}
@@ -396,6 +398,7 @@ def print_table(r):
         rows = [("weight-read floor", {"p50_ms": s["weight_floor_ms"], "p99_ms": float('nan')}),
                 ("prefixscore GPU (graph replay)", s["w1_gpu_replay"]),
                 ("same, RMSNorm as its own kernels", s.get("w1_norms_unfused", {"skipped": 1})),
+                ("same, attention and O unfused", s.get("w1_attn_o_unfused", {"skipped": 1})),
                 ("prefixscore engine call (ids)", s["w1_engine_call"]),
                 ("plain torch kernels, one graph", s["plain_graph"]),
                 ("HF eager, full prompt", s["hf_eager_full_prompt"]),

@@ -2,6 +2,7 @@
 
     python -m bench.kernels            # correctness + timing of the shape heuristics
     python -m bench.kernels --sweep    # also time a grid of launch configs per shape (tuning aid)
+    python -m bench.kernels --only attn_o --sweep   # one part: attention, attn_o, label_head
 
 Times (microseconds, median):
   eager  triton.testing.do_bench of one call: kernel time, or the Python launch cost when that is
@@ -267,6 +268,51 @@ def bench_attention(results, sweep):
     bench_attention_multi_item(results, sweep)
 
 
+def bench_attention_o(results, sweep):
+    """Attention fused with O + residual (attention_o_triton) vs the two kernels it replaces."""
+    from prefixscore.kernels.attention_o_triton import attention_o_residual_small, attn_o_config
+    from prefixscore.kernels.gemm_triton import linear_residual_small
+
+    print("\n== attention + O projection + residual, fused vs two kernels (bf16, graph us) ==")
+    hidden = {"qwen2.5-0.5b": 896, "qwen2.5-7b": 3584}
+    for model, P, T in [(m, P, T) for m in MODELS for P, T in ((48, 8), (73, 16), (48, 64))]:
+        Hq, Hkv, D = MODELS[model]
+        N = hidden[model]
+        args, _ = attn_inputs(Hq, Hkv, D, P, [T], torch.bfloat16, seed=T + P)
+        gen = torch.Generator().manual_seed(1)
+        wo = (torch.randn(N, Hq * D, generator=gen) / (Hq * D) ** 0.5).to(DEV, torch.bfloat16)
+        r = torch.randn(T, N, generator=gen).to(DEV, torch.bfloat16)
+        o = torch.empty_like(args[0])
+
+        def two():
+            attention_triton(*args, out=o)
+            return linear_residual_small(o.view(T, -1), wo, None, r)
+
+        fused, ref = attention_o_residual_small(*args, wo, r)[0], two()[0]
+        err = (fused.float() - ref.float()).abs().max().item()
+        cfg = attn_o_config(T, Hq, N, D, torch.bfloat16, wo.device)
+        t_fused = graph_us(lambda: attention_o_residual_small(*args, wo, r))
+        t_two = graph_us(two)
+        print(f"  {model:13s} P{P:4d} T{T:3d}  fused {fmt(t_fused)}  two kernels {fmt(t_two)}  "
+              f"max|diff| {err:.3g}  {cfg}")
+        rec = dict(kind="time", kernel="attention_o", model=model, P=P, T=T, config=cfg,
+                   fused_graph_us=t_fused, two_kernels_graph_us=t_two, max_abs_diff=err)
+        if sweep and T <= 16:
+            timed = []
+            for bn in (32, 64, 128):
+                for hpp in (h for h in (1, 2, 7) if Hq % h == 0):
+                    c = dict(BLOCK_N=bn, HPP=hpp)
+                    t = graph_us(lambda: attention_o_residual_small(*args, wo, r, config=c),
+                                 launches=20, reps=10)
+                    if t is not None:
+                        timed.append((t, c))
+            timed.sort(key=lambda x: x[0])
+            for t, c in timed[:3]:
+                print(f"      sweep {t:8.1f} us  {c}")
+            rec["sweep"] = [dict(us=t, config=c) for t, c in timed]
+        results.append(rec)
+
+
 def sweep_attention(args, out, D, P):
     """Time each candidate launch config in a CUDA graph; print the best three; fastest first."""
     timed = []
@@ -365,15 +411,20 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs per shape")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--only", choices=["attention", "attn_o", "label_head"], default=None)
     a = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     results = []
-    if not a.skip_check:
+    if not a.skip_check and a.only is None:
         check_attention(results)
         check_label_head(results)
-    bench_attention(results, a.sweep)
-    bench_label_head(results, a.sweep)
+    if a.only in (None, "attention"):
+        bench_attention(results, a.sweep)
+    if a.only in (None, "attn_o"):
+        bench_attention_o(results, a.sweep)
+    if a.only in (None, "label_head"):
+        bench_label_head(results, a.sweep)
     bad = [r for r in results if r["kind"] == "check" and not (r["ok"] and r.get("graph_ok", True))]
     print(f"\ncorrectness: {'all ok' if not bad else f'{len(bad)} FAILED'}")
     path = os.path.join(os.environ.get("OUT", "."), "kernels.json")

@@ -10,8 +10,8 @@ Each RMSNorm's weight is folded into the columns of the linear after it at load 
 diag(w), one rounding of W' in bf16), so the norm left to compute is a per-row scale 1/rms(x) that
 commutes with the GEMM. For small T on CUDA (kernels/gemm) RoPE and SiLU*mul are GEMM epilogues,
 each residual add is the epilogue of the GEMM before it (O, down), which also leaves the row sums
-of squares, and each 1/rms scale the epilogue of the GEMM after it (QKV, gate/up; Normed): five
-kernels per layer.
+of squares, each 1/rms scale the epilogue of the GEMM after it (QKV, gate/up; Normed), and the
+attention runs inside the O GEMM (kernels/attention_o_triton.py): four kernels per layer.
 Module names follow Hugging Face so a HF state dict loads as is; `fuse()` then concatenates the
 weights. The vocabulary head is not here: only its label-token rows are used (kernels/label_head).
 """
@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .kernels import attention
-from .kernels.attention import span_layout
+from .kernels.attention import attention_o, span_layout
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
 
 
@@ -70,9 +69,9 @@ class Attention(nn.Module):
         if ctx.layout is None and not q.is_cuda:  # CPU: spans and masks once per forward
             ctx.layout = span_layout(ctx.base_start, ctx.base_end, ctx.own_start, ctx.seg_offsets,
                                      pk.shape[0])
-        o = attention(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
-                      c.head_dim ** -0.5, ctx.seg_offsets, ctx.layout)
-        return linear_residual(o.reshape(q.shape[0], -1), self.o_proj.weight, None, residual)
+        return attention_o(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
+                           c.head_dim ** -0.5, self.o_proj.weight, residual, ctx.seg_offsets,
+                           ctx.layout)
 
 
 class MLP(nn.Module):

@@ -222,6 +222,45 @@ def test_attention_allocates_output():
     _check_close(out, attention_ref(q, k, v, pk, pv, bs, be, own, 0.125), torch.float32)
 
 
+# Attention fused with the O projection and the residual add (T <= 64):
+# P, G, Hkv, D, N (hidden), dtype, plan builder, config override (None: the shape heuristic)
+ATTN_O_CASES = [
+    (48, 7, 2, 64, 96, torch.bfloat16, lambda g: _plain_plan([8]), None),  # 0.5B heads, one request
+    (0, 1, 2, 64, 64, torch.float32, lambda g: _plain_plan([1]), None),  # no prefix, one token
+    (600, 2, 2, 128, 80, torch.float32, lambda g: make_plan(64, g), {"HPP": 2}),  # ragged N
+    (37, 7, 1, 64, 128, torch.bfloat16, lambda g: make_multi_item_plan([(5, [9, 3, 17, 1, 12])]),
+     {"BLOCK_N": 64, "HPP": 7}),  # one head group: no split
+    (5, 7, 4, 128, 96, torch.float32, lambda g: make_random_plan(40, g), {"BLOCK_N": 64}),  # 7B heads
+    (73, 7, 2, 64, 896, torch.bfloat16, lambda g: _plain_plan([3, 9, 4]), {"BLOCK_N": 128, "HPP": 7}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ATTN_O_CASES)))
+def test_attention_o_residual(case):
+    from prefixscore.kernels.attention_o_triton import attention_o_residual_small
+
+    P, G, Hkv, D, N, dtype, build, cfg = ATTN_O_CASES[case]
+    gen = torch.Generator().manual_seed(5000 + case)
+    bs, be, own = (x.to(DEVICE) for x in build(gen))
+    T, Hq = bs.shape[0], G * Hkv
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, :Hq * D].view(T, Hq, D)
+    k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+    pk, pv = (torch.randn(P, Hkv, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    wo = (torch.randn(N, Hq * D, generator=gen) / (Hq * D) ** 0.5).to(DEVICE, dtype)
+    r = torch.randn(T, N, generator=gen).to(DEVICE, dtype)
+    scale = D ** -0.5
+    for _ in range(2):  # twice: the split-K arrival counters are left zeroed
+        out, ssq = attention_o_residual_small(q, k, v, pk, pv, bs, be, own, scale, wo, r, config=cfg)
+        o = attention_ref(q, k, v, pk, pv, bs, be, own, scale).reshape(T, -1)
+        y = o.float() @ wo.float().t()
+        # bf16: the sum may cancel, so the tolerance scales with the operands (as test_kernels_gemm)
+        err = (out.float() - (r.float() + y)).abs()
+        assert (err <= TOL[dtype] * (1 + r.float().abs() + y.abs())).all(), err.max()
+        torch.testing.assert_close(ssq.sum(0), out.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
+
+
 # T, H, N, R, dtype, logprobs, block_r (None: heuristic)
 HEAD_CASES = [
     (3, 64, 1, 1, torch.float32, True, None),

@@ -103,6 +103,26 @@ def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
     return out[0] if S == 1 else out[valid]
 
 
+def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, wo, residual,
+                seg_offsets=None, layout=None):
+    """residual + attention(...) @ wo^T -> (out, ssq) as gemm.linear_residual returns them: one
+    Triton kernel for few tokens on CUDA (kernels/attention_o_triton.py), else attention, then
+    linear_residual."""
+    from . import FUSE_ATTN_O
+    from .gemm import SMALL_T_MAX, linear_residual
+
+    T = q.shape[0]
+    if (q.is_cuda and use_triton() and FUSE_ATTN_O and 0 < T <= SMALL_T_MAX
+            and q.dtype == wo.dtype == residual.dtype):
+        from .attention_o_triton import attention_o_residual_small
+
+        return attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end,
+                                          own_start, scale, wo, residual)
+    o = attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets,
+                  layout)
+    return linear_residual(o.reshape(T, -1), wo, None, residual)
+
+
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
               layout=None):
     """Dispatch: the Triton kernel on CUDA, SDPA with a per-batch layout on CPU (or the reference)."""

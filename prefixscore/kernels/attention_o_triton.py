@@ -1,0 +1,180 @@
+"""Shared-prefix attention fused with the O projection and the residual add, for few tokens.
+
+At T <= 64 a layer's attention is a few microseconds of latency-bound work and its O GEMM a few
+more; this kernel does both in one launch. Program (column tile, head group): for each of its HPP
+query heads, attention over the pinned prefix and the in-batch ranges (attention_triton's math for
+one head, rows = tokens), rounded to the dtype as the separate kernel stores it, then multiplied by
+that head's D columns of Wo for the program's output columns. Heads are the K-splits of the O
+GEMM: partials go to an fp32 workspace, and the last program of a column tile to arrive sums them
+in head order (deterministic) and runs the RESID epilogue of gemm_triton (residual add, each row's
+sum of squares for the next RMSNorm). Every column tile recomputes its heads' attention; at these
+sizes that costs less than a launch.
+
+Same math as attention_ref, then linear_residual; CUDA-graph safe like the kernels it fuses.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_triton import _dot, _num_sms, _softmax_step
+from .gemm_triton import _counters
+
+
+@triton.jit
+def _attn_o_kernel(
+    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
+    T, P, qk_scale,
+    N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    grp = tl.program_id(1)
+    SPLIT: tl.constexpr = HQ // HPP
+    dt = Q.dtype.element_ty
+    t = tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    tok = tl.minimum(t, T - 1)  # padding rows repeat token T-1 (valid loads, never stored)
+    d = tl.arange(0, D)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N
+    wo_rows = WO + tl.minimum(cols, N - 1)[:, None] * (HQ * D) + d[None, :]
+
+    # Visibility, as in attention_triton: base range [bs, be) when non-empty, own range [os, t].
+    bs = tl.load(BS + tok)
+    be = tl.load(BE + tok)
+    os_ = tl.load(OS + tok)
+    has_base = bs < be
+    b_lo = tl.maximum(tl.min(tl.where(has_base, bs, T), 0), 0)
+    b_hi = tl.minimum(tl.max(tl.where(has_base, be, 0), 0), T)
+    o_lo = tl.maximum(tl.min(os_, 0), 0)
+    o_hi = tl.minimum(tl.max(tok, 0) + 1, T)
+    bs = tl.where(has_base, bs, 0)
+    be = tl.where(has_base, be, 0)
+
+    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    for hh in tl.static_range(HPP):
+        head = grp * HPP + hh
+        kvh = head // G
+        wo = tl.load(wo_rows + head * D)  # [BLOCK_N, D]: issued first, its latency hides below
+        q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head * sq_h + d[None, :])
+        m_i = tl.full([BLOCK_T], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_T], tl.float32)
+        o = tl.zeros([BLOCK_T, D], tl.float32)
+        pk_base = PK + kvh * spk_h
+        pv_base = PV + kvh * spv_h
+        for start in range(0, P, BLOCK_P):
+            kc = start + tl.arange(0, BLOCK_P)
+            kc_ok = kc < P
+            kt = tl.load(pk_base + kc[None, :] * spk_t + d[:, None], mask=kc_ok[None, :], other=0.0)
+            v = tl.load(pv_base + kc[:, None] * spv_t + d[None, :], mask=kc_ok[:, None], other=0.0)
+            s = _dot(q, kt, tl.zeros([BLOCK_T, BLOCK_P], tl.float32), DOT_PREC, UPCAST) * qk_scale
+            s = tl.where(kc_ok[None, :], s, float("-inf"))
+            m_i, l_i, o = _softmax_step(s, v, m_i, l_i, o, DOT_PREC, UPCAST)
+        k_base = K + kvh * sk_h
+        v_base = V + kvh * sv_h
+        for start in range(b_lo, b_hi, BLOCK_NI):
+            kc = start + tl.arange(0, BLOCK_NI)
+            kc_ok = kc < b_hi
+            kc64 = kc.to(tl.int64)
+            kt = tl.load(k_base + kc64[None, :] * sk_t + d[:, None], mask=kc_ok[None, :], other=0.0)
+            v = tl.load(v_base + kc64[:, None] * sv_t + d[None, :], mask=kc_ok[:, None], other=0.0)
+            s = _dot(q, kt, tl.zeros([BLOCK_T, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+            c = kc[None, :]
+            vis = (c >= bs[:, None]) & (c < be[:, None]) & kc_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, o = _softmax_step(s, v, m_i, l_i, o, DOT_PREC, UPCAST)
+        for start in range(o_lo, o_hi, BLOCK_NI):
+            kc = start + tl.arange(0, BLOCK_NI)
+            kc_ok = kc < o_hi
+            kc64 = kc.to(tl.int64)
+            kt = tl.load(k_base + kc64[None, :] * sk_t + d[:, None], mask=kc_ok[None, :], other=0.0)
+            v = tl.load(v_base + kc64[:, None] * sv_t + d[None, :], mask=kc_ok[:, None], other=0.0)
+            s = _dot(q, kt, tl.zeros([BLOCK_T, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+            c = kc[None, :]
+            in_base = (c >= bs[:, None]) & (c < be[:, None])
+            vis = (c >= os_[:, None]) & (c <= tok[:, None]) & ~in_base & kc_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, o = _softmax_step(s, v, m_i, l_i, o, DOT_PREC, UPCAST)
+        o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
+        acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
+
+    tc = t[:, None]
+    m_out = t_ok[:, None] & c_ok[None, :]
+    if SPLIT > 1:  # as gemm_triton's split-K: partials, an arrival count, the last one sums
+        tl.store(WS + grp * (BLOCK_T * N) + tc * N + cols[None, :], acc, mask=m_out)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
+        last = arrived == SPLIT - 1
+        if last:
+            acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            for s in range(SPLIT):
+                acc += tl.load(WS + s * (BLOCK_T * N) + tc * N + cols[None, :], mask=m_out, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(CNT + pid_n, 0)
+    else:
+        last = True
+    if last:  # HF: residual + o_proj(attn), both in the dtype, the sum rounded once
+        r = tl.load(R + tc * N + cols[None, :], mask=m_out, other=0.0)
+        y = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
+        yf = tl.where(m_out, y.to(tl.float32), 0.0)
+        tl.store(SSQ + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
+        tl.store(OUT + tc * N + cols[None, :], y, mask=m_out)
+
+
+_INTERPRETED = type(_attn_o_kernel).__name__ == "InterpretedFunction"
+
+
+def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
+    """Column tiles x head groups: ~2-3 programs per SM, the Wo tile of one head within registers."""
+    sms = _num_sms(device)
+    block_n = 32
+    while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * sms:
+        block_n *= 2
+    hpp = 1
+    while Hq % (2 * hpp) == 0 and triton.cdiv(N, block_n) * Hq // hpp > 3 * sms:
+        hpp *= 2
+    return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=hpp,
+                BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=4, num_stages=2)
+
+
+def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
+                               wo, residual, config=None):
+    """residual + attention(q, k, v | prefix, ranges) @ wo^T -> (out [T, N], ssq [tiles, T] fp32),
+    as attention_ref + linear_residual. q [T, Hq, D]; k, v [T, Hkv, D]; wo [N, Hq * D]."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    N = wo.shape[0]
+    P = prefix_k.shape[0]
+    assert Hq % Hkv == 0 and wo.shape[1] == Hq * D and residual.shape == (T, N)
+    assert D >= 16 and D & (D - 1) == 0
+    cfg = attn_o_config(T, Hq, N, D, q.dtype, q.device)
+    cfg.update(config or {})
+    assert cfg["BLOCK_T"] >= T and Hq % cfg["HPP"] == 0
+    q, k, v, prefix_k, prefix_v = (x if x.stride(-1) == 1 else x.contiguous()
+                                   for x in (q, k, v, prefix_k, prefix_v))
+    if P == 0:  # never read; avoids handing the launcher an empty (null) pointer
+        prefix_k, prefix_v = k, v
+    wo, residual = wo.contiguous(), residual.contiguous()
+    base_start, base_end, own_start = (x.contiguous() for x in (base_start, base_end, own_start))
+    tiles, split = triton.cdiv(N, cfg["BLOCK_N"]), Hq // cfg["HPP"]
+    out = torch.empty((T, N), dtype=q.dtype, device=q.device)
+    ssq = torch.empty((tiles, T), dtype=torch.float32, device=q.device)
+    if split > 1:
+        ws = torch.empty((split, cfg["BLOCK_T"], N), dtype=torch.float32, device=q.device)
+        cnt = _counters(q.device)
+        assert tiles <= cnt.numel()
+    else:
+        ws = cnt = out  # never touched
+    _attn_o_kernel[(tiles, split)](
+        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, wo, residual, out, ssq, ws, cnt,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
+        T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=_INTERPRETED, **cfg,
+    )
+    return out, ssq
