@@ -112,8 +112,12 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
     from .gemm import SMALL_T_MAX, linear_residual
 
     T = q.shape[0]
+    # Only for small O weights: on the H200 the fused kernel took 6-8 us against 7-8 for the two
+    # kernels with Qwen2.5-0.5B's 1.6 MB Wo, but 25-31 against 12-13 us with 7B's 26 MB
+    # (bench/results/kernels_attn_o.json): there the O GEMM is a weight stream that the per-program
+    # attention only delays.
     if (q.is_cuda and use_triton() and FUSE_ATTN_O and 0 < T <= SMALL_T_MAX
-            and q.dtype == wo.dtype == residual.dtype):
+            and q.dtype == wo.dtype == residual.dtype and wo.numel() * wo.element_size() <= 8 << 20):
         from .attention_o_triton import attention_o_residual_small
 
         return attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end,
