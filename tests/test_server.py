@@ -317,6 +317,65 @@ def test_engine_cpu(clf):
     assert os.sched_getaffinity(0) == cpus
 
 
+def test_fast_classify_path():
+    """FastClassify answers valid, authorized JSON itself and hands everything else, body intact,
+    to the FastAPI route."""
+    from fastapi import HTTPException
+
+    from prefixscore.server import ClassifyRequest, FastClassify
+
+    inner_calls, answered = [], []
+
+    async def inner(scope, receive, send):
+        inner_calls.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 299, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def answer(req: ClassifyRequest):
+        answered.append(req.query)
+        if req.query == "full":
+            raise HTTPException(429, "queue full", headers={"Retry-After": "1"})
+        return b'{"ok": 1}'
+
+    def call(body, ctype=b"application/json", auth=None, key=None):
+        sent = []
+        headers = [(b"content-type", ctype)] + ([(b"authorization", auth)] if auth else [])
+        scope = {"type": "http", "method": "POST", "path": "/v1/classify", "headers": headers}
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(m):
+            sent.append(m)
+
+        asyncio.run(FastClassify(inner, answer, key)(scope, receive, send))
+        return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
+
+    assert call(b'{"query": "red dress"}') == (200, {b"content-type": b"application/json",
+                                                   b"content-length": b"9"}, b'{"ok": 1}')
+    assert call(b'{"query": ["a", "b"]}', ctype=b"application/json; charset=utf-8")[0] == 200
+    status, headers, body = call(b'{"query": "full"}')
+    assert status == 429 and headers[b"retry-after"] == b"1" and json.loads(body) == {"detail": "queue full"}
+    assert answered == ["red dress", ["a", "b"], "full"] and inner_calls == []
+    for body, kw in [(b'{"query": 3}', {}), (b'{"q": "x"}', {}), (b"not json", {}),
+                     (b'{"query": "x"}', {"ctype": b"application/vnd.api+json"}),
+                     (b'{"query": "x"}', {"key": "k"}), (b'{"query": "x"}', {"key": "k", "auth": b"Bearer no"})]:
+        assert call(body, **kw)[0] == 299 and inner_calls[-1] == body, (body, kw)
+    assert call(b'{"query": "y"}', key="k", auth=b"bearer k")[0] == 200 and answered[-1] == "y"
+
+
+def test_fast_path_and_route_agree(server):
+    """The same queries through FastClassify (application/json) and through the FastAPI route
+    (a +json content type, which FastClassify leaves to FastAPI): the same answers."""
+    qs = ["red dress", "levis 501 straight leg", "红色连衣裙"]
+    fast = httpx.post(server + "/v1/classify", json={"query": qs})
+    route = httpx.post(server + "/v1/classify", content=json.dumps({"query": qs}),
+                       headers={"content-type": "application/vnd.api+json"})
+    assert fast.status_code == route.status_code == 200
+    strip = lambda r: [(x["query"], x["label"], x["scores"]) for x in r.json()["results"]]
+    assert strip(fast) == strip(route)
+
+
 # ---------------------------------------------------------------- result cache
 
 def test_cache_identical_results(clf, server):
