@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _num_sms, _softmax_step
+from .attention_triton import _attend, _dot, _num_sms, _ranges
 from .gemm_triton import _counters
 
 
@@ -43,17 +43,7 @@ def _attn_o_kernel(
     c_ok = cols < N
     wo_rows = WO + tl.minimum(cols, N - 1)[:, None] * (HQ * D) + d[None, :]
 
-    # Visibility, as in attention_triton: base range [bs, be) when non-empty, own range [os, t].
-    bs = tl.load(BS + tok)
-    be = tl.load(BE + tok)
-    os_ = tl.load(OS + tok)
-    has_base = bs < be
-    b_lo = tl.maximum(tl.min(tl.where(has_base, bs, T), 0), 0)
-    b_hi = tl.minimum(tl.max(tl.where(has_base, be, 0), 0), T)
-    o_lo = tl.maximum(tl.min(os_, 0), 0)
-    o_hi = tl.minimum(tl.max(tok, 0) + 1, T)
-    bs = tl.where(has_base, bs, 0)
-    be = tl.where(has_base, be, 0)
+    bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)
 
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for hh in tl.static_range(HPP):
@@ -61,44 +51,9 @@ def _attn_o_kernel(
         kvh = head // G
         wo = tl.load(wo_rows + head * D)  # [BLOCK_N, D]: issued first, its latency hides below
         q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head * sq_h + d[None, :])
-        m_i = tl.full([BLOCK_T], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_T], tl.float32)
-        o = tl.zeros([BLOCK_T, D], tl.float32)
-        pk_base = PK + kvh * spk_h
-        pv_base = PV + kvh * spv_h
-        for start in range(0, P, BLOCK_P):
-            kc = start + tl.arange(0, BLOCK_P)
-            kc_ok = kc < P
-            kt = tl.load(pk_base + kc[None, :] * spk_t + d[:, None], mask=kc_ok[None, :], other=0.0)
-            v = tl.load(pv_base + kc[:, None] * spv_t + d[None, :], mask=kc_ok[:, None], other=0.0)
-            s = _dot(q, kt, tl.zeros([BLOCK_T, BLOCK_P], tl.float32), DOT_PREC, UPCAST) * qk_scale
-            s = tl.where(kc_ok[None, :], s, float("-inf"))
-            m_i, l_i, o = _softmax_step(s, v, m_i, l_i, o, DOT_PREC, UPCAST)
-        k_base = K + kvh * sk_h
-        v_base = V + kvh * sv_h
-        for start in range(b_lo, b_hi, BLOCK_NI):
-            kc = start + tl.arange(0, BLOCK_NI)
-            kc_ok = kc < b_hi
-            kc64 = kc.to(tl.int64)
-            kt = tl.load(k_base + kc64[None, :] * sk_t + d[:, None], mask=kc_ok[None, :], other=0.0)
-            v = tl.load(v_base + kc64[:, None] * sv_t + d[None, :], mask=kc_ok[:, None], other=0.0)
-            s = _dot(q, kt, tl.zeros([BLOCK_T, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
-            c = kc[None, :]
-            vis = (c >= bs[:, None]) & (c < be[:, None]) & kc_ok[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            m_i, l_i, o = _softmax_step(s, v, m_i, l_i, o, DOT_PREC, UPCAST)
-        for start in range(o_lo, o_hi, BLOCK_NI):
-            kc = start + tl.arange(0, BLOCK_NI)
-            kc_ok = kc < o_hi
-            kc64 = kc.to(tl.int64)
-            kt = tl.load(k_base + kc64[None, :] * sk_t + d[:, None], mask=kc_ok[None, :], other=0.0)
-            v = tl.load(v_base + kc64[:, None] * sv_t + d[None, :], mask=kc_ok[:, None], other=0.0)
-            s = _dot(q, kt, tl.zeros([BLOCK_T, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
-            c = kc[None, :]
-            in_base = (c >= bs[:, None]) & (c < be[:, None])
-            vis = (c >= os_[:, None]) & (c <= tok[:, None]) & ~in_base & kc_ok[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            m_i, l_i, o = _softmax_step(s, v, m_i, l_i, o, DOT_PREC, UPCAST)
+        o, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h,
+                         PV + kvh * spv_h, spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t,
+                         P, qk_scale, BLOCK_T, D, BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
 

@@ -47,6 +47,76 @@ def _softmax_step(s, v, m_i, l_i, acc, DOT_PREC: tl.constexpr, UPCAST: tl.conste
 
 
 @triton.jit
+def _ranges(BS, BE, OS, tok, T):
+    """Per-row visibility and the block's two in-batch key ranges. Base range [bs, be), ignored
+    when empty, and own causal range [os, t]. The block scans base [b_lo, b_hi) over the rows with
+    a non-empty base (empty, zero trips, when none has one) and own [o_lo, o_hi) = [min os, max t
+    + 1). Padding rows repeat token T-1's ranges. An empty base becomes [0, 0) in the per-row
+    bounds, so it excludes nothing from the own range."""
+    bs = tl.load(BS + tok)
+    be = tl.load(BE + tok)
+    os_ = tl.load(OS + tok)
+    has_base = bs < be
+    b_lo = tl.maximum(tl.min(tl.where(has_base, bs, T), 0), 0)
+    b_hi = tl.minimum(tl.max(tl.where(has_base, be, 0), 0), T)
+    o_lo = tl.maximum(tl.min(os_, 0), 0)
+    o_hi = tl.minimum(tl.max(tok, 0) + 1, T)
+    return tl.where(has_base, bs, 0), tl.where(has_base, be, 0), os_, b_lo, b_hi, o_lo, o_hi
+
+
+@triton.jit
+def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t, spv_t,
+            k_base, v_base, sk_t, sv_t, P, qk_scale,
+            M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NI: tl.constexpr,
+            DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Online softmax of q [M, D] (row i: token tok[i]) over one kv head's keys: the prefix, then
+    the in-batch base and own ranges (see _ranges) -> (unnormalised output [M, D], row sums)."""
+    d = tl.arange(0, D)
+    # Finite start for the running max: a row whose keys in a tile are all masked then gets
+    # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
+    m_i = tl.full([M], -1.0e30, tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, D], tl.float32)
+    # 1) the cached prefix: every row sees every key; only the last tile has a tail.
+    for start in range(0, P, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < P
+        kt = tl.load(pk_base + cols[None, :] * spk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(pv_base + cols[:, None] * spv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, kt, tl.zeros([M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+    # 2) in-batch keys, masked per row. A block spans only a few tokens plus their requests'
+    # look-back, so narrower tiles (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
+    # 2a) base range: key c is visible to a row iff bs <= c < be.
+    for start in range(b_lo, b_hi, BLOCK_NI):
+        cols = start + tl.arange(0, BLOCK_NI)
+        col_ok = cols < b_hi
+        cols64 = cols.to(tl.int64)
+        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, kt, tl.zeros([M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+        c = cols[None, :]
+        vis = (c >= bs[:, None]) & (c < be[:, None]) & col_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+    # 2b) own range: os <= c <= t, minus the keys 2a already counted for this row (bs <= c < be).
+    for start in range(o_lo, o_hi, BLOCK_NI):
+        cols = start + tl.arange(0, BLOCK_NI)
+        col_ok = cols < o_hi
+        cols64 = cols.to(tl.int64)
+        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+        s = _dot(q, kt, tl.zeros([M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+        c = cols[None, :]
+        in_base = (c >= bs[:, None]) & (c < be[:, None])
+        vis = (c >= os_[:, None]) & (c <= tok[:, None]) & ~in_base & col_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+    return acc, l_i
+
+
+@triton.jit
 def _prefix_attn_kernel(
     Q, K, V, PK, PV, BS, BE, OS, O,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
@@ -65,69 +135,10 @@ def _prefix_attn_kernel(
     d = tl.arange(0, D)
 
     q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :])
-    # Visibility (loaded up front so the latency hides behind the prefix pass): base range
-    # [bs, be), ignored when empty, and own causal range [os, t]. The block scans two key ranges:
-    # base [b_lo, b_hi) over the rows with a non-empty base (empty, zero trips, when none has
-    # one), and own [o_lo, o_hi) = [min os, max t + 1). Padding rows repeat token T-1's ranges.
-    bs = tl.load(BS + tok)
-    be = tl.load(BE + tok)
-    os_ = tl.load(OS + tok)
-    has_base = bs < be
-    b_lo = tl.maximum(tl.min(tl.where(has_base, bs, T), 0), 0)
-    b_hi = tl.minimum(tl.max(tl.where(has_base, be, 0), 0), T)
-    o_lo = tl.maximum(tl.min(os_, 0), 0)
-    o_hi = tl.minimum(tl.max(tok, 0) + 1, T)
-    # Per-row base bounds for the masks; an empty base becomes [0, 0) so it excludes nothing.
-    bs = tl.where(has_base, bs, 0)
-    be = tl.where(has_base, be, 0)
-
-    # Finite start for the running max: a row whose keys in a tile are all masked then gets
-    # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-
-    # 1) the cached prefix: every row sees every key; only the last tile has a tail.
-    pk_base = PK + kvh * spk_h
-    pv_base = PV + kvh * spv_h
-    for start in range(0, P, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < P
-        kt = tl.load(pk_base + cols[None, :] * spk_t + d[:, None], mask=col_ok[None, :], other=0.0)
-        v = tl.load(pv_base + cols[:, None] * spv_t + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
-        s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
-
-    # 2) in-batch keys, masked per row. A block spans only ~BLOCK_M / G tokens plus their
-    # requests' look-back, so narrower tiles (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
-    k_base = K + kvh * sk_h
-    v_base = V + kvh * sv_h
-    # 2a) base range: key c is visible to a row iff bs <= c < be.
-    for start in range(b_lo, b_hi, BLOCK_NI):
-        cols = start + tl.arange(0, BLOCK_NI)
-        col_ok = cols < b_hi
-        cols64 = cols.to(tl.int64)
-        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
-        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
-        c = cols[None, :]
-        vis = (c >= bs[:, None]) & (c < be[:, None]) & col_ok[None, :]
-        s = tl.where(vis, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
-    # 2b) own range: os <= c <= t, minus the keys 2a already counted for this row (bs <= c < be).
-    for start in range(o_lo, o_hi, BLOCK_NI):
-        cols = start + tl.arange(0, BLOCK_NI)
-        col_ok = cols < o_hi
-        cols64 = cols.to(tl.int64)
-        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
-        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = _dot(q, kt, tl.zeros([BLOCK_M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
-        c = cols[None, :]
-        in_base = (c >= bs[:, None]) & (c < be[:, None])
-        vis = (c >= os_[:, None]) & (c <= tok[:, None]) & ~in_base & col_ok[None, :]
-        s = tl.where(vis, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+    bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)  # latency hides behind the prefix
+    acc, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h, PV + kvh * spv_h,
+                       spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t, P, qk_scale,
+                       BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
