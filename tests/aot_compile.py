@@ -1,0 +1,116 @@
+"""Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
+
+    python tests/aot_compile.py          (TRITON_INTERPRET unset; run by test_kernels_compile.py)
+
+The interpreter runs the kernels' math on CPU but never compiles them, so a kernel it accepts can
+still fail to compile on the GPU. This builds each kernel with the launch configs the production
+heuristics pick for the Qwen2.5-0.5B and -7B shapes and runs the whole pipeline to a cubin with
+the ptxas that ships in the triton wheel. Prints one line per kernel; exits 1 on the first failure.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
+
+from prefixscore.kernels import attention_o_triton as AO  # noqa: E402
+from prefixscore.kernels import attention_triton as AT  # noqa: E402
+from prefixscore.kernels import fused_triton as F  # noqa: E402
+from prefixscore.kernels import gemm_triton as G  # noqa: E402
+from prefixscore.kernels import label_head_triton as LH  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+CPU = torch.device("cpu")  # config heuristics: the interpreter's stand-in for an H200 (132 SMs)
+BF16 = torch.bfloat16
+
+
+def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
+    """types: parameter -> Triton type ("*bf16", "fp32", ...), the rest i32; consts: constexprs."""
+    params = list(inspect.signature(fn.fn).parameters)
+    unknown = set(consts) | set(types) - set(params)
+    assert not unknown - set(params), f"{name}: no parameters {unknown - set(params)}"
+    sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    assert k.asm.get("cubin"), f"{name}: no cubin"
+    print(f"ok {name}", flush=True)
+
+
+def split_launch(cfg):
+    cfg = dict(cfg)
+    return cfg, cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
+
+
+def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64):
+    cfg = G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
+    if block_n is not None:
+        cfg["BLOCK_N"] = block_n
+    cfg = G._finish_config(cfg, K, BF16)
+    cfg, nw, ns = split_launch(cfg)
+    types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
+    types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
+                  "eps": "fp32", "norm_eps": "fp32"})
+    nt = 28
+    consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, NTP=32, RESID=resid,
+                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, **cfg)
+    compile_kernel(f"skinny {name} {cfg}", G._skinny_kernel, types, consts, nw, ns)
+
+
+def main():
+    # Qwen2.5-0.5B (hidden 896, I 4864, 14/2 heads of 64) and 7B (3584, 18944, 28/4 of 128), T = 16.
+    skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True)
+    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True)
+    skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True)
+    skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True)
+    skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128)
+    skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True)
+    skinny("7B o+residual", 16, 3584, 3584, 0, 3584, resid=True)
+    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True)
+
+    at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
+    at_types.update({p: "*i32" for p in ("BS", "BE", "OS")}, qk_scale="fp32")
+    for T, Gq, Hkv, D in ((16, 7, 4, 128), (8, 7, 2, 64), (4096, 7, 2, 64)):
+        cfg, nw, ns = split_launch(AT.attn_config(T, Gq, Hkv, D, BF16, CPU))
+        compile_kernel(f"attention T={T} G={Gq} D={D} {cfg}", AT._prefix_attn_kernel, at_types,
+                       dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, **cfg), nw, ns)
+
+    ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
+    ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "CNT")}, SSQ="*fp32", WS="*fp32",
+                    qk_scale="fp32")
+    for T in (16, 64):
+        cfg, nw, ns = split_launch(AO.attn_o_config(T, 14, 896, 64, BF16, CPU))
+        compile_kernel(f"attention+O T={T} {cfg}", AO._attn_o_kernel, ao_types,
+                       dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, **cfg), nw, ns)
+
+    for R in (1, 512):
+        cfg, nw, ns = split_launch(LH.head_config(R, 19, 896, CPU))
+        compile_kernel(f"label head R={R} {cfg}", LH._label_head_kernel,
+                       {"X": "*bf16", "ROWS": "*i64", "NW": "*bf16", "W": "*bf16", "ALLOWED": "*u8",
+                        "SCORES": "*fp32", "BEST": "*i64", "eps": "fp32"},
+                       dict(LOGPROBS=True, DOT_PREC="tf32", UPCAST=False, **cfg), nw, ns)
+
+    for has_w in (False, True):
+        compile_kernel(f"rms_norm weight={has_w}", F._rms_norm_kernel,
+                       {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+                       dict(HAS_W=has_w, BLOCK=1024))
+    compile_kernel("rope_qk", F._rope_qk_kernel,
+                   {p: "*bf16" for p in ("qkv_ptr", "cos_ptr", "sin_ptr", "qn_ptr", "kn_ptr", "q_ptr", "k_ptr")}
+                   | {"eps": "fp32"}, dict(HQ=14, HKV=2, D=64, NH=16, QK_NORM=False))
+    compile_kernel("silu_mul", F._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
+                   dict(BLOCK=1024))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # one line the test can show
+        print(f"FAILED: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+        sys.exit(1)
