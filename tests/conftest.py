@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU the kernel tests run Triton's interpreter, which must be chosen before anything
+# imports triton (each kernel test module also sets it, for running alone).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # PREFIXSCORE_TEST_THREADS=1 keeps parallel test runs from fighting over 2 cores (OpenMP spins).
 torch.set_num_threads(int(os.environ.get("PREFIXSCORE_TEST_THREADS", min(2, os.cpu_count() or 1))))
 
