@@ -412,17 +412,18 @@ class FastClassify:
         except HTTPException as e:
             status, out = e.status_code, json.dumps({"detail": e.detail}).encode()
             extra = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(out)).encode()), *extra]})
-        await send({"type": "http.response.body", "body": out})
+        await _send(send, status, out, extra)
 
     def _authorized(self, header: bytes | None) -> bool:
         if self.api_key is None:
             return True
         scheme, _, token = (header or b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                  self.api_key.encode())
+        return scheme.lower() == "bearer" and key_matches(token.strip(), self.api_key)
+
+
+def key_matches(token: str, api_key: str) -> bool:
+    """Constant-time comparison of a bearer token with the API key."""
+    return hmac.compare_digest(token.encode(), api_key.encode())
 
 
 def query_name(i: int, n: int) -> str:
@@ -453,12 +454,17 @@ def _replay(body: bytes, receive):
     return replay
 
 
-async def _send_json(send, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
+async def _send(send, status: int, body: bytes, headers=()) -> None:
+    """A whole JSON response straight to the ASGI server."""
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                            (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(send, status: int, detail: str) -> None:
+    """An error before the body was read whole: the connection closes after it."""
+    await _send(send, status, json.dumps({"detail": detail}).encode(), [(b"connection", b"close")])
 
 
 # ---------------------------------------------------------------- the app
@@ -520,7 +526,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
         bearer = HTTPBearer(auto_error=False)
 
         def check_key(creds=Depends(bearer)):  # None when the header is missing or not Bearer
-            if creds is None or not hmac.compare_digest(creds.credentials.encode(), api_key.encode()):
+            if creds is None or not key_matches(creds.credentials, api_key):
                 raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                     headers={"WWW-Authenticate": "Bearer"})
 

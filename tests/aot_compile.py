@@ -35,8 +35,8 @@ BF16 = torch.bfloat16
 def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     """types: parameter -> Triton type ("*bf16", "fp32", ...), the rest i32; consts: constexprs."""
     params = list(inspect.signature(fn.fn).parameters)
-    unknown = set(consts) | set(types) - set(params)
-    assert not unknown - set(params), f"{name}: no parameters {unknown - set(params)}"
+    unknown = (set(consts) | set(types)) - set(params)
+    assert not unknown, f"{name}: no parameters {unknown}"
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})

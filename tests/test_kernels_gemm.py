@@ -244,7 +244,6 @@ def test_dispatch_cpu_falls_back():
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(4, 32, generator=gen)
     w = torch.randn(64, 32, generator=gen)
-    torch.testing.assert_close(gemm.linear(x, w), linear_ref(x, w))
     torch.testing.assert_close(gemm.gate_up_silu(x, w), gate_up_silu_ref(x, w))
     r = torch.randn(4, 64, generator=gen)
     out, ssq = gemm.linear_residual(x, w, None, r)
@@ -256,3 +255,9 @@ def test_dispatch_cpu_falls_back():
     q, k, v = gemm.qkv_rope(x, w, None, cos, sin, 2, 1, 16)
     for a, r in zip((q, k, v), qkv_rope_ref(x, w, None, cos, sin, 2, 1, 16)):
         torch.testing.assert_close(a, r)
+    normed = rms_norm_ref(x, None, 1e-6)
+    q, k, v = gemm.qkv_rope(gemm.Normed(x, None, 1e-6), w, None, cos, sin, 2, 1, 16)
+    for a, r in zip((q, k, v), qkv_rope_ref(normed, w, None, cos, sin, 2, 1, 16)):
+        torch.testing.assert_close(a, r)
+    b, r = torch.randn(64, generator=gen), torch.randn(4, 64, generator=gen)
+    torch.testing.assert_close(gemm.linear_residual(x, w, b, r)[0], r + linear_ref(x, w, b))

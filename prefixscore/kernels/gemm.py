@@ -1,6 +1,5 @@
 """Linear layers for few tokens: torch references and the dispatch to kernels/gemm_triton.py.
 
-  linear(x, w, b)                    -> x @ w^T (+ b)                          (F.linear)
   linear_residual(x, w, b, r)        -> (r + x @ w^T (+ b), ssq)               (addmm)
   gate_up_silu(x, w_gu, b)           -> silu(x @ Wg^T) * (x @ Wu^T)            (linear + silu_mul)
   qkv_rope(x, w_qkv, b, cos, sin, ...) -> q, k, v after per-head norm + RoPE (linear + rope_qk)
@@ -60,11 +59,17 @@ def _fuse_norms() -> bool:
     return FUSE_NORMS
 
 
-def _prologue(x, w):
-    """-> (the GEMM input, norm arguments for the skinny kernel's NORM epilogue or None)."""
+def _data(x):
+    """The tensor a GEMM input is made from (a Normed's residual stream)."""
+    return x.x if isinstance(x, Normed) else x
+
+
+def _prologue(x, skinny: bool):
+    """-> (the GEMM input, norm arguments for the skinny kernel's NORM epilogue or None): a Normed
+    is left to the skinny kernel when its producer left the sums of squares, else computed here."""
     if not isinstance(x, Normed):
         return x, None
-    if x.ssq is not None and _small(x.x, w) and _fuse_norms():
+    if skinny and x.ssq is not None and _fuse_norms():
         return x.x, (x.eps, x.ssq)
     return x.tensor(), None
 
@@ -87,19 +92,10 @@ def linear_residual(x, w, bias, residual):
     return residual + F.linear(x, w, bias), None
 
 
-def linear(x, w, bias=None, out=None):
-    if _small(x, w):
-        from .gemm_triton import linear_small
-
-        return linear_small(x, w, bias, out=out)
-    if out is not None:
-        return torch.matmul(x, w.t(), out=out) if bias is None else out.copy_(F.linear(x, w, bias))
-    return F.linear(x, w, bias)
-
-
 def gate_up_silu(x, w_gu, bias=None):
-    x, norm = _prologue(x, w_gu)
-    if _small(x, w_gu):
+    skinny = _small(_data(x), w_gu)
+    x, norm = _prologue(x, skinny)
+    if skinny:
         from .gemm_triton import gate_up_silu_small
 
         return gate_up_silu_small(x, w_gu, bias, norm=norm)
@@ -112,10 +108,9 @@ def _rope_fits(D):
 
 def qkv_rope(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
     """-> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (v may be a view on the cuBLAS path)."""
-    if isinstance(x, Normed) and not _rope_fits(D):
-        x = x.tensor()
-    x, norm = _prologue(x, w_qkv)
-    if _small(x, w_qkv) and _rope_fits(D):
+    skinny = _small(_data(x), w_qkv) and _rope_fits(D)
+    x, norm = _prologue(x, skinny)
+    if skinny:
         from .gemm_triton import qkv_rope_small
 
         return qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, norm=norm)
