@@ -24,6 +24,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels.attention import attention_o, span_layout
+from .kernels.fused import embed_rope
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
 
 
@@ -147,6 +148,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         inv_freq, self.rope_scaling = rope_inv_freq(c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_tables: dict = {}
 
     def fuse(self):
         """Concatenate Q/K/V and gate/up weights, folding in the norms (after loading HF names)."""
@@ -159,11 +161,20 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
 
+    def rope_table(self, device, dtype):
+        """rope() of every position the model takes, built on first use (before any graph capture):
+        a forward gathers its rows, the same values, in the kernel that gathers the embeddings."""
+        key = (str(device), dtype)
+        if key not in self._rope_tables:
+            pos = torch.arange(self.config.context_limit, device=self.inv_freq.device)
+            self._rope_tables[key] = tuple(t.to(device) for t in self.rope(pos, dtype))
+        return self._rope_tables[key]
+
     def forward(self, tokens, positions, ctx: Context):
         """tokens, positions [T] -> hidden states [T, hidden] before the final norm."""
-        x = self.embed_tokens(tokens)
-        cos, sin = self.rope(positions, x.dtype)
-        ssq = None
+        emb = self.embed_tokens.weight
+        # x, its rows' sums of squares for layer 0's norm (fused path; else None), RoPE's cos/sin
+        x, ssq, cos, sin = embed_rope(tokens, positions, emb, *self.rope_table(emb.device, emb.dtype))
         for i, layer in enumerate(self.layers):
             x, ssq = layer(x, ssq, cos, sin, ctx, i)
         return x

@@ -37,10 +37,13 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     params = list(inspect.signature(fn.fn).parameters)
     unknown = (set(consts) | set(types)) - set(params)
     assert not unknown, f"{name}: no parameters {unknown}"
+    consts = dict(consts, GDC=True)  # the H200 build: programmatic dependent launch (kernels/pdl.py)
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
-    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages,
+                                                    "launch_pdl": True})
     assert k.asm.get("cubin"), f"{name}: no cubin"
+    assert "griddepcontrol.wait" in k.asm["ptx"], f"{name}: no PDL wait"
     print(f"ok {name}", flush=True)
 
 
@@ -106,6 +109,9 @@ def main():
                    | {"eps": "fp32"}, dict(HQ=14, HKV=2, D=64, NH=16, QK_NORM=False))
     compile_kernel("silu_mul", F._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
                    dict(BLOCK=1024))
+    compile_kernel("embed_rope", F._embed_rope_kernel,
+                   {p: "*bf16" for p in ("E", "CT", "ST", "X", "COS", "SIN")}
+                   | {"TOK": "*i32", "POS": "*i32", "SSQ": "*fp32"}, dict(BLOCK=1024, BLOCK_D=64))
 
 
 if __name__ == "__main__":

@@ -60,3 +60,20 @@ def test_silu_mul(T, I, dtype):
     g = torch.Generator().manual_seed(T * I)
     gu = torch.randn(T, 2 * I, generator=g).mul(3).to(DEV, dtype)
     close(fused_triton.silu_mul_triton(gu), fused.silu_mul_ref(gu), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,H,D", [(1, 64, 64), (9, 896, 64), (40, 200, 96)])
+def test_embed_rope(T, H, D, dtype):
+    """Gathers are copies: bitwise equal to the reference; the sums of squares are fp32 sums."""
+    g = torch.Generator().manual_seed(T * H + D)
+    V, npos = 1000, 300
+    emb = torch.randn(V, H, generator=g).to(DEV, dtype)
+    ct, st = (torch.randn(npos, D, generator=g).to(DEV, dtype) for _ in range(2))
+    tok = torch.randint(0, V, (T,), generator=g, dtype=torch.int32).to(DEV)
+    pos = torch.randint(0, npos, (T,), generator=g, dtype=torch.int32).to(DEV)
+    x, ssq, cos, sin = fused_triton.embed_rope_triton(tok, pos, emb, ct, st)
+    rx, _, rcos, rsin = fused.embed_rope_ref(tok, pos, emb, ct, st)
+    assert torch.equal(x, rx) and torch.equal(cos, rcos) and torch.equal(sin, rsin)
+    assert ssq.shape == (1, T) and ssq.dtype == torch.float32
+    torch.testing.assert_close(ssq[0], rx.float().pow(2).sum(-1), atol=1e-3, rtol=1e-5)

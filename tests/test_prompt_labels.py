@@ -33,6 +33,43 @@ def test_split_reproduces_whole_prompt_tokens(smol_tokenizer, name, chat):
             assert e.ids[: e.start] == p.prefix_ids
     assert len(p.prefix_ids) >= len(p.encode_text(p.prefix_text)) - 2  # at most a merge or two back
     assert p.backend is not None  # the ids above came from the Rust backend, checked against HF
+    assert p.resume is not None  # ... tokenizing from the resume point, not the whole prompt
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("name", ["space", "colon", "newline", "trailing"])
+def test_resume_point_fuzz(smol_tokenizer, name, chat):
+    """Prompts tokenized from the resume point equal whole-prompt tokenization for queries built to
+    reach back across it: leading whitespace and punctuation runs, digits, contractions, special
+    token text, combining marks."""
+    import random
+
+    rng = random.Random(hash((name, chat)) & 0xFFFF)
+    atoms = [" ", "  ", "\n", "\n\n", "\t", ":", "::", "(", ".", "!?", "'s", "'", "1", "2024", "a",
+             "Abc", "é", "\u0301", "中", "😀", "<|im_end|>", "<|im_start|>", "_", "-", "—", "\r\n"]
+    queries = ["".join(rng.choice(atoms) for _ in range(rng.randint(1, 6))) for _ in range(300)]
+    queries = [q for q in queries if q.strip()]
+    p = Prompt(smol_tokenizer, TEMPLATES[name], chat=chat)
+    assert p.resume is not None
+    got = [e.ids for e in p.encode_many([{"query": q} for q in queries])]
+    assert got == [smol_tokenizer(p.render(query=q), add_special_tokens=not chat)["input_ids"]
+                   for q in queries]
+
+
+def test_resume_point_refused(smol_tokenizer):
+    """A tokenizer that treats the start of any text specially (here: a Metaspace pre-tokenizer
+    that prepends a word marker) fails the probe check: every prompt is tokenized whole."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer.from_str(smol_tokenizer.backend_tokenizer.to_str())
+    inner.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Metaspace(prepend_scheme="always"), inner.pre_tokenizer])
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner)
+    p = Prompt(tok, TEMPLATES["colon"], chat=False)
+    assert p.resume is None
+    for q in QUERIES:
+        assert p.encode(query=q).ids == tok(p.render(query=q))["input_ids"]
 
 
 def test_batch_encoding_and_backend_fallback(smol_tokenizer):

@@ -413,3 +413,23 @@ def test_gpu_bf16_matches_hf(tiny_model):
             top2 = ref.topk(2, -1).values
             clear = (top2[:, 0] - top2[:, 1]) > bound
             assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear]), (arch, layout)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_pdl_changes_nothing(tiny_model, monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py) only overlaps L2 prefetches with the kernel
+    ahead: scores through the captured graphs are bitwise those of plain launches."""
+    from prefixscore import kernels
+    from prefixscore.kernels import pdl
+
+    loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+    template, chat = TEMPLATES["query_first"]
+    requests = random_requests(48, seed=11)
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "PDL", on)
+        if torch.cuda.get_device_capability()[0] >= 9:
+            assert pdl.enabled(torch.device("cuda")) == on
+        sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
+        out[on] = [[r.scores for r in res] for res in sc.score_batch(requests)]
+    assert out[True] == out[False]

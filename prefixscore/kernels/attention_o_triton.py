@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _ranges
 from .gemm_triton import _counters
+from .pdl import enter, launch_kwargs, prefetch_l2
 
 
 @triton.jit
@@ -29,11 +30,19 @@ def _attn_o_kernel(
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
     SPLIT: tl.constexpr = HQ // HPP
+    if GDC:  # PDL (kernels/pdl.py): Wo's slice and the prefix K/V into L2, then wait
+        prefetch_l2(WO + pid_n * BLOCK_N * (HQ * D) + grp * HPP * D,
+                    tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), HQ * D, HPP * D)
+        for hh in tl.static_range(0, HPP, G):  # each kv head of the group once
+            kvh = (grp * HPP + hh) // G
+            prefetch_l2(PK + kvh * spk_h, P, spk_t, D)
+            prefetch_l2(PV + kvh * spv_h, P, spv_t, D)
+        enter()
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -128,6 +137,6 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, **cfg,
+        UPCAST=_INTERPRETED, **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_kwargs, prefetch_l2
+
 
 @triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -122,9 +124,13 @@ def _prefix_attn_kernel(
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
     T, P, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
     kvh = tl.program_id(1)
+    if GDC:  # PDL (kernels/pdl.py): the pinned prefix K/V into L2, then wait
+        prefetch_l2(PK + kvh * spk_h, P, spk_t, D)
+        prefetch_l2(PV + kvh * spv_h, P, spv_t, D)
+        enter()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G
@@ -220,6 +226,6 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         out.stride(0), out.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        **cfg,
+        **cfg, **launch_kwargs(q.device),
     )
     return out

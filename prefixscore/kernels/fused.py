@@ -3,6 +3,7 @@
   rms_norm(x, w)                -> norm(x) * w
   rope_qk(qkv, cos, sin, ...)   -> q, k with optional per-head RMSNorm (Qwen3), then RoPE
   silu_mul(gate_up)             -> silu(gate) * up
+  embed_rope(tokens, positions, embed, cos_table, sin_table) -> x, ssq, cos, sin (a forward's start)
 
 Torch references define the math (and run on CPU); the Triton versions run on CUDA.
 """
@@ -32,6 +33,12 @@ def rope_qk_ref(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
     q = (q * c + _rotate_half(q) * s).to(qkv.dtype)
     k = (k * c + _rotate_half(k) * s).to(qkv.dtype)
     return q, k, v
+
+
+def embed_rope_ref(tokens, positions, embed, cos_table, sin_table):
+    """-> (embed[tokens], None, cos_table[positions], sin_table[positions])."""
+    return (F.embedding(tokens, embed), None, cos_table.index_select(0, positions),
+            sin_table.index_select(0, positions))
 
 
 def silu_mul_ref(gate_up):
@@ -64,3 +71,14 @@ def silu_mul(gate_up):
 
         return silu_mul_triton(gate_up)
     return silu_mul_ref(gate_up)
+
+
+def embed_rope(tokens, positions, embed, cos_table, sin_table):
+    """The start of a forward: the token embeddings x [T, H], RoPE's cos and sin rows [T, D] of the
+    positions, and on CUDA (one Triton kernel instead of three) x's row sums of squares [1, T] fp32,
+    so layer 0's RMSNorm rides in its QKV GEMM like every other layer's (kernels/gemm.Normed)."""
+    if tokens.is_cuda and use_triton():
+        from .fused_triton import embed_rope_triton
+
+        return embed_rope_triton(tokens, positions, embed, cos_table, sin_table)
+    return embed_rope_ref(tokens, positions, embed, cos_table, sin_table)

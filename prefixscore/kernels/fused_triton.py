@@ -6,9 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enter, launch_kwargs
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                     GDC: tl.constexpr):
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+        enter()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -28,16 +33,18 @@ def rms_norm_triton(x, weight, eps, out=None):
     x = x.contiguous()
     out = torch.empty_like(x) if out is None else out
     _rms_norm_kernel[(T,)](x, x if weight is None else weight, out, H, eps, HAS_W=weight is not None,
-                           BLOCK=triton.next_power_of_2(H), num_warps=4)
+                           BLOCK=triton.next_power_of_2(H), num_warps=4, **launch_kwargs(x.device))
     return out
 
 
 @triton.jit
 def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NH: tl.constexpr,
-                    QK_NORM: tl.constexpr):
+                    QK_NORM: tl.constexpr, GDC: tl.constexpr):
     """One program per token, all q and k heads at once as a [NH, D/2] tile (NH = HQ + HKV padded to
     a power of two): one vectorised load/compute/store instead of a serial loop over heads."""
+    if GDC:
+        enter()
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
     h = tl.arange(0, NH)[:, None]
@@ -80,12 +87,15 @@ def rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6
     norm = q_norm is not None
     NH = triton.next_power_of_2(Hq + Hkv)
     _rope_qk_kernel[(T,)](qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q, k, eps,
-                          HQ=Hq, HKV=Hkv, D=D, NH=NH, QK_NORM=norm, num_warps=4 if NH * D >= 2048 else 2)
+                          HQ=Hq, HKV=Hkv, D=D, NH=NH, QK_NORM=norm, num_warps=4 if NH * D >= 2048 else 2,
+                          **launch_kwargs(qkv.device))
     return q, k, v
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    if GDC:
+        enter()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -102,5 +112,43 @@ def silu_mul_triton(gate_up):
     I = I2 // 2
     out = torch.empty(T, I, device=gate_up.device, dtype=gate_up.dtype)
     BLOCK = 1024
-    _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](gate_up, out, I, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](gate_up, out, I, BLOCK=BLOCK, num_warps=4,
+                                                  **launch_kwargs(gate_up.device))
     return out
+
+
+@triton.jit
+def _embed_rope_kernel(TOK, POS, E, CT, ST, X, SSQ, COS, SIN, H, V, NPOS, D,
+                       BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
+    t = tl.program_id(0)
+    if GDC:
+        enter()
+    # Clamped ids only keep a bad plan inside the tables (valid plans are in range).
+    tok = tl.minimum(tl.load(TOK + t), V - 1).to(tl.int64)
+    pos = tl.minimum(tl.load(POS + t), NPOS - 1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < H
+    x = tl.load(E + tok * H + offs, mask=m, other=0.0)
+    tl.store(X + t * H + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    tl.store(SSQ + t, tl.sum(xf * xf, 0))
+    d = tl.arange(0, BLOCK_D)
+    md = d < D
+    tl.store(COS + t * D + d, tl.load(CT + pos * D + d, mask=md), mask=md)
+    tl.store(SIN + t * D + d, tl.load(ST + pos * D + d, mask=md), mask=md)
+
+
+def embed_rope_triton(tokens, positions, embed, cos_table, sin_table):
+    T = tokens.shape[0]
+    (V, H), D = embed.shape, cos_table.shape[1]
+    assert embed.is_contiguous() and cos_table.is_contiguous() and sin_table.is_contiguous()
+    kw = dict(device=embed.device, dtype=embed.dtype)
+    x, cos, sin = torch.empty(T, H, **kw), torch.empty(T, D, **kw), torch.empty(T, D, **kw)
+    ssq = torch.empty(1, T, device=embed.device, dtype=torch.float32)
+    if T:
+        _embed_rope_kernel[(T,)](tokens.contiguous(), positions.contiguous(), embed, cos_table,
+                                 sin_table, x, ssq, cos, sin, H, V, cos_table.shape[0], D,
+                                 BLOCK=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
+                                 num_warps=4,
+                                 **launch_kwargs(embed.device))
+    return x, ssq, cos, sin

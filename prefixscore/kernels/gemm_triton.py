@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
+from .pdl import enter, launch_kwargs, prefetch_l2
 
 
 @triton.jit
@@ -55,6 +56,7 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -82,9 +84,20 @@ def _skinny_kernel(
     wb_ptr = W + tl.minimum(cols_b, N - 1)[:, None] * K
     x_ptr = X + t[:, None] * stride_xt
 
+    k0 = pid_k * (ITERS * BLOCK_K)
+    if GDC:  # PDL: this program's weight slab into L2 while the kernel ahead runs, then wait
+        kn = tl.minimum(ITERS * BLOCK_K, K - k0)
+        if EPI == 2:  # one head: D consecutive rows
+            prefetch_l2(W + pid_n * D * K + k0, D, K, kn)
+        else:
+            rows = tl.minimum(BLOCK_N, (N // 2 if EPI == 1 else N) - pid_n * BLOCK_N)
+            prefetch_l2(W + pid_n * BLOCK_N * K + k0, rows, K, kn)
+            if EPI == 1:
+                prefetch_l2(W + (N // 2 + pid_n * BLOCK_N) * K + k0, rows, K, kn)
+        enter()
+
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    k0 = pid_k * (ITERS * BLOCK_K)
     for i in range(ITERS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -324,7 +337,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, NTP=_np2(nt), RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg,
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg, **launch_kwargs(x.device),
     )
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
+from .pdl import enter, launch_kwargs, prefetch_l2
 
 
 @triton.jit
@@ -23,8 +24,11 @@ def _label_head_kernel(
     sx_t, sw_n, sa_r, ss_r,
     R, N, H, eps,
     LOGPROBS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
+    if GDC:  # PDL (kernels/pdl.py): the label rows into L2, then wait
+        prefetch_l2(W, N, sw_n, H)
+        enter()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
     src = tl.load(ROWS + r, mask=r_ok, other=0).to(tl.int64)
@@ -134,6 +138,6 @@ def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=
         LOGPROBS=bool(logprobs),
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED,
-        **cfg,
+        **cfg, **launch_kwargs(hidden.device),
     )
     return out_scores, out_best
