@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _ranges
 from .gemm_triton import _counters
-from .pdl import enter, launch_kwargs, prefetch_l2
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -35,14 +35,8 @@ def _attn_o_kernel(
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
     SPLIT: tl.constexpr = HQ // HPP
-    if GDC:  # PDL (kernels/pdl.py): Wo's slice and the prefix K/V into L2, then wait
-        prefetch_l2(WO + pid_n * BLOCK_N * (HQ * D) + grp * HPP * D,
-                    tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), HQ * D, HPP * D)
-        for hh in tl.static_range(0, HPP, G):  # each kv head of the group once
-            kvh = (grp * HPP + hh) // G
-            prefetch_l2(PK + kvh * spk_h, P, spk_t, D)
-            prefetch_l2(PV + kvh * spv_h, P, spv_t, D)
-        enter()
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+        wait()
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T

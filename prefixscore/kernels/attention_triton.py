@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, launch_kwargs, prefetch_l2
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -127,10 +127,8 @@ def _prefix_attn_kernel(
     BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
     kvh = tl.program_id(1)
-    if GDC:  # PDL (kernels/pdl.py): the pinned prefix K/V into L2, then wait
-        prefetch_l2(PK + kvh * spk_h, P, spk_t, D)
-        prefetch_l2(PV + kvh * spv_h, P, spv_t, D)
-        enter()
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+        wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // G
     head = kvh * G + rows % G

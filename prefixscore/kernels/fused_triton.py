@@ -6,14 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enter, launch_kwargs
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
                      GDC: tl.constexpr):
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
-        enter()
+        wait()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -44,7 +44,7 @@ def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, eps
     """One program per token, all q and k heads at once as a [NH, D/2] tile (NH = HQ + HKV padded to
     a power of two): one vectorised load/compute/store instead of a serial loop over heads."""
     if GDC:
-        enter()
+        wait()
     t = tl.program_id(0)
     half: tl.constexpr = D // 2
     h = tl.arange(0, NH)[:, None]
@@ -95,7 +95,7 @@ def rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, GDC: tl.constexpr):
     if GDC:
-        enter()
+        wait()
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < I
@@ -122,7 +122,7 @@ def _embed_rope_kernel(TOK, POS, E, CT, ST, X, SSQ, COS, SIN, H, V, NPOS, D,
                        BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, GDC: tl.constexpr):
     t = tl.program_id(0)
     if GDC:
-        enter()
+        wait()
     # Clamped ids only keep a bad plan inside the tables (valid plans are in range).
     tok = tl.minimum(tl.load(TOK + t), V - 1).to(tl.int64)
     pos = tl.minimum(tl.load(POS + t), NPOS - 1).to(tl.int64)

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import enter, launch_kwargs, prefetch_l2
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -85,16 +85,8 @@ def _skinny_kernel(
     x_ptr = X + t[:, None] * stride_xt
 
     k0 = pid_k * (ITERS * BLOCK_K)
-    if GDC:  # PDL: this program's weight slab into L2 while the kernel ahead runs, then wait
-        kn = tl.minimum(ITERS * BLOCK_K, K - k0)
-        if EPI == 2:  # one head: D consecutive rows
-            prefetch_l2(W + pid_n * D * K + k0, D, K, kn)
-        else:
-            rows = tl.minimum(BLOCK_N, (N // 2 if EPI == 1 else N) - pid_n * BLOCK_N)
-            prefetch_l2(W + pid_n * BLOCK_N * K + k0, rows, K, kn)
-            if EPI == 1:
-                prefetch_l2(W + (N // 2 + pid_n * BLOCK_N) * K + k0, rows, K, kn)
-        enter()
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+        wait()
 
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)

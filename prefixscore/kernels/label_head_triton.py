@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import enter, launch_kwargs, prefetch_l2
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -26,9 +26,8 @@ def _label_head_kernel(
     LOGPROBS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
-    if GDC:  # PDL (kernels/pdl.py): the label rows into L2, then wait
-        prefetch_l2(W, N, sw_n, H)
-        enter()
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+        wait()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
     src = tl.load(ROWS + r, mask=r_ok, other=0).to(tl.int64)

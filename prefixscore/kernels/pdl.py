@@ -1,18 +1,24 @@
-"""Programmatic dependent launch (PDL, sm_90+): each kernel of a forward starts before the one
-ahead of it ends.
+"""Programmatic dependent launch (PDL, sm_90+): each kernel of a forward is launched before the one
+ahead of it has finished.
 
-A small-batch forward is ~100 short kernels in one CUDA graph; between two of them the SMs sit
-idle for the launch and for the next kernel's first loads. A kernel launched with PDL may start
-while its predecessor runs. Ours then
-  1. L2-prefetch what no kernel of the forward writes: their weight slice, the pinned prefix K/V;
-  2. wait (griddepcontrol.wait: every earlier kernel complete, its writes visible);
-  3. let their own successor launch (after the wait, so at most one kernel runs ahead);
-and only then read activations or write anything. The values are those of serial launches: only
-the prefetches, which are hints and carry no values, overlap the kernel ahead.
+A small-batch forward is ~100 short kernels in one CUDA graph, and between two of them the SMs sit
+idle while the next launch is processed. Launched with PDL, a kernel's launch overlaps the end of
+its predecessor; its first instruction waits (griddepcontrol.wait: every earlier kernel complete
+and its writes visible), so it reads and writes exactly what a serial launch would. Nothing
+triggers early: the predecessor's exit lets it run.
 
-Every Triton kernel takes GDC (constexpr), does `if GDC: <prefetches>; enter()` first, and is
-launched with launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL
-off) compiles none of it in.
+Measured on the H200 (bench.gpu --ab, W1 graph replay, bench/results/gpu_ab_pdl_modes.json), ms:
+                                        0.5B    7B
+  plain launches                        0.636   3.771   (0.668 / 3.772 on a repeat)
+  PDL, wait only (this)                 0.614   3.702
+  + trigger right after the wait        0.671   3.906   (the next kernel's CTAs sit on SMs early)
+  + L2 prefetch of the weight slab      0.729   5.340   (issued before the wait)
+  + both                                0.715   5.191
+so neither the prefetch nor the early trigger is kept.
+
+Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
+launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL off) compiles
+none of it in.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ def _hopper(device) -> bool:
 def enabled(device) -> bool:
     from . import PDL  # read at call time: bench/ switches it for the A/B row
 
-    return (PDL and device.type == "cuda" and type(enter).__name__ != "InterpretedFunction"
+    return (PDL and device.type == "cuda" and type(wait).__name__ != "InterpretedFunction"
             and _hopper(device))
 
 
@@ -41,21 +47,6 @@ def launch_kwargs(device) -> dict:
 
 
 @triton.jit
-def enter():
-    """Steps 2 and 3: call once every prefetch is issued, before any other global access."""
+def wait():
+    """Before any global access: the kernels ahead are done and their writes visible."""
     tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(base, rows, row_stride, cols, BLOCK_R: tl.constexpr = 64, BLOCK_C: tl.constexpr = 16):
-    """Step 1 for a [rows, cols] region (elements; row_stride apart) at base: one prefetch per
-    128-byte line, BLOCK_R x BLOCK_C lines at a time (a few per thread)."""
-    STEP: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements per line
-    for r0 in range(0, rows, BLOCK_R):
-        r = tl.minimum(r0 + tl.arange(0, BLOCK_R), rows - 1).to(tl.int64)
-        for c0 in range(0, cols, STEP * BLOCK_C):
-            c = tl.minimum(c0 + tl.arange(0, BLOCK_C) * STEP, cols - 1)
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l",
-                                      [base + r[:, None] * row_stride + c[None, :]],
-                                      dtype=tl.int32, is_pure=False, pack=1)
