@@ -4,12 +4,13 @@ The prefix KV is computed once per (model, template) and every batch attends to 
 (no per-request copies). CPU runs each plan eagerly with the torch reference kernels. On CUDA,
 `capture()` records one CUDA graph per token-count bucket over static buffers; a call then writes
 the plan into one pinned host buffer, copies it with one H2D copy, replays, and reads the result
-back with one sync.
+back with one D2H copy and one sync.
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .batch import Plan
@@ -57,10 +58,10 @@ class Engine:
         return self.model(plan.tokens, plan.positions, ctx), plan
 
     @torch.inference_mode()
-    def forward_scores(self, tokens, positions, ctx, rows, allowed, weight, logprobs):
+    def forward_scores(self, tokens, positions, ctx, rows, allowed, weight, logprobs, out=None):
         m = self.model
         h = m(tokens, positions, ctx)
-        return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs)
+        return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs, out)
 
     def run(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
         """-> (scores [R, N] fp32, best [R]) on the CPU for the plan's read-out rows."""
@@ -112,65 +113,91 @@ class Engine:
 class GraphRunner:
     """Static buffers + one CUDA graph per token bucket for one (prefix, label weight, mode).
 
-    Int inputs (tokens, positions, base_start, base_end, own_start, rows) live in one flat int32
-    buffer that bucket Tb reads as [6, Tb] from its start, so a call is one contiguous H2D copy
-    (torch stages a strided slice of a [6, Tmax] buffer through a temporary). Padding tokens see
-    only themselves and the prefix; padding rows read token 0 with every label allowed; their
-    outputs are never read.
+    A call's inputs are one byte buffer, laid out per bucket Tb as the int32 rows [6, Tb] (tokens,
+    positions, base_start, base_end, own_start, read-out rows) and then allowed [Tb, N] (bool), so
+    they travel in one contiguous H2D copy; the label head writes best [Tb] (int64) and scores
+    [Tb, N] (fp32) into one output byte buffer, read back with one D2H copy. Each bucket's graph
+    is captured on its own views of the two buffers. Padding tokens see only themselves and the
+    prefix; padding rows read token 0 with every label allowed; their outputs are never read.
     """
 
     def __init__(self, engine: Engine, prefix_kv, weight, logprobs, max_tokens):
         self.engine, self.prefix_kv, self.weight, self.logprobs = engine, prefix_kv, weight, logprobs
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
         self.max_tokens = Tmax = self.buckets[-1]
-        N, dev = weight.shape[0], engine.device
-        self.host = torch.zeros(6 * Tmax, dtype=torch.int32).pin_memory()
-        self.host_allowed = torch.ones(Tmax, N, dtype=torch.bool).pin_memory()
-        self.ints = torch.zeros(6 * Tmax, dtype=torch.int32, device=dev)
-        self.allowed = torch.ones(Tmax, N, dtype=torch.bool, device=dev)
-        self.out_scores = torch.empty(Tmax, N).pin_memory()
-        self.out_best = torch.empty(Tmax, dtype=torch.int64).pin_memory()
-        self.pad = torch.arange(Tmax, dtype=torch.int32)
-        self.host_np, self.host_allowed_np, self.pad_np = (
-            self.host.numpy(), self.host_allowed.numpy(), self.pad.numpy())
+        self.N = N = weight.shape[0]
+        dev = engine.device
+        self.host_in = torch.zeros(self._in_bytes(Tmax), dtype=torch.uint8).pin_memory()
+        self.host_out = torch.zeros(self._out_bytes(Tmax), dtype=torch.uint8).pin_memory()
+        self.dev_in = torch.zeros_like(self.host_in, device=dev)
+        self.dev_out = torch.zeros_like(self.host_out, device=dev)
+        self.pad = np.arange(Tmax, dtype=np.int32)
+        hin, hout = self.host_in.numpy(), self.host_out.numpy()
+        self.views = {}  # bucket -> numpy views of the pinned buffers (ints, allowed, best, scores)
+        for T in self.buckets:
+            ints, allowed = self._split_in(hin, T)
+            best, scores = self._split_out(hout, T)
+            self.views[T] = (ints, allowed, best, scores)
         self.graphs, self.outputs = {}, {}
         pool = None
         for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
-            self.ints[4 * T:5 * T] = self.pad[:T].to(dev)  # own_start = t: valid visibility everywhere
+            ints, allowed = self._split_in(self.dev_in, T)
+            ints.copy_(torch.from_numpy(self._idle(T)))  # valid visibility everywhere, all allowed
+            allowed.fill_(True)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
                 self._body(T)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.outputs[T] = self._body(T)
+                self._body(T)
             pool = g.pool()
             self.graphs[T] = g
 
+    def _in_bytes(self, T):
+        return 24 * T + T * self.N
+
+    def _out_bytes(self, T):
+        return 8 * T + 4 * T * self.N
+
+    def _split_in(self, buf, T):
+        """(ints [6, T] int32, allowed [T, N] bool) views of a byte buffer (torch or numpy)."""
+        N, i32, b8 = self.N, *((np.int32, np.bool_) if isinstance(buf, np.ndarray) else (torch.int32, torch.bool))
+        return buf[:24 * T].view(i32).reshape(6, T), buf[24 * T:24 * T + T * N].view(b8).reshape(T, N)
+
+    def _split_out(self, buf, T):
+        """(best [T] int64, scores [T, N] fp32) views of a byte buffer (torch or numpy)."""
+        N, i64, f32 = self.N, *((np.int64, np.float32) if isinstance(buf, np.ndarray) else (torch.int64, torch.float32))
+        return buf[:8 * T].view(i64), buf[8 * T:8 * T + 4 * T * N].view(f32).reshape(T, N)
+
+    def _idle(self, T):
+        ints = np.zeros((6, T), dtype=np.int32)
+        ints[4] = self.pad[:T]
+        return ints
+
     def _body(self, T):
-        tokens, pos, bs, be, own, rows = self.ints[:6 * T].view(6, T)
+        (tokens, pos, bs, be, own, rows), allowed = self._split_in(self.dev_in, T)
+        best, scores = self._split_out(self.dev_out, T)
         ctx = Context(self.prefix_kv, bs, be, own)
-        return self.engine.forward_scores(tokens, pos, ctx, rows, self.allowed[:T], self.weight,
-                                          self.logprobs)
+        self.engine.forward_scores(tokens, pos, ctx, rows, allowed, self.weight, self.logprobs,
+                                   out=(scores, best))
 
     def run(self, plan: Plan):
-        T, R = plan.num_tokens, plan.rows.shape[0]
+        T, R, N = plan.num_tokens, plan.rows.shape[0], self.N
         Tb = next(b for b in self.buckets if b >= T)
-        h = self.host_np[:6 * Tb].reshape(6, Tb)  # numpy views of the pinned buffers: cheap writes
-        a = self.host_allowed_np
+        h, a, best, scores = self.views[Tb]
         for i, x in enumerate((plan.tokens, plan.positions, plan.base_start, plan.base_end,
                                plan.own_start)):
             h[i, :T] = x.numpy()
         h[:, T:Tb] = 0
-        h[4, T:Tb] = self.pad_np[T:Tb]
+        h[4, T:Tb] = self.pad[T:Tb]
         h[5, :R] = plan.rows.numpy()
         h[5, R:Tb] = 0  # padding rows read token 0 (stale indices could point past this bucket)
         a[:R] = plan.allowed.numpy()
         a[R:Tb] = True
-        self.ints[:6 * Tb].copy_(self.host[:6 * Tb], non_blocking=True)
-        self.allowed[:Tb].copy_(self.host_allowed[:Tb], non_blocking=True)
+        n_in = self._in_bytes(Tb)
+        self.dev_in[:n_in].copy_(self.host_in[:n_in], non_blocking=True)
         self.graphs[Tb].replay()
-        scores, best = self.outputs[Tb]
-        self.out_scores[:R].copy_(scores[:R], non_blocking=True)
-        self.out_best[:R].copy_(best[:R], non_blocking=True)
+        n_out = 8 * Tb + 4 * R * N  # best (all Tb) and the first R rows of scores
+        self.host_out[:n_out].copy_(self.dev_out[:n_out], non_blocking=True)
         torch.cuda.current_stream().synchronize()  # the one host sync of the call
-        return self.out_scores[:R].clone(), self.out_best[:R].clone()
+        return torch.from_numpy(scores[:R].copy()), torch.from_numpy(best[:R].copy())

@@ -47,3 +47,60 @@ def test_plan_matches_reference(smol_tokenizer, B, branches):
         assert plan.rows.tolist() == rows
         assert torch.equal(plan.allowed, allowed)
         assert plan.seg_offsets.tolist()[-1] == plan.num_tokens and plan.batch == B
+
+
+def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
+    """The graph runner's bookkeeping (one input and one output byte buffer, per-bucket views,
+    padding) on the CPU, with each 'graph' replayed as an eager call of the captured body: a run
+    through it equals the eager engine call, for batches in several buckets and in a row (stale
+    buffer contents from a bigger batch must not leak into a smaller one)."""
+    import contextlib
+
+    from prefixscore.engine import Engine, GraphRunner
+    from prefixscore.loading import load
+    from prefixscore.prompt import Prompt
+
+    class EagerGraph:
+        body = None
+
+        def replay(self):
+            self.body()
+
+    loaded = load(tiny_model("qwen2"), "cpu", torch.float32)
+    engine = Engine(loaded)
+    prompt = Prompt(loaded.tokenizer, "Is this a question? {query}", chat=False)
+    trie = LabelTrie.build(loaded.tokenizer, [" yes", " no", " maybe so"],
+                           prompt.render(query="x"), prompt.encode_text)
+    prefix = engine.prefill(prompt.prefix_ids)
+    weight = engine.label_weight(trie.columns)
+    captured = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EagerGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"synchronize": lambda s: None})())
+    monkeypatch.setattr(EagerGraph, "pool", lambda self: None, raising=False)
+    orig_body = GraphRunner._body
+
+    def body(self, T):  # record each bucket's body as its graph
+        captured.append(T)
+        orig_body(self, T)
+        self._last = T
+
+    monkeypatch.setattr(GraphRunner, "_body", body)
+    runner = GraphRunner(engine, prefix, weight, True, 64)
+    for T, g in runner.graphs.items():
+        g.body = (lambda T=T: orig_body(runner, T))
+    assert sorted(set(captured)) == runner.buckets == [16, 32, 64]
+    rng = random.Random(0)
+    used = set()
+    for B in (6, 1, 3, 1):
+        queries = ["".join(rng.choice("abcdef ") for _ in range(rng.randint(1, 12))) + "?" for _ in range(B)]
+        enc = [prompt.encode(query=q) for q in queries]
+        plan = plan_classify([e.ids[e.start:] for e in enc], [e.start for e in enc], trie)
+        got = runner.run(plan)
+        used.add(next(b for b in runner.buckets if b >= plan.num_tokens))
+        want = engine.launch(plan, prefix, weight, True)()
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(got[1], want[1]) and got[0].shape == (plan.rows.shape[0], len(trie.columns))
+    assert len(used) >= 2, used

@@ -32,9 +32,16 @@ def label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs=Tru
     return logits, best
 
 
-def label_head(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True):
+def label_head(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True, out=None):
+    """out: optional (scores, best) tensors to write the result into (a graph's output buffer)."""
     if hidden.is_cuda and use_triton():
         from .label_head_triton import label_head_triton
 
-        return label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs)
-    return label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs)
+        o = dict(out_scores=out[0], out_best=out[1]) if out is not None else {}
+        return label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs, **o)
+    scores, best = label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs)
+    if out is None:
+        return scores, best
+    out[0].copy_(scores)
+    out[1].copy_(best)
+    return out
