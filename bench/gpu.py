@@ -308,7 +308,7 @@ def run_shape(shape, floors, batches, quick):
     return res
 
 
-def ab_rows(shapes, modes=(False, True, "late")):
+def ab_rows(shapes, modes=(False, True)):
     """--ab: W1 graph replay of each shape with plain launches and with PDL, each twice; nothing
     else. (Its run on commit de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
     out = {}

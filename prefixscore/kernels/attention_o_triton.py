@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _ranges
 from .gemm_triton import _counters
-from .pdl import launch_kwargs, main_loop_done, wait
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -59,8 +59,6 @@ def _attn_o_kernel(
                          P, qk_scale, BLOCK_T, D, BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
-    if GDC:
-        main_loop_done(GDC)
 
     tc = t[:, None]
     m_out = t_ok[:, None] & c_ok[None, :]

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import launch_kwargs, main_loop_done, wait
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -121,8 +121,6 @@ def _skinny_kernel(
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
-    if GDC:
-        main_loop_done(GDC)
     tc = t[:, None]
     m_out = t_ok[:, None] & c_ok[None, :]
     if SPLIT > 1:

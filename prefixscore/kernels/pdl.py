@@ -42,22 +42,11 @@ def enabled(device) -> bool:
 
 
 def launch_kwargs(device) -> dict:
-    """GDC for the kernel (1: wait; 2: wait, and trigger the next launch once the main loop is
-    done -- kernels.PDL = "late", an A/B variant), launch_pdl for Triton's launcher."""
-    from . import PDL
-
-    if not enabled(device):
-        return dict(GDC=0)
-    return dict(GDC=2 if PDL == "late" else 1, launch_pdl=True)
+    """GDC for the kernel, launch_pdl for Triton's launcher."""
+    return dict(GDC=True, launch_pdl=True) if enabled(device) else dict(GDC=False)
 
 
 @triton.jit
 def wait():
     """Before any global access: the kernels ahead are done and their writes visible."""
     tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def main_loop_done(GDC: tl.constexpr):
-    if GDC == 2:
-        tl.extra.cuda.gdc_launch_dependents()
