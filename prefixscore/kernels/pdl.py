@@ -14,7 +14,9 @@ Measured on the H200 (bench.gpu --ab, W1 graph replay, bench/results/gpu_ab_pdl_
   + trigger right after the wait        0.671   3.906   (the next kernel's CTAs sit on SMs early)
   + L2 prefetch of the weight slab      0.729   5.340   (issued before the wait)
   + both                                0.715   5.191
-so neither the prefetch nor the early trigger is kept.
+  trigger once the main loop is done    0.617   3.670   (vs 0.612 / 3.683 for wait only in the
+                                                         same run: gpu_ab_pdl_late.json)
+so none of the variants is kept.
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
 launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL off) compiles
