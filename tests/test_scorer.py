@@ -426,10 +426,11 @@ def test_gpu_pdl_changes_nothing(tiny_model, monkeypatch):
     template, chat = TEMPLATES["query_first"]
     requests = random_requests(48, seed=11)
     out = {}
-    for on in (True, False):
+    modes = (True, False, "late", "bulk", "late+bulk")
+    for on in modes:
         monkeypatch.setattr(kernels, "PDL", on)
         if torch.cuda.get_device_capability()[0] >= 9:
-            assert pdl.enabled(torch.device("cuda")) == on
+            assert pdl.enabled(torch.device("cuda")) == bool(on)
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
         out[on] = [[r.scores for r in res] for res in sc.score_batch(requests)]
-    assert out[True] == out[False]
+    assert all(out[m] == out[False] for m in modes)
