@@ -308,7 +308,7 @@ def run_shape(shape, floors, batches, quick):
     return res
 
 
-def ab_rows(shapes, modes=(False, True, "late", "bulk", "late+bulk")):
+def ab_rows(shapes, modes=(False, True)):
     """--ab: W1 graph replay of each shape with plain launches and with PDL, each twice; nothing
     else. (Its run on commit de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
     out = {}
@@ -399,10 +399,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--ab", action="store_true", help="only the W1 A/B rows (PDL modes)")
-    ap.add_argument("--pdl", default=None, help="kernels.PDL for this run (True, False, late, bulk, late+bulk)")
     a = ap.parse_args()
-    if a.pdl is not None:
-        K.PDL = {"True": True, "False": False}.get(a.pdl, a.pdl)
     OUT.mkdir(parents=True, exist_ok=True)
     if a.ab:
         res = ab_rows(["0.5B"] + ([] if a.skip_7b else ["7B"]))

@@ -37,7 +37,7 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     params = list(inspect.signature(fn.fn).parameters)
     unknown = (set(consts) | set(types)) - set(params)
     assert not unknown, f"{name}: no parameters {unknown}"
-    consts = dict(consts, GDC=7)  # the H200 build: programmatic dependent launch (kernels/pdl.py)
+    consts = dict(consts, GDC=True)  # the H200 build: programmatic dependent launch (kernels/pdl.py)
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _ranges
 from .gemm_triton import _counters
-from .pdl import launch_kwargs, main_loop_done, prefetch_rows, wait
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -36,11 +36,6 @@ def _attn_o_kernel(
     grp = tl.program_id(1)
     SPLIT: tl.constexpr = HQ // HPP
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
-        prefetch_rows(WO + pid_n * BLOCK_N * (HQ * D) + grp * HPP * D,
-                      tl.minimum(BLOCK_N, N - pid_n * BLOCK_N), HQ * D, HPP * D * 2, GDC)
-        kvh0 = grp * HPP // G
-        prefetch_rows(PK + kvh0 * spk_h, P, spk_t, D * 2, GDC)
-        prefetch_rows(PV + kvh0 * spv_h, P, spv_t, D * 2, GDC)
         wait()
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
@@ -64,8 +59,6 @@ def _attn_o_kernel(
                          P, qk_scale, BLOCK_T, D, BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
-    if GDC:
-        main_loop_done(GDC)
 
     tc = t[:, None]
     m_out = t_ok[:, None] & c_ok[None, :]

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import launch_kwargs, main_loop_done, wait
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -143,8 +143,6 @@ def _prefix_attn_kernel(
     acc, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h, PV + kvh * spv_h,
                        spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t, P, qk_scale,
                        BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST)
-    if GDC:
-        main_loop_done(GDC)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

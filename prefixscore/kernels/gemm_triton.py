@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import launch_kwargs, main_loop_done, prefetch_rows, wait
+from .pdl import launch_kwargs, wait
 
 
 @triton.jit
@@ -86,15 +86,6 @@ def _skinny_kernel(
 
     k0 = pid_k * (ITERS * BLOCK_K)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
-        if (K * 2) % 16 == 0:  # bulk prefetch needs 16-byte rows (bf16/fp16 K % 8)
-            nb = tl.minimum(ITERS * BLOCK_K, K - k0) * 2
-            if EPI == 2:
-                prefetch_rows(W + pid_n * D * K + k0, D, K, nb, GDC)
-            else:
-                rows = tl.minimum(BLOCK_N, (N // 2 if EPI == 1 else N) - pid_n * BLOCK_N)
-                prefetch_rows(W + pid_n * BLOCK_N * K + k0, rows, K, nb, GDC)
-                if EPI == 1:
-                    prefetch_rows(W + (N // 2 + pid_n * BLOCK_N) * K + k0, rows, K, nb, GDC)
         wait()
 
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -130,8 +121,6 @@ def _skinny_kernel(
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
-    if GDC:
-        main_loop_done(GDC)
     tc = t[:, None]
     m_out = t_ok[:, None] & c_ok[None, :]
     if SPLIT > 1:

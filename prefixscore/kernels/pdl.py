@@ -43,43 +43,12 @@ def enabled(device) -> bool:
             and _hopper(device))
 
 
-# GDC bits (A/B variants, kernels.PDL = "late" / "bulk" / "late+bulk"): 1 on (wait), 2 trigger
-# the next launch once the main loop is done, 4 bulk-prefetch the weight rows into L2 before the
-# wait (one cp.async.bulk.prefetch per row, not one instruction per line).
-LATE, BULK = 2, 4
-
-
 def launch_kwargs(device) -> dict:
     """GDC for the kernel, launch_pdl for Triton's launcher."""
-    from . import PDL
-
-    if not enabled(device):
-        return dict(GDC=0)
-    mode = 1 + (LATE if "late" in str(PDL) else 0) + (BULK if "bulk" in str(PDL) else 0)
-    return dict(GDC=mode, launch_pdl=True)
+    return dict(GDC=True, launch_pdl=True) if enabled(device) else dict(GDC=False)
 
 
 @triton.jit
 def wait():
     """Before any global access: the kernels ahead are done and their writes visible."""
     tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def main_loop_done(GDC: tl.constexpr):
-    if GDC & 2:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_rows(base, rows, row_stride, nbytes, GDC: tl.constexpr):
-    """L2 bulk prefetch of `rows` rows of nbytes each (16-byte aligned, a multiple of 16) starting
-    at base, row_stride elements apart: one instruction per row, one row per thread (4 warps)."""
-    if GDC & 4:
-        for r0 in range(0, rows, 128):
-            r = r0 + tl.arange(0, 128)
-            ptr = base + r.to(tl.int64) * row_stride
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p cp.async.bulk.prefetch.L2.global [$1], $4; }",
-                "=r,l,r,r,r", [ptr, r, tl.full([128], rows, tl.int32), tl.full([128], nbytes, tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
