@@ -7,16 +7,21 @@ its predecessor; its first instruction waits (griddepcontrol.wait: every earlier
 and its writes visible), so it reads and writes exactly what a serial launch would. Nothing
 triggers early: the predecessor's exit lets it run.
 
-Measured on the H200 (bench.gpu --ab, W1 graph replay, bench/results/gpu_ab_pdl_modes.json), ms:
-                                        0.5B    7B
-  plain launches                        0.636   3.771   (0.668 / 3.772 on a repeat)
-  PDL, wait only (this)                 0.614   3.702
-  + trigger right after the wait        0.671   3.906   (the next kernel's CTAs sit on SMs early)
-  + L2 prefetch of the weight slab      0.729   5.340   (issued before the wait)
-  + both                                0.715   5.191
-  trigger once the main loop is done    0.617   3.670   (vs 0.612 / 3.683 for wait only in the
-                                                         same run: gpu_ab_pdl_late.json)
-so none of the variants is kept.
+Measured on the H200 (bench.gpu --ab: W1 graph replay, each variant captured and timed twice in
+one run; bench/results/gpu_ab_pdl_*.json), ms:
+                                              0.5B          7B
+  plain launches                              0.636-0.672   3.758-3.772
+  PDL, wait only (this)                       0.612-0.614   3.683-3.702
+  + trigger right after the wait              0.671         3.906   (next kernel's CTAs sit early)
+  + trigger once the main loop is done        0.617-0.619   3.670-3.681
+  + weight rows L2-prefetched before the wait,
+    one prefetch per 128-byte line            0.729         5.340
+    one cp.async.bulk.prefetch per row        0.730         4.960-4.989
+    the same with the late trigger            0.619-0.621   4.878-4.895
+so only the wait is kept. --ab reads ~0.06 ms above the full bench's W1 row for the same graph
+in the same device call (0.613 vs 0.556: gpu_ab_pdl_bulk.json, gpu_quick_pdl_final.json), so
+compare its rows only with each other. (Likely the GPU's clock after each capture's idle time,
+not verified.)
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
 launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL off) compiles
