@@ -47,6 +47,9 @@ def _attn_o_kernel(
     wo_rows = WO + tl.minimum(cols, N - 1)[:, None] * (HQ * D) + d[None, :]
 
     bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)
+    tc = t[:, None]
+    m_out = t_ok[:, None] & c_ok[None, :]
+    r = tl.load(R + tc * N + cols[None, :], mask=m_out, other=0.0)  # the residual, for the epilogue
 
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for hh in tl.static_range(HPP):
@@ -60,8 +63,6 @@ def _attn_o_kernel(
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
 
-    tc = t[:, None]
-    m_out = t_ok[:, None] & c_ok[None, :]
     if SPLIT > 1:  # as gemm_triton's split-K: partials, an arrival count, the last one sums
         tl.store(WS + grp * (BLOCK_T * N) + tc * N + cols[None, :], acc, mask=m_out)
         tl.debug_barrier()
@@ -76,7 +77,6 @@ def _attn_o_kernel(
     else:
         last = True
     if last:  # HF: residual + o_proj(attn), both in the dtype, the sum rounded once
-        r = tl.load(R + tc * N + cols[None, :], mask=m_out, other=0.0)
         y = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
         yf = tl.where(m_out, y.to(tl.float32), 0.0)
         tl.store(SSQ + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)

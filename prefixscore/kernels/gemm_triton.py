@@ -85,8 +85,29 @@ def _skinny_kernel(
     x_ptr = X + t[:, None] * stride_xt
 
     k0 = pid_k * (ITERS * BLOCK_K)
+    tc = t[:, None]
+    jc = j[None, :]
+    m_out = t_ok[:, None] & c_ok[None, :]
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
+
+    # The epilogue's inputs, loaded before the main loop so their latency hides under it (after
+    # it, the last program of a split-K tile would wait on one more round trip to memory).
+    if NORM:  # rstd of each row from the producer's per-tile sums of squares (fixed order)
+        tile = tl.arange(0, NTP)[:, None]
+        ssq = tl.load(SSQ_IN + tile * T + t[None, :], mask=(tile < NT) & t_ok[None, :], other=0.0)
+        rstd = tl.rsqrt(tl.sum(ssq, 0) / K + norm_eps)[:, None]
+    if HAS_BIAS:
+        bias_a = tl.load(B + cols_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        bias_b = tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if RESID:
+        r_in = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0)
+    if EPI == 2:  # RoPE's cos / sin rows (q and k heads only; masked off for v heads)
+        m_rope = t_ok[:, None] & (pid_n < HQ + HKV)
+        c1 = tl.load(COS + tc * D + jc, mask=m_rope, other=0.0)
+        s1 = tl.load(SIN + tc * D + jc, mask=m_rope, other=0.0)
+        c2 = tl.load(COS + tc * D + BLOCK_N + jc, mask=m_rope, other=0.0)
+        s2 = tl.load(SIN + tc * D + BLOCK_N + jc, mask=m_rope, other=0.0)
 
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
@@ -121,8 +142,6 @@ def _skinny_kernel(
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
-    tc = t[:, None]
-    m_out = t_ok[:, None] & c_ok[None, :]
     if SPLIT > 1:
         # Partials to the workspace [SPLIT, BLOCK_T, N] (fp32), then count arrivals.
         ws = WS + pid_k * (BLOCK_T * N) + tc * N
@@ -145,22 +164,17 @@ def _skinny_kernel(
         last = True
 
     if last:
-        if NORM:  # rstd of each row from the producer's per-tile sums of squares (fixed order)
-            tile = tl.arange(0, NTP)[:, None]
-            ssq = tl.load(SSQ_IN + tile * T + t[None, :], mask=(tile < NT) & t_ok[None, :], other=0.0)
-            rstd = tl.rsqrt(tl.sum(ssq, 0) / K + norm_eps)[:, None]
+        if NORM:
             acc_a *= rstd
             acc_b *= rstd
         if HAS_BIAS:
-            acc_a += tl.load(B + cols_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-            if TWO:
-                acc_b += tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+            acc_a += bias_a
+            acc_b += bias_b
         if EPI == 0:
             dt = OUT.dtype.element_ty
             y = acc_a.to(dt)
             if RESID:  # HF: residual + linear(x), both in the dtype, the sum rounded once
-                r = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0)
-                y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
+                y = (y.to(tl.float32) + r_in.to(tl.float32)).to(dt)
                 yf = tl.where(m_out, y.to(tl.float32), 0.0)
                 tl.store(SSQ_OUT + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
             tl.store(OUT + tc * stride_ot + cols_a[None, :], y, mask=m_out)
@@ -189,14 +203,9 @@ def _skinny_kernel(
                         wb = tl.load(KN + BLOCK_N + j).to(tl.float32)[None, :]
                     a = (wa * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
                     b = (wb * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            jc = j[None, :]
             if h < HQ + HKV:
-                c1 = tl.load(COS + tc * D + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
-                s1 = tl.load(SIN + tc * D + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
-                c2 = tl.load(COS + tc * D + BLOCK_N + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
-                s2 = tl.load(SIN + tc * D + BLOCK_N + jc, mask=t_ok[:, None], other=0.0).to(tl.float32)
-                o1 = (a * c1 - b * s1).to(dt)
-                o2 = (b * c2 + a * s2).to(dt)
+                o1 = (a * c1.to(tl.float32) - b * s1.to(tl.float32)).to(dt)
+                o2 = (b * c2.to(tl.float32) + a * s2.to(tl.float32)).to(dt)
                 if h < HQ:
                     dst = QO + (tc * HQ + h) * D + jc
                 else:
