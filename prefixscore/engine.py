@@ -138,7 +138,7 @@ class GraphRunner:
             ints, allowed = self._split_in(hin, T)
             best, scores = self._split_out(hout, T)
             self.views[T] = (ints, allowed, best, scores)
-        self.graphs, self.outputs = {}, {}
+        self.graphs = {}
         pool = None
         for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
             ints, allowed = self._split_in(self.dev_in, T)
@@ -161,13 +161,13 @@ class GraphRunner:
 
     def _split_in(self, buf, T):
         """(ints [6, T] int32, allowed [T, N] bool) views of a byte buffer (torch or numpy)."""
-        N, i32, b8 = self.N, *((np.int32, np.bool_) if isinstance(buf, np.ndarray) else (torch.int32, torch.bool))
-        return buf[:24 * T].view(i32).reshape(6, T), buf[24 * T:24 * T + T * N].view(b8).reshape(T, N)
+        i32, b8 = (np.int32, np.bool_) if isinstance(buf, np.ndarray) else (torch.int32, torch.bool)
+        return buf[:24 * T].view(i32).reshape(6, T), buf[24 * T:self._in_bytes(T)].view(b8).reshape(T, self.N)
 
     def _split_out(self, buf, T):
         """(best [T] int64, scores [T, N] fp32) views of a byte buffer (torch or numpy)."""
-        N, i64, f32 = self.N, *((np.int64, np.float32) if isinstance(buf, np.ndarray) else (torch.int64, torch.float32))
-        return buf[:8 * T].view(i64), buf[8 * T:8 * T + 4 * T * N].view(f32).reshape(T, N)
+        i64, f32 = (np.int64, np.float32) if isinstance(buf, np.ndarray) else (torch.int64, torch.float32)
+        return buf[:8 * T].view(i64), buf[8 * T:self._out_bytes(T)].view(f32).reshape(T, self.N)
 
     def _idle(self, T):
         ints = np.zeros((6, T), dtype=np.int32)

@@ -117,7 +117,7 @@ class Prompt:
         crosses c whatever the query. Checked on the probes (which also catch tokenizers that add a
         space or a special token at the start of any text); None, whole prompts, if one differs."""
         pre = getattr(self.backend, "pre_tokenizer", None)
-        if pre is None or len(self.slots) == 0:
+        if pre is None:
             return None
         try:
             words = pre.pre_tokenize_str(self.prefix_text)
