@@ -1,6 +1,9 @@
 """GPU correctness + latency/throughput for the DESIGN.md §6 workloads, with peers and floors, in one run.
 
     python -m bench.gpu [--quick] [--skip-7b]      (on a CUDA machine; writes $OUT or bench/results)
+    python -m bench.latency [...]      the same, without the W2 batch sweep (--part latency)
+    python -m bench.throughput [...]   correctness and the W2 batch sweep only (--part throughput)
+    python -m bench.gpu --ab           W1 replay with plain launches and with PDL, twice each
 
 Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), bf16, a 48-token
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
@@ -270,7 +273,8 @@ def profile_kernels(ours, suffix):
             "top": top[:25]}
 
 
-def run_shape(shape, floors, batches, quick):
+def run_shape(shape, floors, batches, quick, latency=True):
+    """Correctness, then (latency) the one-request rows, peers and profile, then the batch sweep."""
     hf = hf_model(shape)
     ours = Synthetic(hf)
     res = {"shape": shape, "capture": ours.capture, "nonemb_params": ours.nonemb_params}
@@ -278,6 +282,17 @@ def run_shape(shape, floors, batches, quick):
     print(shape, "correctness", res["correctness"], flush=True)
     floor_ms = ours.nonemb_params * 2 / (floors["copy_TBps"] * 1e12) * 1e3
     res["weight_floor_ms"] = floor_ms
+    if latency:
+        one_request_rows(res, hf, ours)
+    res["sweep"] = sweep(ours, floors, floor_ms, shape, batches)
+    if shape == "0.5B" and latency and not quick:  # last: torch.compile's own CUDA graphs come after ours
+        res.update(hf_peers(hf, ours.prefix_ids, compiled=True))
+    del hf, ours
+    torch.cuda.empty_cache()
+    return res
+
+
+def one_request_rows(res, hf, ours):
     one = random_suffixes(1, seed=9)
     res["w1_gpu_replay"] = stats(gpu_times(ours.replay_fn(one)))
     res["w1_engine_call"] = stats(wall_times(lambda: ours.classify_ids(one)))
@@ -291,21 +306,19 @@ def run_shape(shape, floors, batches, quick):
     res["w1_pdl_off"] = variant_graph(ours, one[0], PDL=False)
     res.update(hf_peers(hf, ours.prefix_ids))
     res["profile_w1"] = profile_kernels(ours, one[0])
-    sweep = {}
+
+
+def sweep(ours, floors, floor_ms, shape, batches):
+    out = {}
     for B in batches:
         sfx = random_suffixes(B, seed=B)
         ms = statistics.median(gpu_times(ours.replay_fn(sfx), 30 if B > 256 else 100, 5))
         call = statistics.median(wall_times(lambda: ours.classify_ids(sfx), 10 if B > 256 else 50, 3))
         flop_floor = 2 * ours.nonemb_params * B * SUFFIX / (floors["matmul_TFLOPs"] * 1e12) * 1e3
-        sweep[B] = {"gpu_ms": ms, "call_ms": call, "req_per_s_gpu": B / ms * 1e3,
-                    "req_per_s_call": B / call * 1e3, "floor_ms": max(floor_ms, flop_floor)}
-        print(shape, "batch", B, sweep[B], flush=True)
-    res["sweep"] = sweep
-    if shape == "0.5B" and not quick:  # last: torch.compile's own CUDA graphs come after ours
-        res.update(hf_peers(hf, ours.prefix_ids, compiled=True))
-    del hf, ours
-    torch.cuda.empty_cache()
-    return res
+        out[B] = {"gpu_ms": ms, "call_ms": call, "req_per_s_gpu": B / ms * 1e3,
+                  "req_per_s_call": B / call * 1e3, "floor_ms": max(floor_ms, flop_floor)}
+        print(shape, "batch", B, out[B], flush=True)
+    return out
 
 
 def ab_rows(shapes, modes=(False, True)):
@@ -394,28 +407,33 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
+    ap.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
+                    help="latency: W1/W4 rows, peers, profile; throughput: the W2 batch sweep")
     ap.add_argument("--ab", action="store_true", help="only the W1 A/B rows (PDL modes)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     if a.ab:
         res = ab_rows(["0.5B"] + ([] if a.skip_7b else ["7B"]))
         (OUT / "gpu_ab.json").write_text(json.dumps(res, indent=1))
         return
+    latency, throughput = a.part in ("all", "latency"), a.part in ("all", "throughput")
+    name = "gpu" if a.part == "all" else a.part
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "floors": measure_floors(),
-               "peers": peers_available(), "shapes": []}
+               "peers": peers_available(), "part": a.part, "shapes": []}
     print(results["floors"], flush=True)
-    results["real_form"] = real_form(a.quick)
-    print("real form", results["real_form"], flush=True)
-    batches = [1, 4, 16, 64, 256, 1024, 4096]
+    if latency:
+        results["real_form"] = real_form(a.quick)
+        print("real form", results["real_form"], flush=True)
     for shape in ["0.5B"] + ([] if a.skip_7b else ["7B"]):
-        results["shapes"].append(run_shape(shape, results["floors"], batches if shape == "0.5B" else [1, 16, 256], a.quick))
-        (OUT / "gpu.json").write_text(json.dumps(results, indent=1, default=str))
-    (OUT / "gpu.json").write_text(json.dumps(results, indent=1, default=str))
-    plot(results, OUT / "gpu_latency.png")
+        batches = ([1, 4, 16, 64, 256, 1024, 4096] if shape == "0.5B" else [1, 16, 256]) if throughput else []
+        results["shapes"].append(run_shape(shape, results["floors"], batches, a.quick, latency))
+        (OUT / f"{name}.json").write_text(json.dumps(results, indent=1, default=str))
+    if throughput:
+        plot(results, OUT / ("gpu_latency.png" if name == "gpu" else f"{name}.png"))
     print_table(results)
 
 
@@ -426,22 +444,23 @@ def print_table(r):
         print(f"\n== {s['shape']}  (non-embedding params {s['nonemb_params'] / 1e6:.0f}M)  correctness: {s['correctness']}")
         print(f"{'row':34s} {'p50 ms':>9s} {'p99 ms':>9s}")
         rows = [("weight-read floor", {"p50_ms": s["weight_floor_ms"], "p99_ms": float('nan')}),
-                ("prefixscore GPU (graph replay)", s["w1_gpu_replay"]),
+                ("prefixscore GPU (graph replay)", s.get("w1_gpu_replay", {"skipped": 1})),
                 ("same, RMSNorm as its own kernels", s.get("w1_norms_unfused", {"skipped": 1})),
                 ("same, attention and O unfused", s.get("w1_attn_o_unfused", {"skipped": 1})),
                 ("same, no PDL (plain launches)", s.get("w1_pdl_off", {"skipped": 1})),
-                ("prefixscore engine call (ids)", s["w1_engine_call"]),
-                ("plain torch kernels, one graph", s["plain_graph"]),
-                ("HF eager, full prompt", s["hf_eager_full_prompt"]),
-                ("HF eager, prefix KV reused", s["hf_eager_prefix_reused"]),
+                ("prefixscore engine call (ids)", s.get("w1_engine_call", {"skipped": 1})),
+                ("plain torch kernels, one graph", s.get("plain_graph", {"skipped": 1})),
+                ("HF eager, full prompt", s.get("hf_eager_full_prompt", {"skipped": 1})),
+                ("HF eager, prefix KV reused", s.get("hf_eager_prefix_reused", {"skipped": 1})),
                 ("HF torch.compile (graphs), full", s.get("hf_compiled_full_prompt", {"skipped": 1}))]
         for name, v in rows:
             if "p50_ms" in v:
                 print(f"{name:34s} {v['p50_ms']:9.3f} {v['p99_ms']:9.3f}")
             else:
                 print(f"{name:34s} {str(v)[:60]}")
-        print(f"kernels per forward: {s['profile_w1']['kernels_total']}, GPU µs (eager, profiled): "
-              f"{s['profile_w1']['gpu_us_total']:.0f}")
+        if "profile_w1" in s:
+            print(f"kernels per forward: {s['profile_w1']['kernels_total']}, GPU µs (eager, profiled): "
+                  f"{s['profile_w1']['gpu_us_total']:.0f}")
         print(f"{'batch':>6s} {'gpu ms':>8s} {'call ms':>8s} {'req/s gpu':>10s} {'req/s call':>11s} {'floor ms':>9s}")
         for b, v in s["sweep"].items():
             print(f"{b:>6} {v['gpu_ms']:8.3f} {v['call_ms']:8.3f} {v['req_per_s_gpu']:10.0f} "
