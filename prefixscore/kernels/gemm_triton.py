@@ -99,7 +99,8 @@ def _skinny_kernel(
         rstd = tl.rsqrt(tl.sum(ssq, 0) / K + norm_eps)[:, None]
     if HAS_BIAS:
         bias_a = tl.load(B + cols_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-        bias_b = tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        if TWO:
+            bias_b = tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if RESID:
         r_in = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0)
     if EPI == 2:  # RoPE's cos / sin rows (q and k heads only; masked off for v heads)
@@ -169,7 +170,8 @@ def _skinny_kernel(
             acc_b *= rstd
         if HAS_BIAS:
             acc_a += bias_a
-            acc_b += bias_b
+            if TWO:
+                acc_b += bias_b
         if EPI == 0:
             dt = OUT.dtype.element_ty
             y = acc_a.to(dt)
