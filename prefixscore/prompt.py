@@ -128,10 +128,14 @@ class Prompt:
         c = words[-2][1][0]
         special = not self.chat
         head = self.backend.encode_batch_fast([self.prefix_text[:c]], add_special_tokens=special)[0].ids
-        tails = self.backend.encode_batch_fast([t[c:] for t in texts], add_special_tokens=False)
-        if any(head + t.ids != ref for t, ref in zip(tails, reference)):
+        if self._encode_resumed(texts, c, head) != reference:
             return None
         return c, head
+
+    def _encode_resumed(self, texts: list[str], c: int, head: list[int]) -> list[list[int]]:
+        """Ids of prompts that start with prefix_text: head, then each text from char c on."""
+        tails = self.backend.encode_batch_fast([t[c:] for t in texts], add_special_tokens=False)
+        return [head + t.ids for t in tails]
 
     def encode(self, truncate: bool = False, **values) -> Encoded:
         return self.encode_many([values], truncate)[0]
@@ -147,12 +151,8 @@ class Prompt:
                 if not v.strip():
                     raise _at(InputError(f"empty {s}"), i)
         texts = [self.render(**values) for values in values_list]  # each starts with prefix_text
-        if self.resume is not None:
-            c, head = self.resume
-            tails = self.backend.encode_batch_fast([t[c:] for t in texts], add_special_tokens=False)
-            all_ids = [head + t.ids for t in tails]
-        else:
-            all_ids = self.encode_texts(texts)
+        all_ids = (self._encode_resumed(texts, *self.resume) if self.resume is not None
+                   else self.encode_texts(texts))
         out = []
         for i, (values, text, ids) in enumerate(zip(values_list, texts, all_ids)):
             try:
