@@ -56,10 +56,17 @@ def stats(ms):
     return {"p50_ms": statistics.median(ms), "p99_ms": pct(ms, 99), "n": len(ms)}
 
 
-def gpu_times(fn, iters=300, warmup=20):
-    """Per-iteration GPU time (ms) of fn() with CUDA events."""
-    for _ in range(warmup):
+def gpu_times(fn, iters=300, warmup=20, warm_s=0.3):
+    """Per-iteration GPU time (ms) of fn() with CUDA events, after warmup calls and at least
+    warm_s seconds of calls: --ab rows, timed right after a capture, read ~0.06 ms above the full
+    run's W1 row for the same graph, and a GPU clock that drops while idle is the likely cause."""
+    t0 = time.perf_counter()
+    n = 0
+    while n < warmup or time.perf_counter() - t0 < warm_s:
         fn()
+        n += 1
+        if n % 50 == 0:
+            torch.cuda.synchronize()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for a, b in ev:
         a.record()

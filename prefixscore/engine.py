@@ -140,15 +140,22 @@ class GraphRunner:
             self.views[T] = (ints, allowed, best, scores)
         self.graphs = {}
         pool = None
+        # Warm up on the stream that captures: what a kernel caches per stream (the skinny GEMMs'
+        # split-K counters) then exists before the capture, which would otherwise record its
+        # zero-fill into every replay (a torch kernel between two PDL launches).
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
         for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
             ints, allowed = self._split_in(self.dev_in, T)
             ints.copy_(torch.from_numpy(self._idle(T)))  # valid visibility everywhere, all allowed
             allowed.fill_(True)
-            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                self._body(T)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                    self._body(T)
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, stream=stream):
                 self._body(T)
             pool = g.pool()
             self.graphs[T] = g

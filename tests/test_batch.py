@@ -77,7 +77,9 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", EagerGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a: type("S", (), {"wait_stream": lambda s, o: None})())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"synchronize": lambda s: None})())
     monkeypatch.setattr(EagerGraph, "pool", lambda self: None, raising=False)
     orig_body = GraphRunner._body
