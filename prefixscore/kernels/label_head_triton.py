@@ -35,6 +35,9 @@ def _label_head_kernel(
     kk = tl.arange(0, BLOCK_K)
     n = tl.arange(0, BLOCK_N)
     n_ok = n < N
+    ok = r_ok[:, None] & n_ok[None, :]
+    # Loaded first: its latency hides under the passes (at the end it is one more round trip).
+    allowed = tl.load(ALLOWED + r[:, None] * sa_r + n[None, :], mask=ok, other=0) != 0
 
     # Pass 1: mean of squares in fp32.
     ss = tl.zeros([BLOCK_R], tl.float32)
@@ -62,8 +65,6 @@ def _label_head_kernel(
 
     # The reference's matmul returns the weight dtype: round like it so argmax ties agree.
     logits = acc.to(W.dtype.element_ty).to(tl.float32)
-    ok = r_ok[:, None] & n_ok[None, :]
-    allowed = tl.load(ALLOWED + r[:, None] * sa_r + n[None, :], mask=ok, other=0) != 0
     allowed |= (r >= R)[:, None] & n_ok[None, :]  # padding rows stay finite (never stored)
     logits = tl.where(allowed, logits, float("-inf"))
     m = tl.max(logits, 1)
