@@ -1,99 +1,231 @@
-"""The HTTP server's own cost: `create_app` around a stub classifier that answers instantly.
+"""The HTTP server's own cost: `create_app` around a stub classifier, no model, no GPU.
 
-    python -m bench.server_stub [--requests 3000]
+    python -m bench.server_stub [--requests 3000]             # instant stub: the bare server path
+    python -m bench.server_stub --stub gpu [--rounds 5]       # GPU-like stub: server overhead, as W5
 
-Serves the real app (uvicorn, httptools, uvloop when installed) in a child process with a stub in
-place of the model (tokenize and classify return at once), and times, one request at a time on a
-keep-alive connection from this process: GET /healthz (the bare HTTP round trip) and POST
-/v1/classify (parse, validate, queue, the engine-thread hand-offs, JSON out). Their difference is
-the classify path's overhead apart from the model. Writes $OUT/server_stub.json.
+Serves the real app (`prefixscore.server.serve_app`: uvicorn, httptools, uvloop when installed) in a
+child process with a stub in place of the model, and times, one request at a time on a keep-alive
+connection from this process, GET /healthz (the bare HTTP round trip) and POST /v1/classify.
+
+--stub instant  tokenize and classify return at once: classify - healthz is the classify path's
+                cost apart from the model (parse, validate, queue, engine-thread hand-offs, JSON).
+--stub gpu      a call shaped like `classify(q)` on the H200 host: ~50 us of pure-Python work in
+                encode_many (the tokenizer), ~100 us in classify_encoded (plan, copies), then ~650
+                us busy with the GIL released (a CUDA sync: torch drops the GIL, the driver
+                spin-waits on a core). The busy wait is one hashlib call over a buffer sized at
+                start-up, so it occupies a core and takes the GIL back once, as the sync does.
+                Also times the call in this process (`inproc`) and handed to a worker thread
+                (`worker`), as bench.http does: server overhead = HTTP serial p50 - inproc p50.
+                Each round times every phase; the report is the median of the rounds' p50s.
+                The server polls for work as `prefixscore serve` does on a GPU (--engine-spin-ms).
+Writes $OUT/server_stub.json (bench/results/server_stub.json without OUT).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .http import GET_HEALTHZ, Conn, pct, post
 
 OUT = Path(os.environ.get("OUT") or "bench/results")
+QUERIES = ["red dress", "levis 501 straight leg", "beige trench coat women", "running shoes"]
 
 
-def serve(port):
-    import uvicorn
+# ---------------------------------------------------------------- stubs
 
-    from prefixscore.classifier import Result
-    from prefixscore.server import create_app
-
-    class Encoded:
-        def __init__(self, q):
-            self.values, self.ids, self.start = {"query": q}, [1, 2, 3], 0
-
-    class Stub:
-        prefix_len, labels = 0, ["a", "b"]
-
-        def encode(self, q):
-            return Encoded(q)
-
-        def encode_many(self, qs):
-            return [Encoded(q) for q in qs]
-
-        def classify_encoded(self, encoded, progress=None):
-            return [Result(e.values["query"], "a", {"a": -0.1, "b": -2.3}) for e in encoded]
-
-    sys.setswitchinterval(0.0005)  # as `prefixscore serve`
-    uvicorn.run(create_app(Stub(), max_tokens=512), host="127.0.0.1", port=port, log_level="error")
+class Encoded:
+    def __init__(self, q):
+        self.values, self.ids, self.start = {"query": q}, [1, 2, 3], 0
 
 
-async def measure(port, n):
-    for _ in range(100):
+class InstantStub:
+    prefix_len, labels = 0, ["a", "b"]
+
+    def encode(self, q):
+        return Encoded(q)
+
+    def encode_many(self, qs):
+        return [Encoded(q) for q in qs]
+
+    def classify_encoded(self, encoded, progress=None):
+        from prefixscore.classifier import Result
+
+        return [Result(e.values["query"], "a", {"a": -0.1, "b": -2.3}) for e in encoded]
+
+    def classify(self, q):
+        return self.classify_encoded(self.encode_many([q]))[0]
+
+
+def py_work(n: int) -> int:
+    """Pure-Python work holding the GIL: small objects made and dropped, as tokenize/plan do."""
+    d = {}
+    for i in range(n):
+        d[i] = (i, [i])
+    return len(d)
+
+
+def gil_free_wait(buf: bytes) -> None:
+    """Busy on a core with the GIL released: hashlib drops the GIL for inputs over 2 KiB."""
+    hashlib.sha256(buf)
+
+
+class GpuStub(InstantStub):
+    def __init__(self, tok_n: int, plan_n: int, wait_bytes: int):
+        self.tok_n, self.plan_n, self.buf = tok_n, plan_n, b"\0" * wait_bytes
+
+    def encode_many(self, qs):
+        py_work(self.tok_n)
+        return super().encode_many(qs)
+
+    def classify_encoded(self, encoded, progress=None):
+        py_work(self.plan_n)
+        gil_free_wait(self.buf)
+        return super().classify_encoded(encoded)
+
+
+def median_us(fn, arg, reps=31) -> float:
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(arg)
+        ts.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(ts)
+
+
+def calibrate(tok_us: float, plan_us: float, wait_us: float) -> dict:
+    """Sizes of the stub's work for these durations on this machine (measured on this thread;
+    rescaled a few times at the target size, as the cost per iteration depends on the size)."""
+    def size(fn, make, n, us):
+        for _ in range(3):
+            n = max(1, round(n * us / median_us(fn, make(n))))
+        return n
+
+    return {"tok_n": size(py_work, int, 1000, tok_us), "plan_n": size(py_work, int, 1000, plan_us),
+            "wait_bytes": size(gil_free_wait, lambda n: b"\0" * n, 1 << 20, wait_us)}
+
+
+# ---------------------------------------------------------------- server and client
+
+def serve(port, sizes, spin_ms):
+    from prefixscore.server import create_app, serve_app
+
+    stub = GpuStub(**sizes) if sizes else InstantStub()
+    app = create_app(stub, max_tokens=512, engine_spin_ms=spin_ms)
+    serve_app(app, host="127.0.0.1", port=port, log_level="error")
+
+
+async def connect(port) -> Conn:
+    for _ in range(300):
         try:
-            c = await Conn.open(port)
-            break
+            return await Conn.open(port)
         except OSError:
             await asyncio.sleep(0.2)
+    raise SystemExit("server did not start")
+
+
+async def http_phases(port, n, warm) -> dict:
+    """p50/p99 (us) of GET /healthz and POST /v1/classify, one at a time on one connection, and
+    the p50 of the server's own timing of the classify requests."""
+    c = await connect(port)
     out = {}
-    for name, raw in (("healthz", GET_HEALTHZ), ("classify", post("/v1/classify", {"query": "red dress"}))):
-        for _ in range(300):
-            await c.request(raw)
-        lat = []
-        for _ in range(n):
+    raws = [post("/v1/classify", {"query": q}) for q in QUERIES]
+    for name, reqs in (("healthz", [GET_HEALTHZ]), ("classify", raws)):
+        for i in range(warm):
+            await c.request(reqs[i % len(reqs)])
+        lat, timing = [], []
+        for i in range(n):
             t = time.perf_counter()
-            status, _ = await c.request(raw)
+            status, body = await c.request(reqs[i % len(reqs)])
             lat.append(1e6 * (time.perf_counter() - t))
-            assert status == 200
+            assert status == 200, body
+            if name == "classify":
+                timing.append(json.loads(body)["timing"])
         out[name] = {"p50_us": statistics.median(lat), "p99_us": pct(lat, 99), "n": n}
+        if timing:
+            out["server_timing_p50_us"] = {k.replace("_ms", ""): 1e3 * statistics.median(t[k] for t in timing)
+                                           for k in timing[0]}
     c.close()
+    return out
+
+
+def local_phases(stub, n) -> dict:
+    """stub.classify(q) in this thread, then handed to a worker thread (submit().result())."""
+    out = {}
+    pool = ThreadPoolExecutor(1)
+    for name, call in (("inproc", stub.classify),
+                       ("worker", lambda q: pool.submit(stub.classify, q).result())):
+        for i in range(50):
+            call(QUERIES[i % len(QUERIES)])
+        lat = []
+        for i in range(n):
+            t = time.perf_counter()
+            call(QUERIES[i % len(QUERIES)])
+            lat.append(1e6 * (time.perf_counter() - t))
+        out[name] = {"p50_us": statistics.median(lat), "p99_us": pct(lat, 99), "n": n}
+    pool.shutdown()
     return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--stub", choices=["instant", "gpu"], default="instant")
+    ap.add_argument("--requests", type=int, default=3000, help="timed requests per phase and round")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of every phase (medians reported)")
+    ap.add_argument("--tokenize-us", type=float, default=50, help="gpu stub: Python work in encode_many")
+    ap.add_argument("--plan-us", type=float, default=100, help="gpu stub: Python work before the wait")
+    ap.add_argument("--wait-us", type=float, default=650, help="gpu stub: GIL-free busy wait")
+    ap.add_argument("--engine-spin-ms", type=float, default=None,
+                    help="the server's --engine-spin-ms (default: as `prefixscore serve` on a GPU "
+                         "for the gpu stub, 2; 0 for the instant stub)")
     a = ap.parse_args()
+    try:
+        import uvloop  # the client's own overhead, kept small (as bench.http)
+
+        uvloop.install()
+    except ImportError:
+        pass
+    sizes = calibrate(a.tokenize_us, a.plan_us, a.wait_us) if a.stub == "gpu" else None
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    p = mp.Process(target=serve, args=(port,), daemon=True)
+    spin = a.engine_spin_ms if a.engine_spin_ms is not None else 2.0 if sizes else 0.0
+    p = mp.Process(target=serve, args=(port, sizes, spin), daemon=True)
     p.start()
+    rounds = []
     try:
-        res = asyncio.run(measure(port, a.requests))
+        for _ in range(a.rounds):
+            r = asyncio.run(http_phases(port, a.requests, warm=300))
+            if sizes:
+                r.update(local_phases(GpuStub(**sizes), a.requests))
+            rounds.append(r)
     finally:
         p.terminate()
         p.join()
-    res["classify_minus_healthz_p50_us"] = res["classify"]["p50_us"] - res["healthz"]["p50_us"]
-    res["cpus"] = os.cpu_count()
-    for k in ("healthz", "classify"):
-        print(f"{k:9s} p50 {res[k]['p50_us']:7.1f} us  p99 {res[k]['p99_us']:7.1f} us")
+    phases = [k for k in ("inproc", "worker", "classify", "healthz") if k in rounds[0]]
+    res = {"stub": a.stub, "cpus": os.cpu_count(), "sizes": sizes, "engine_spin_ms": spin, "rounds": rounds,
+           "p50_us": {k: statistics.median(r[k]["p50_us"] for r in rounds) for k in phases}}
+    med = res["p50_us"]
+    res["classify_minus_healthz_p50_us"] = med["classify"] - med["healthz"]
+    for k in phases:
+        print(f"{k:9s} p50 {med[k]:7.1f} us   (rounds: {' '.join('%.0f' % r[k]['p50_us'] for r in rounds)})")
     print(f"classify path over the bare round trip: {res['classify_minus_healthz_p50_us']:.1f} us")
+    if sizes:
+        res["overhead_p50_us"] = med["classify"] - med["inproc"]
+        timing = {k: statistics.median(r["server_timing_p50_us"][k] for r in rounds)
+                  for k in rounds[0]["server_timing_p50_us"]}
+        res["server_timing_p50_us"] = timing
+        print("server timing p50: " + ", ".join(f"{k} {v:.0f} us" for k, v in timing.items()))
+        print(f"server overhead (HTTP serial - inproc) p50: {res['overhead_p50_us']:.1f} us")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "server_stub.json").write_text(json.dumps(res, indent=1))
 

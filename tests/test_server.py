@@ -317,6 +317,34 @@ def test_engine_cpu(clf):
     assert os.sched_getaffinity(0) == cpus
 
 
+def test_engine_spin(clf):
+    """An engine thread that polls for the next batch (busy, off the GIL) answers the same as one
+    that sleeps, batches requests that arrive while it works, and ends with the app."""
+    from prefixscore.server import engine_spin_ms
+
+    assert engine_spin_ms("auto", "cuda") == 2.0 and engine_spin_ms("auto", "cpu") == 0.0
+    assert engine_spin_ms("0.5", "cpu") == 0.5
+    for bad in ("fast", "-1", "nan", "inf"):
+        with pytest.raises(ConfigError, match="engine-spin-ms"):
+            engine_spin_ms(bad, "cuda")
+    wrapped = Wrapped(clf, delay=0.01)
+    queries = [f"spin {i}" for i in range(30)]
+    want = clf.classify_batch(queries)
+    app = create_app(wrapped, engine_spin_ms=50)
+    with running(app) as (base, _):
+        warm = len(wrapped.batches)
+        for q, w in zip(queries[:3], want):  # one at a time: each picked up while polling
+            check(httpx.post(base + "/v1/classify", json={"query": q}).json()["results"], [w])
+        responses = post_all(base, [{"query": q} for q in queries])
+    for r, w in zip(responses, want):
+        assert r.status_code == 200, r.text
+        check(r.json()["results"], [w])
+    batches = wrapped.batches[warm + 3:]
+    assert sum(batches) == len(queries) and max(batches) > 1
+    app.state.batcher.thread.join(5)
+    assert not app.state.batcher.thread.is_alive()
+
+
 def test_fast_classify_path():
     """FastClassify answers valid, authorized JSON itself and hands everything else, body intact,
     to the FastAPI route."""
