@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ import triton
 import triton.language as tl
 
 from prefixscore.kernels.pdl import launch_kwargs, wait
+
+from .gpu import gpu_times
 
 OUT = Path(os.environ.get("OUT") or "bench/results")
 
@@ -60,20 +63,8 @@ def _steps(X, BAR, L: tl.constexpr, NPROG: tl.constexpr, GDC: tl.constexpr):
         grid_barrier(BAR, NPROG)
 
 
-def replay_us(graph, reps=200):
-    for _ in range(20):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    times.sort()
-    return times[len(times) // 2]
+def replay_us(graph):
+    return statistics.median(gpu_times(graph.replay, 200)) * 1e3
 
 
 def main():
