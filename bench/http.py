@@ -187,32 +187,36 @@ async def open_loop(port, raws, rate, duration, max_requests, timeout, max_conns
 
 # ---------------------------------------------------------------- phases
 
+def call_times(classify, queries, n, warm=50):
+    """ms of classify(q), one call at a time, in this thread and then handed to a worker thread
+    with this one waiting (as the server's engine thread runs it): separates the cost of the
+    thread from the cost of HTTP."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    it = itertools.cycle(queries)
+    pool = ThreadPoolExecutor(1)
+    out = []
+    for call in (classify, lambda q: pool.submit(classify, q).result()):
+        for _ in range(warm):
+            call(next(it))
+        ms = []
+        for _ in range(n):
+            q = next(it)
+            t = time.perf_counter()
+            call(q)
+            ms.append(1e3 * (time.perf_counter() - t))
+        out.append(ms)
+    pool.shutdown()
+    return out
+
+
 def inprocess(serve_flags, queries, n):
     """clf.classify(q) one at a time, with the same flags as the server."""
     from prefixscore.cli import build_parser, make_classifier
 
     a = build_parser().parse_args(["serve", *serve_flags])
     clf = make_classifier(a)
-    it = itertools.cycle(queries)
-    for _ in range(50):
-        clf.classify(next(it))
-    ms = []
-    for _ in range(n):
-        q = next(it)
-        t = time.perf_counter()
-        clf.classify(q)
-        ms.append(1e3 * (time.perf_counter() - t))
-    # The same call run on a worker thread (as the server's engine thread runs it), main thread
-    # waiting: separates the cost of the thread from the cost of HTTP.
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool, thread_ms = ThreadPoolExecutor(1), []
-    for _ in range(n):
-        q = next(it)
-        t = time.perf_counter()
-        pool.submit(clf.classify, q).result()
-        thread_ms.append(1e3 * (time.perf_counter() - t))
-    pool.shutdown()
+    ms, thread_ms = call_times(clf.classify, queries, n)
     info = {"device": str(clf.engine.device), "dtype": str(clf.engine.dtype), "model": clf.loaded.name,
             "prefix_tokens": clf.prefix_len, "labels": len(clf.labels),
             "classify_on_a_worker_thread": stats(thread_ms)}

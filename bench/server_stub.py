@@ -28,13 +28,13 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .http import GET_HEALTHZ, Conn, pct, post
+from prefixscore.server import engine_spin_ms
+
+from .http import GET_HEALTHZ, Conn, call_times, free_port, pct, post, serial
 
 OUT = Path(os.environ.get("OUT") or "bench/results")
 QUERIES = ["red dress", "levis 501 straight leg", "beige trench coat women", "running shoes"]
@@ -123,55 +123,36 @@ def serve(port, sizes, spin_ms):
     serve_app(app, host="127.0.0.1", port=port, log_level="error")
 
 
-async def connect(port) -> Conn:
-    for _ in range(300):
-        try:
-            return await Conn.open(port)
-        except OSError:
-            await asyncio.sleep(0.2)
-    raise SystemExit("server did not start")
-
-
 async def http_phases(port, n, warm) -> dict:
     """p50/p99 (us) of GET /healthz and POST /v1/classify, one at a time on one connection, and
     the p50 of the server's own timing of the classify requests."""
-    c = await connect(port)
+    for _ in range(300):  # until the server listens
+        try:
+            (await Conn.open(port)).close()
+            break
+        except OSError:
+            await asyncio.sleep(0.2)
+    else:
+        raise SystemExit("server did not start")
     out = {}
     raws = [post("/v1/classify", {"query": q}) for q in QUERIES]
     for name, reqs in (("healthz", [GET_HEALTHZ]), ("classify", raws)):
-        for i in range(warm):
-            await c.request(reqs[i % len(reqs)])
-        lat, timing = [], []
-        for i in range(n):
-            t = time.perf_counter()
-            status, body = await c.request(reqs[i % len(reqs)])
-            lat.append(1e6 * (time.perf_counter() - t))
-            assert status == 200, body
-            if name == "classify":
-                timing.append(json.loads(body)["timing"])
+        await serial(port, reqs, warm)
+        ms, timing = await serial(port, reqs, n)
+        lat = [1e3 * x for x in ms]
         out[name] = {"p50_us": statistics.median(lat), "p99_us": pct(lat, 99), "n": n}
         if timing:
             out["server_timing_p50_us"] = {k.replace("_ms", ""): 1e3 * statistics.median(t[k] for t in timing)
                                            for k in timing[0]}
-    c.close()
     return out
 
 
 def local_phases(stub, n) -> dict:
-    """stub.classify(q) in this thread, then handed to a worker thread (submit().result())."""
+    """stub.classify(q) in this thread, then handed to a worker thread (as bench.http does)."""
     out = {}
-    pool = ThreadPoolExecutor(1)
-    for name, call in (("inproc", stub.classify),
-                       ("worker", lambda q: pool.submit(stub.classify, q).result())):
-        for i in range(50):
-            call(QUERIES[i % len(QUERIES)])
-        lat = []
-        for i in range(n):
-            t = time.perf_counter()
-            call(QUERIES[i % len(QUERIES)])
-            lat.append(1e6 * (time.perf_counter() - t))
+    for name, ms in zip(("inproc", "worker"), call_times(stub.classify, QUERIES, n)):
+        lat = [1e3 * x for x in ms]
         out[name] = {"p50_us": statistics.median(lat), "p99_us": pct(lat, 99), "n": n}
-    pool.shutdown()
     return out
 
 
@@ -194,11 +175,9 @@ def main():
     except ImportError:
         pass
     sizes = calibrate(a.tokenize_us, a.plan_us, a.wait_us) if a.stub == "gpu" else None
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    spin = a.engine_spin_ms if a.engine_spin_ms is not None else 2.0 if sizes else 0.0
+    port = free_port()
+    spin = (a.engine_spin_ms if a.engine_spin_ms is not None
+            else engine_spin_ms("auto", "cuda" if sizes else "cpu"))  # as `prefixscore serve`
     p = mp.Process(target=serve, args=(port, sizes, spin), daemon=True)
     p.start()
     rounds = []
