@@ -314,10 +314,9 @@ def one_request_rows(res, hf, ours):
     res.update(hf_peers(hf, ours.prefix_ids))
     # Profiled last: a profiler session leaves CUPTI hooked in, and every host-side row timed after
     # it read slower in the one run that profiled first (engine call 0.98 ms, 0.65 in other runs).
-    from .timeline import by_position, summarize, timeline  # kernel by kernel, inside the replay
+    from .timeline import summarize, timeline  # kernel by kernel, inside the replay
 
-    ev = timeline(ours.replay_fn(one), 20)
-    res["w1_timeline"] = {**summarize(ev, 20), "skinny_by_role": by_position(ev, 20)}
+    res["w1_timeline"] = summarize(timeline(ours.replay_fn(one), 20), 20)
     res["profile_w1"] = profile_kernels(ours, one[0])
 
 

@@ -44,6 +44,8 @@ def timeline(replay, n):
 
 
 def summarize(ev, n):
+    """Per kernel kind: count per replay, median duration and median gap from the kernel before;
+    the replay's span and busy time; and the skinny GEMMs by role (by_position)."""
     per = len(ev) // n
     dur, gap, count = defaultdict(list), defaultdict(list), defaultdict(int)
     spans, busy = [], []
@@ -57,15 +59,14 @@ def summarize(ev, n):
             if r == 0:
                 count[k] += 1
             if i:
-                # the layer position matters for the skinny GEMM: name it by what came before
                 gap[k].append(s - rep[i - 1][2])
-    # skinny GEMMs in layer order: qkv, (attn_o), gate_up, down -> split by position in the layer
     rows = {k: {"per_replay": count[k], "median_us": statistics.median(dur[k]),
                 "total_us": statistics.median(dur[k]) * count[k],
                 "median_gap_before_us": statistics.median(gap[k]) if gap[k] else None}
             for k in dur}
     return {"kernels_per_replay": per, "span_us": statistics.median(spans),
-            "kernel_busy_us": statistics.median(busy), "kinds": rows}
+            "kernel_busy_us": statistics.median(busy), "kinds": rows,
+            "skinny_by_role": by_position(ev, n)}
 
 
 def by_position(ev, n):
@@ -98,7 +99,6 @@ def main(argv=None):
     res = {"w1_replay": stats(gpu_times(replay))}
     ev = timeline(replay, a.replays)
     res.update(summarize(ev, a.replays))
-    res["skinny_by_role"] = by_position(ev, a.replays)
     print(json.dumps(res, indent=1), flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "timeline.json").write_text(json.dumps(res, indent=1))
