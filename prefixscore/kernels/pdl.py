@@ -20,8 +20,8 @@ one run; bench/results/gpu_ab_pdl_*.json), ms:
     the same with the late trigger            0.619-0.621   4.878-4.895
 so only the wait is kept. --ab reads ~0.06 ms above the full bench's W1 row for the same graph
 in the same device call (0.613 vs 0.556: gpu_ab_pdl_bulk.json, gpu_quick_pdl_final.json), so
-compare its rows only with each other. (Likely the GPU's clock after each capture's idle time,
-not verified.)
+compare its rows only with each other. (Not the GPU clock after a capture: a 0.3 s warm-up before
+timing changed nothing, and on the next session's machine both harnesses read ~0.595 ms.)
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
 launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL off) compiles
