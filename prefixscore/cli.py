@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     p = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
+    a.argv = argv[1:]  # the command's own arguments (`serve --config` parses them again)
     if not getattr(a, "func", None):
         p.print_help()
         return 2

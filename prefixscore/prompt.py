@@ -169,13 +169,14 @@ class Prompt:
                     f"prompt is {len(ids)} tokens, over the model's context limit of {limit} tokens "
                     f"(the {self.slots[-1]} is {len(values[self.slots[-1]])} characters); shorten it or "
                     f"enable truncation")
-            return self._truncated(values, limit)
+            return self.truncated(values, limit)
         P = len(self.prefix_ids)
         start = P if ids[:P] == self.prefix_ids else 0
         return Encoded(dict(values), text, ids, start)
 
-    def _truncated(self, values: dict, limit: int) -> Encoded:
-        """Cut the last slot's text from the end until the whole prompt fits (re-tokenized exactly)."""
+    def truncated(self, values: dict, limit: int) -> Encoded:
+        """Cut the last slot's text from the end until the whole prompt is at most `limit` tokens
+        (re-tokenized exactly)."""
         s = self.slots[-1]
         v = values[s]
         lo, hi = 0, len(v)  # binary search on characters kept
@@ -186,7 +187,8 @@ class Prompt:
             else:
                 hi = mid - 1
         if lo == 0 or not v[:lo].strip():
-            raise InputError(f"the template alone nearly fills the context limit of {limit} tokens")
+            raise InputError(f"the template alone nearly fills the limit of {limit} tokens, so no "
+                             f"part of the {s} fits")
         return self.encode(truncate=False, **{**values, s: v[:lo]})
 
 

@@ -40,6 +40,7 @@ import itertools
 import json
 import sys
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -69,6 +70,9 @@ LAYOUTS = ("auto", "packed", "alone")
 # masked tiles, online softmax and small dots run well below the matmul rate.
 ATTN_PENALTY = {"cuda": 4.0, "cpu": 2.0}
 CPU_MAX_SPAN = 2048  # the torch reference attention holds a dense [span, span] score block per head
+# Label sets named by requests (labels / label_token_ids) keep their head rows in an LRU of this
+# many: a client that varies them per request must not grow memory without bound.
+REQUEST_HEADS = 8
 
 
 @dataclass
@@ -144,7 +148,7 @@ class Scorer:
         self.tokenizer = tok = self.loaded.tokenizer
         self.mode, self.layout = mode, layout
         self.max_items, self.max_batch_tokens = max_items, max_batch_tokens
-        self._heads: dict = {}
+        self._heads: OrderedDict = OrderedDict()  # label-set key -> _Head, for requests' label sets
         if tok is None:
             if template is not None or label_token_ids is None:
                 raise ConfigError("this model has no tokenizer: give label_token_ids and no template, "
@@ -161,8 +165,9 @@ class Scorer:
             self.item_first = pieces.index(sentinel("item")) < pieces.index(sentinel("query"))
             self.prefix_ids = self.prompt.prefix_ids
         self.prefix_kv = self.engine.prefill(self.prefix_ids)
-        self._label_spec = (labels, label_token_ids)
-        self.head = self._head(labels, label_token_ids)
+        # The scorer's own label set is kept for good (its CUDA graphs use its weight).
+        self._own_key = self._label_key(labels, label_token_ids, ConfigError)
+        self.head = self._build_head(self._own_key, ConfigError)
         self.labels, self.trie = self.head.labels, self.head.trie
         self._check_mode(mode, self.head)
         if layout == "packed" and mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:
@@ -180,40 +185,54 @@ class Scorer:
         return len(self.prefix_ids)
 
     def _head(self, labels, label_token_ids, err=ConfigError, single: bool = False) -> _Head:
-        """Label trie and head rows, cached per label set. Text labels are tokenized as they follow
-        the prompt; single=True demands one token each (a score request)."""
+        """Label trie and head rows: the scorer's own, or a request's from an LRU of REQUEST_HEADS
+        label sets. Text labels are tokenized as they follow the prompt; single=True demands one
+        token each (a score request)."""
+        key = self._label_key(labels, label_token_ids, err)
+        if key == self._own_key:
+            head = self.head
+        else:
+            head = self._heads.pop(key, None)  # put back last: the most recently used
+            if head is None:
+                head = self._build_head(key, err)
+            self._heads[key] = head
+            if len(self._heads) > REQUEST_HEADS:
+                self._heads.popitem(last=False)
+        if single and key[0] == "text" and not head.single_tokens:
+            l, p = next((l, p) for l, p in zip(head.labels, head.trie.paths) if len(p) > 1)
+            raise err(f"labels must be single tokens in a score request (scores are per label token, "
+                      f"like label_token_ids); {l!r} is {len(p)} tokens")
+        return head
+
+    def _label_key(self, labels, label_token_ids, err) -> tuple:
         if label_token_ids is not None:
             ids = self._check_token_ids(label_token_ids, "label_token_ids", err)
             if not ids:
                 raise err("label_token_ids is empty: give at least one token id")
             if len(set(ids)) != len(ids):
                 raise err(f"label_token_ids has duplicates: {ids}")
-            key = ("ids", tuple(ids))
+            return ("ids", tuple(ids))
+        try:
+            return ("text", tuple(check_labels(labels)))
+        except ConfigError as e:
+            raise err(str(e)) from None
+
+    def _build_head(self, key, err) -> _Head:
+        tok = self.tokenizer
+        if key[0] == "ids":
+            # A padded vocabulary (Qwen: 151936 rows, ~151665 tokens) has ids with no token.
+            names = tok.convert_ids_to_tokens(list(key[1])) if tok else [None] * len(key[1])
+            names = [str(i) if n is None else n for i, n in zip(key[1], names)]
+            trie = LabelTrie(names, [[i] for i in key[1]], getattr(tok, "eos_token_id", None))
+        elif tok is None:
+            raise err("this scorer has no tokenizer: give label_token_ids, not labels")
         else:
+            context = self.prompt.render(query="x", item="x")
             try:
-                key = ("text", tuple(check_labels(labels)))
+                trie = LabelTrie.build(tok, list(key[1]), context, self.prompt.encode_text)
             except ConfigError as e:
                 raise err(str(e)) from None
-        if key not in self._heads:
-            tok = self.tokenizer
-            if key[0] == "ids":
-                names = tok.convert_ids_to_tokens(list(key[1])) if tok else [str(i) for i in key[1]]
-                trie = LabelTrie(names, [[i] for i in key[1]], getattr(tok, "eos_token_id", None))
-            elif tok is None:
-                raise err("this scorer has no tokenizer: give label_token_ids, not labels")
-            else:
-                context = self.prompt.render(query="x", item="x")
-                try:
-                    trie = LabelTrie.build(tok, list(key[1]), context, self.prompt.encode_text)
-                except ConfigError as e:
-                    raise err(str(e)) from None
-            self._heads[key] = _Head(trie.labels, trie, self.engine.label_weight(trie.columns))
-        head = self._heads[key]
-        if single and key[0] == "text" and not head.single_tokens:
-            l, p = next((l, p) for l, p in zip(head.labels, head.trie.paths) if len(p) > 1)
-            raise err(f"labels must be single tokens in a score request (scores are per label token, "
-                      f"like label_token_ids); {l!r} is {len(p)} tokens")
-        return head
+        return _Head(trie.labels, trie, self.engine.label_weight(trie.columns))
 
     def _check_mode(self, mode: str, head: _Head, err=ConfigError) -> None:
         if mode == "logits" and not head.trie.first_distinct:
@@ -294,7 +313,7 @@ class Scorer:
                              f"the {order}: the template decides where each slot goes (use a "
                              f"template with the other order, or token ids)")
         if labels is None and ids is None:
-            head = self._head(*self._label_spec, InputError)
+            head = self.head
         else:
             head = self._head(labels, ids, InputError, single=True)
         mode = "softmax" if req.get("apply_softmax", False) else "vocab_probs"

@@ -24,10 +24,11 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from queue import Empty, SimpleQueue
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from .errors import ConfigError, InputError, PrefixScoreError
 
@@ -65,13 +66,14 @@ class ClassifyResponse(BaseModel):
 
 
 class ScoreRequest(BaseModel):
-    """SGLang's /v1/score request; `labels` (label texts instead of token ids) is ours."""
-    query: str | list[int] | None = None
-    items: str | list[str] | list[list[int]] | None = None
-    label_token_ids: list[int] | None = None
+    """SGLang's /v1/score request; `labels` (label texts instead of token ids) is ours. Strict
+    types: "yes" is no boolean and "9891" no token id (Scorer.score_request refuses them too)."""
+    query: str | list[StrictInt] | None = None
+    items: str | list[str] | list[list[StrictInt]] | None = None
+    label_token_ids: list[StrictInt] | None = None
     labels: list[str] | None = None
-    apply_softmax: bool = False
-    item_first: bool = False
+    apply_softmax: StrictBool = False
+    item_first: StrictBool = False
     model: str | None = Field(None, description="accepted for compatibility; never loads a model")
 
 
@@ -188,6 +190,7 @@ class Call:
 
 
 STOP = object()  # tells the engine thread to end
+MAX_WINDOW_MS = 10_000.0  # a longer batch window would outlast any client's timeout
 _SPIN_CHUNK = bytes(16384)  # hashing it: ~10 us of CPU with the GIL released (see Batcher._next)
 
 
@@ -257,28 +260,43 @@ class Batcher:
         except Exception as e:
             self.fail(e)
         while True:
-            items = [self._next()]
-            if self.window and isinstance(items[0], Job):  # the oldest job waits for company
-                time.sleep(max(0.0, items[0].queued_at + self.window - time.perf_counter()))
-            while True:  # everything queued meanwhile joins the batch
-                try:
-                    items.append(self.queue.get_nowait())
-                except Empty:
-                    break
-            jobs = [j for j in items if isinstance(j, Job)]
-            if jobs:
-                self.taken += sum(len(j.queries) for j in jobs)
-                jobs = [j for j in jobs if not j.future.done()]  # skip cancelled requests
-                self._answer(jobs, self._run_jobs(jobs))
-            for c in items:
-                if isinstance(c, Call):
-                    try:
-                        out = c.fn(*c.args)
-                    except Exception as e:
-                        out = e
-                    self._answer([c], [out])
+            items: list = []
+            try:
+                self._take(items)
+                self._serve(items)
+            except Exception as e:  # a bug here, not in a request: no request may wait forever
+                self.fail(e)
+                waiting = [i for i in items if isinstance(i, (Job, Call))]
+                self._answer(waiting, [EngineFault(self.error)] * len(waiting))
             if any(i is STOP for i in items):
                 return
+
+    def _take(self, items: list) -> None:
+        """Engine thread: the next batch into `items`: the next queued item, then everything queued
+        meanwhile (after the batch window, if one is set)."""
+        items.append(self._next())
+        if self.window and isinstance(items[0], Job):  # the oldest job waits for company
+            time.sleep(max(0.0, items[0].queued_at + self.window - time.perf_counter()))
+        while True:
+            try:
+                items.append(self.queue.get_nowait())
+            except Empty:
+                return
+
+    def _serve(self, items: list) -> None:
+        """Engine thread: the batch's jobs in one engine call, then the other engine work."""
+        jobs = [j for j in items if isinstance(j, Job)]
+        if jobs:
+            self.taken += sum(len(j.queries) for j in jobs)
+            jobs = [j for j in jobs if not j.future.done()]  # skip cancelled requests
+            self._answer(jobs, self._run_jobs(jobs))
+        for c in items:
+            if isinstance(c, Call):
+                try:
+                    out = c.fn(*c.args)
+                except Exception as e:
+                    out = e
+                self._answer([c], [out])
 
     def _next(self):
         """Engine thread: the next queued item. For `spin` seconds it polls the queue, keeping its
@@ -371,12 +389,20 @@ class Batcher:
         return answers
 
     def _check_tokens(self, encoded: list, queries: list[str]):
+        """The --max-tokens limit: an InputError, or with --truncate the query cut to fit."""
+        limit = self.clf.prefix_len + self.max_tokens
         for i, e in enumerate(encoded):
             n = len(e.ids) - self.clf.prefix_len
-            if n > self.max_tokens:
+            if n <= self.max_tokens:
+                continue
+            if not self.clf.truncate:
                 return InputError(f"{query_name(i, len(queries))} is {n} tokens after the cached "
                                   f"prefix, over the limit of {self.max_tokens} tokens per query "
                                   f"(--max-tokens)")
+            try:
+                encoded[i] = self.clf.prompt.truncated(e.values, limit)
+            except InputError as err:
+                return InputError(f"{query_name(i, len(queries))}: {err} (--max-tokens)")
         return encoded
 
     def _warmup(self) -> None:
@@ -405,11 +431,12 @@ def _resolve(jobs: list, outs: list) -> None:
 # ---------------------------------------------------------------- ASGI guard
 
 class Guard:
-    """Outermost ASGI layer: counts responses by endpoint and status, and reads request bodies up to
-    the size limit (413 past it, before anything is parsed), so memory per request is bounded."""
+    """Outermost ASGI layer: counts responses by endpoint and status, answers 401 on /v1/* without
+    the API key (when one is set) before anything is read, and reads request bodies up to the size
+    limit (413 past it, before anything is parsed), so memory per request is bounded."""
 
-    def __init__(self, app, metrics: Metrics, max_body: int):
-        self.app, self.metrics, self.max_body = app, metrics, max_body
+    def __init__(self, app, metrics: Metrics, max_body: int, api_key: str | None = None):
+        self.app, self.metrics, self.max_body, self.api_key = app, metrics, max_body, api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -424,6 +451,9 @@ class Guard:
 
         endpoint = scope["path"] if scope["path"] in PATHS else "other"
         try:
+            if self.api_key is not None and scope["path"].startswith("/v1/") and not authorized(
+                    dict(scope["headers"]).get(b"authorization"), self.api_key):
+                return await _send_json(counted, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")])
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 body, error = await self._read(scope, receive)
                 if error:
@@ -460,21 +490,20 @@ class Guard:
 
 class FastClassify:
     """POST /v1/classify without FastAPI's routing and dependency layers (~0.1 ms less per request
-    with a stub engine on a 2-core host): a JSON body that the route's own pydantic model accepts,
-    with the API key when one is set, goes straight to the route's handler (answer). Anything else
-    (another content type, invalid JSON or fields, a missing key) falls through to the FastAPI
-    route, which answers it exactly as before. Runs inside Guard, which has read the whole body,
-    and both run in front of FastAPI itself (create_app's App)."""
+    with a stub engine on a 2-core host): a JSON body that the route's own pydantic model accepts
+    goes straight to the route's handler (answer). Anything else (another content type, invalid
+    JSON or fields) falls through to the FastAPI route, which answers it exactly as before. Runs
+    inside Guard, which has checked the API key and read the whole body, and both run in front of
+    FastAPI itself (create_app's App)."""
 
-    def __init__(self, app, answer, api_key: str | None):
-        self.app, self.answer, self.api_key = app, answer, api_key
+    def __init__(self, app, answer):
+        self.app, self.answer = app, answer
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/v1/classify" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if ctype != b"application/json" or not self._authorized(headers.get(b"authorization")):
+        ctype = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+        if ctype != b"application/json":
             return await self.app(scope, receive, send)
         message = await receive()
         body = message.get("body", b"")
@@ -492,16 +521,26 @@ class FastClassify:
             extra = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
         await _send(send, status, out, extra)
 
-    def _authorized(self, header: bytes | None) -> bool:
-        if self.api_key is None:
-            return True
-        scheme, _, token = (header or b"").decode("latin-1").partition(" ")
-        return scheme.lower() == "bearer" and key_matches(token.strip(), self.api_key)
+
+UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+
+
+def authorized(header: bytes | None, api_key: str) -> bool:
+    """An Authorization header value that carries the API key as a bearer token."""
+    scheme, _, token = (header or b"").decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and key_matches(token.strip(), api_key)
 
 
 def key_matches(token: str, api_key: str) -> bool:
     """Constant-time comparison of a bearer token with the API key."""
     return hmac.compare_digest(token.encode(), api_key.encode())
+
+
+def check_api_key(key: str) -> None:
+    """A key a client can send: an HTTP header value carries printable ASCII only."""
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise ConfigError("the API key must be printable ASCII without leading or trailing spaces "
+                          "(an HTTP header cannot carry anything else, so no client could send it)")
 
 
 def query_name(i: int, n: int) -> str:
@@ -540,9 +579,10 @@ async def _send(send, status: int, body: bytes, headers=()) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_json(send, status: int, detail: str) -> None:
+async def _send_json(send, status: int, detail: str, headers=()) -> None:
     """An error before the body was read whole: the connection closes after it."""
-    await _send(send, status, json.dumps({"detail": detail}).encode(), [(b"connection", b"close")])
+    await _send(send, status, json.dumps({"detail": detail}).encode(),
+                [(b"connection", b"close"), *headers])
 
 
 # ---------------------------------------------------------------- the app
@@ -556,10 +596,12 @@ ERRORS = {s: {"model": Error, "description": d} for s, d in [
 def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue: int = 1024,
                batch_window_ms: float = 0.0, max_body_bytes: int = 1 << 20, max_queries: int = 256,
                max_tokens: int = 512, cache_size: int = 0, cache_ttl: float = 0.0,
-               engine_cpu: int | None = None, engine_spin_ms: float = 0.0):
+               engine_cpu: int | None = None, engine_spin_ms: float = 0.0,
+               model_name: str | None = None):
     """The ASGI app around one Classifier (and optionally one multi-item scorer for /v1/score).
     engine_cpu: pin the engine thread to this CPU (see engine_cpu()). engine_spin_ms: how long the
-    engine thread polls for the next batch, busy, before it sleeps (see Batcher._next)."""
+    engine thread polls for the next batch, busy, before it sleeps (see Batcher._next).
+    model_name: what /healthz and /v1/score call the model (default: its file or folder name)."""
     from contextlib import asynccontextmanager
 
     from fastapi import Depends, FastAPI, HTTPException
@@ -574,11 +616,18 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
             raise ConfigError(f"{name} must be at least 1, got {v}")
     if max_queries > max_queue:
         raise ConfigError(f"max_queries ({max_queries}) must not exceed max_queue ({max_queue})")
+    if not 0 <= batch_window_ms <= MAX_WINDOW_MS:
+        raise ConfigError(f"batch_window_ms must be from 0 to {MAX_WINDOW_MS:g}, got {batch_window_ms}")
+    if not 0 <= cache_ttl < float("inf"):  # inf would be "no TTL", which 0 already says
+        raise ConfigError(f"cache_ttl must be seconds >= 0 (0: none), got {cache_ttl}")
+    if api_key is not None:
+        check_api_key(api_key)
     metrics = Metrics()
     cache = ResultCache(cache_size, cache_ttl) if cache_size > 0 else None
     batcher = Batcher(clf, metrics, max_queue, batch_window_ms / 1e3, max_tokens, cache, engine_cpu,
                       engine_spin_ms / 1e3)
-    model_name = str(getattr(getattr(clf, "loaded", None), "name", "prefixscore"))
+    if model_name is None:  # a name, not the host's path to the weights
+        model_name = Path(str(getattr(getattr(clf, "loaded", None), "name", "prefixscore"))).name
 
     def admit(n: int) -> None:
         """Reserve queue room for n queries/items: 429 when full, 503 once the engine faulted."""
@@ -616,10 +665,9 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
     if api_key:
         bearer = HTTPBearer(auto_error=False)
 
-        def check_key(creds=Depends(bearer)):  # None when the header is missing or not Bearer
+        def check_key(creds=Depends(bearer)):  # Guard checked already; this documents the scheme
             if creds is None or not key_matches(creds.credentials, api_key):
-                raise HTTPException(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                                    headers={"WWW-Authenticate": "Bearer"})
+                raise HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
         deps = [Depends(check_key)]
 
@@ -705,6 +753,7 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
         return ScoreResponse(**{**out, "model": model_name})
 
     @app.get("/healthz", responses={503: {"description": "starting, or unhealthy after an engine fault"}})
+    @app.head("/healthz", include_in_schema=False)  # probes that send HEAD (RFC 9110: supported)
     async def healthz():
         """Ready once the prefix is cached and a first batch has run; unhealthy after an engine fault."""
         if batcher.error:
@@ -716,14 +765,15 @@ def create_app(classifier, *, scorer=None, api_key: str | None = None, max_queue
                 "queue_depth": batcher.depth}
 
     @app.get("/metrics", response_class=Response)
+    @app.head("/metrics", include_in_schema=False)
     async def prometheus():
         """Prometheus text format."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.front = Guard(FastClassify(inner, answer=answer_classify, api_key=api_key),
-                      metrics=metrics, max_body=max_body_bytes)
+    app.front = Guard(FastClassify(inner, answer=answer_classify), metrics=metrics,
+                      max_body=max_body_bytes, api_key=api_key)
     return app
 
 
@@ -767,6 +817,9 @@ def add_command(subparsers, model_args) -> None:
                    help="after each batch the engine thread polls this long for the next one, busy on "
                         "its CPU, before it sleeps; 'auto' (default): 2 on a GPU, 0 on CPU inference "
                         "(whose threads need every CPU)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model's name in /healthz and /v1/score answers (default: its file or "
+                        "folder name)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     model_args(p)
@@ -774,8 +827,9 @@ def add_command(subparsers, model_args) -> None:
 
 
 def apply_config(a, parser) -> None:
-    """Fill options from a TOML file where the command line left the default. The file's values go
-    through the same parser as flags, so they are typed and checked the same way."""
+    """Options from a TOML file, under the command line: the file's values go through the same
+    parser as flags (typed and checked the same way) and become its defaults, then the command
+    line is parsed again on top, so a flag given there wins even where it equals the default."""
     import tomllib
 
     try:
@@ -785,30 +839,42 @@ def apply_config(a, parser) -> None:
         raise ConfigError(f"cannot read config file {a.config}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {a.config}: {e}") from None
-    known = set(vars(a)) - {"func", "command", "config"}
+    actions = {act.dest: act for act in parser._actions if act.dest not in ("help", "config")}
     argv = []
     for key, value in cfg.items():
-        dest, flag = key.replace("-", "_"), "--" + key.replace("_", "-")
-        if dest not in known:
+        dest = key.replace("-", "_")
+        act = actions.get(dest)
+        if act is None:
             raise ConfigError(f"config file {a.config}: unknown option {key!r}; known: "
-                              f"{', '.join(sorted(k.replace('_', '-') for k in known))}")
-        if value is True:
-            argv.append(flag)
-        elif value is False:  # only --chat/--no-chat has a "no" form; other switches default off
-            argv += ["--no-" + flag[2:]] if parser.get_default(dest) is None else []
-        else:
-            argv += [flag, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+                              f"{', '.join(sorted(k.replace('_', '-') for k in actions))}")
+        flag = act.option_strings[0]
+        if act.nargs == 0:  # a switch: --truncate, --access-log, --chat / --no-chat
+            if not isinstance(value, bool):
+                raise ConfigError(f"config file {a.config}: {key} is a switch: true or false")
+            if value:
+                argv.append(flag)
+            elif len(act.option_strings) > 1:  # the "--no-" form
+                argv.append(act.option_strings[1])
+            continue
+        if isinstance(value, bool):
+            raise ConfigError(f"config file {a.config}: {key} takes a value, not {str(value).lower()}")
+        if isinstance(value, list):  # labels = ["yes", "no"]: the flag's comma-separated form
+            if any("," in str(v) for v in value):
+                raise ConfigError(f"config file {a.config}: {key}: an element contains a comma, "
+                                  f"which would split it; put such labels in a labels-file")
+            value = ",".join(map(str, value))
+        argv.append(f"{flag}={value}")  # one word: a value may start with '-'
     parser.exit_on_error = False  # a bad value raises, to be reported as the config file's
     try:
         from_file = parser.parse_args(argv)
+        parser.set_defaults(**{k.replace("-", "_"): getattr(from_file, k.replace("-", "_")) for k in cfg})
+        merged = parser.parse_args(a.argv)
     except argparse.ArgumentError as e:
         raise ConfigError(f"config file {a.config}: {e}") from None
     finally:
         parser.exit_on_error = True
-    for key in cfg:
-        dest = key.replace("-", "_")
-        if getattr(a, dest) == parser.get_default(dest):
-            setattr(a, dest, getattr(from_file, dest))
+    for dest in actions:
+        setattr(a, dest, getattr(merged, dest))
 
 
 def cmd_serve(a, parser) -> int:
@@ -816,7 +882,8 @@ def cmd_serve(a, parser) -> int:
 
     if a.config:
         apply_config(a, parser)
-    api_key = a.api_key or os.environ.get("PREFIXSCORE_API_KEY") or None
+    # A secret read from a file often ends in a newline, which no HTTP header can carry.
+    api_key = (a.api_key or os.environ.get("PREFIXSCORE_API_KEY") or "").strip() or None
     try:
         loopback = ipaddress.ip_address(a.host).is_loopback
     except ValueError:
@@ -833,7 +900,8 @@ def cmd_serve(a, parser) -> int:
                      batch_window_ms=a.batch_window_ms, max_body_bytes=a.max_body_bytes,
                      max_queries=a.max_queries, max_tokens=a.max_tokens, cache_size=a.cache_size,
                      cache_ttl=a.cache_ttl, engine_cpu=cpu,
-                     engine_spin_ms=engine_spin_ms(a.engine_spin_ms, clf.engine.device.type))
+                     engine_spin_ms=engine_spin_ms(a.engine_spin_ms, clf.engine.device.type),
+                     model_name=a.served_model_name)
     serve_app(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log,
               limit_concurrency=a.max_connections, timeout_graceful_shutdown=a.shutdown_timeout)
     return 0

@@ -285,6 +285,30 @@ def test_score_request_sglang_shape(models):
         assert torch.tensor(resp["scores"]).sub(ref).abs().max() < TOL
 
 
+def test_request_label_sets_bounded(models, tmp_path, smol_tokenizer):
+    """Label sets named by requests live in a small LRU (memory stays bounded however requests vary
+    them); the scorer's own stays, and so do its graphs' weights. Ids of a padded vocabulary (rows
+    past the tokenizer's last token, as in Qwen) are named by their number."""
+    from conftest import make_tiny_model
+
+    from prefixscore import scorer as scorer_mod
+
+    loaded, _, _ = models("llama")
+    sc = Scorer(loaded, TEMPLATES["query_first"][0], LABELS, chat=False)
+    own = sc.head
+    for i in range(3 * scorer_mod.REQUEST_HEADS):
+        sc.score_request({"query": "q", "items": ["a"], "label_token_ids": [100 + i, 200 + i]})
+    assert len(sc._heads) == scorer_mod.REQUEST_HEADS and sc.head is own
+    assert sc._head(LABELS, None) is own
+    padded = load(make_tiny_model(tmp_path / "padded", "llama", smol_tokenizer,
+                                  vocab_size=len(smol_tokenizer) + 128), "cpu", torch.float32)
+    sp = Scorer(padded, TEMPLATES["query_first"][0], LABELS, chat=False)
+    past = len(smol_tokenizer) + 5
+    resp = sp.score_request({"query": "q", "items": ["a"], "label_token_ids": [past, 9]})
+    assert resp["labels"] == [str(past), smol_tokenizer.convert_ids_to_tokens(9)]
+    assert len(resp["scores"][0]) == 2
+
+
 def test_token_ids_without_tokenizer(models):
     """A weights-only model (no tokenizer) scores token ids; sequences that start with the pinned
     prefix reuse it, the others are computed without it."""

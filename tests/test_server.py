@@ -192,6 +192,7 @@ def test_score_sglang_shape(clf, scorer):
             assert r.status_code == 200, r.text
             got = r.json()
             assert got["object"] == "scoring" and got["labels"] == want["labels"]
+            assert got["model"] == os.path.basename(clf.loaded.name)  # a name, not the host's path
             assert got["usage"] == want["usage"] and len(got["scores"]) == len(want["scores"])
             for a, b in zip(got["scores"], want["scores"]):
                 assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
@@ -200,6 +201,9 @@ def test_score_sglang_shape(clf, scorer):
             ({"query": "q", "items": ["a"] * 9}, 413, "limit of 8"),
             ({"query": "q", "items": ["\ud800"]}, 422, "surrogate"),
             ({"query": 5, "items": ["a"]}, 422, "query"),
+            ({"query": "q", "items": ["a"], "apply_softmax": "yes"}, 422, "apply_softmax"),
+            ({"query": "q", "items": ["a"], "label_token_ids": ["9891"]}, 422, "label_token_ids"),
+            ({"query": "q", "items": ["a"], "label_token_ids": [True]}, 422, "label_token_ids"),
         ]:
             r = httpx.post(base + "/v1/score", content=json.dumps(req), headers=JSON)
             assert r.status_code == status and says in r.json()["detail"], (req, r.text)
@@ -255,14 +259,23 @@ def test_context_limit(clf):
         assert r.status_code == 422 and "context limit" in r.json()["detail"]
 
 
-def test_api_key(clf):
-    with running(create_app(clf, api_key="s3cret")) as (base, _):
+def test_api_key(clf, scorer):
+    with running(create_app(clf, scorer=scorer, api_key="s3cret")) as (base, _):
         url = base + "/v1/classify"
         assert httpx.post(url, json={"query": "x"}).status_code == 401
         r = httpx.post(url, json={"query": "x"}, headers={"authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert httpx.post(url, json={"query": "x"}, headers={"authorization": "Bearer s3cret"}).status_code == 200
+        # Without the key nothing about the body is answered: 401 before a 422 for bad JSON.
+        for path in ("/v1/classify", "/v1/score", "/v1/nowhere"):
+            r = httpx.post(base + path, content=b'{"query": ', headers=JSON)
+            assert r.status_code == 401 and "API key" in r.json()["detail"], (path, r.text)
         assert httpx.get(base + "/healthz").status_code == 200  # probes need no key
+        assert httpx.head(base + "/healthz").status_code == 200  # nor HEAD (RFC 9110)
+        assert httpx.head(base + "/metrics").status_code == 200
+    for key in ("k3y\n", " k3y", "clé", "a\tb"):  # no client could send these in a header
+        with pytest.raises(ConfigError, match="printable ASCII"):
+            create_app(clf, api_key=key)
 
 
 @pytest.mark.parametrize("text, says", [
@@ -280,11 +293,47 @@ def test_bad_config_file(tmp_path, capsys, text, says):
     assert says in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, says", [
+    ("api-key = false\n", "api-key takes a value, not false"),
+    ("max-queue = false\n", "max-queue takes a value"),
+    ('truncate = "yes"\n', "truncate is a switch"),
+    ('labels = ["small, medium", "large"]\n', "contains a comma"),
+])
+def test_bad_config_values(tmp_path, capsys, text, says):
+    test_bad_config_file(tmp_path, capsys, text, says)
+
+
+def test_config_file_under_the_command_line(tmp_path, monkeypatch):
+    """File values fill what the command line leaves out; a flag given on the command line wins,
+    even one equal to its default; values may start with '-'."""
+    import prefixscore.cli as cli
+
+    seen = []
+
+    def stop(a):  # the options as they reach the model: record them and stop there
+        seen.append(a)
+        raise ConfigError("stop")
+
+    monkeypatch.setattr(cli, "make_classifier", stop)
+    cfg = tmp_path / "serve.toml"
+    cfg.write_text('port = 9000\nmax-queue = 77\napi-key = "-abc"\nlabels = ["-1", "+1"]\n'
+                   'template = "--{query}"\nchat = false\ntruncate = true\n')
+    assert cli.main(["serve", "--config", str(cfg), "--port", "8000", "--chat"]) == 2
+    a = seen[0]
+    assert (a.port, a.max_queue, a.api_key, a.labels, a.template) == (8000, 77, "-abc", "-1,+1", "--{query}")
+    assert a.chat is True and a.truncate is True
+
+
 def test_bad_config(clf):
     with pytest.raises(ConfigError, match="max_queue"):
         create_app(clf, max_queue=0)
     with pytest.raises(ConfigError, match="max_queries"):
         create_app(clf, max_queries=100, max_queue=10)
+    for window in (float("inf"), float("nan"), -1.0, 1e9):  # inf once killed the engine thread
+        with pytest.raises(ConfigError, match="batch_window_ms"):
+            create_app(clf, batch_window_ms=window)
+    with pytest.raises(ConfigError, match="cache_ttl"):
+        create_app(clf, cache_ttl=-1.0)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
@@ -346,11 +395,11 @@ def test_engine_spin(clf):
 
 
 def test_fast_classify_path():
-    """FastClassify answers valid, authorized JSON itself and hands everything else, body intact,
-    to the FastAPI route."""
+    """FastClassify answers valid JSON itself and hands everything else, body intact, to the FastAPI
+    route. (The API key is Guard's, in front of it: test_api_key.)"""
     from fastapi import HTTPException
 
-    from prefixscore.server import ClassifyRequest, FastClassify
+    from prefixscore.server import ClassifyRequest, FastClassify, authorized
 
     inner_calls, answered = [], []
 
@@ -365,9 +414,9 @@ def test_fast_classify_path():
             raise HTTPException(429, "queue full", headers={"Retry-After": "1"})
         return b'{"ok": 1}'
 
-    def call(body, ctype=b"application/json", auth=None, key=None):
+    def call(body, ctype=b"application/json"):
         sent = []
-        headers = [(b"content-type", ctype)] + ([(b"authorization", auth)] if auth else [])
+        headers = [(b"content-type", ctype)]
         scope = {"type": "http", "method": "POST", "path": "/v1/classify", "headers": headers}
 
         async def receive():
@@ -376,7 +425,7 @@ def test_fast_classify_path():
         async def send(m):
             sent.append(m)
 
-        asyncio.run(FastClassify(inner, answer, key)(scope, receive, send))
+        asyncio.run(FastClassify(inner, answer)(scope, receive, send))
         return sent[0]["status"], dict(sent[0]["headers"]), sent[1]["body"]
 
     assert call(b'{"query": "red dress"}') == (200, {b"content-type": b"application/json",
@@ -386,10 +435,10 @@ def test_fast_classify_path():
     assert status == 429 and headers[b"retry-after"] == b"1" and json.loads(body) == {"detail": "queue full"}
     assert answered == ["red dress", ["a", "b"], "full"] and inner_calls == []
     for body, kw in [(b'{"query": 3}', {}), (b'{"q": "x"}', {}), (b"not json", {}),
-                     (b'{"query": "x"}', {"ctype": b"application/vnd.api+json"}),
-                     (b'{"query": "x"}', {"key": "k"}), (b'{"query": "x"}', {"key": "k", "auth": b"Bearer no"})]:
+                     (b'{"query": "x"}', {"ctype": b"application/vnd.api+json"})]:
         assert call(body, **kw)[0] == 299 and inner_calls[-1] == body, (body, kw)
-    assert call(b'{"query": "y"}', key="k", auth=b"bearer k")[0] == 200 and answered[-1] == "y"
+    assert authorized(b"bearer k", "k") and authorized(b"Bearer  k ", "k")
+    assert not any(authorized(h, "k") for h in (None, b"Bearer no", b"Basic k", b"k", b"Bearer"))
 
 
 def test_fast_path_and_route_agree(server):
@@ -494,6 +543,37 @@ def test_engine_fault_503(clf):
         assert h.status_code == 503 and h.json()["status"] == "unhealthy"
         assert httpx.post(base + "/v1/classify", json={"query": "x"}).status_code == 503
         assert metric(httpx.get(base + "/metrics").text, "prefixscore_engine_faults_total") == 1
+
+
+def test_engine_loop_bug_503(clf):
+    """An exception in the engine thread's own loop (not in a batch) fails the requests it took
+    with 503 and turns /healthz unhealthy; the thread lives on to answer later requests."""
+    app = create_app(clf)
+    with running(app) as (base, _):
+        batcher = app.state.batcher
+        serve = batcher._serve
+
+        def broken(items):
+            batcher._serve = serve
+            raise RuntimeError("bug in the loop")
+
+        batcher._serve = broken
+        r = httpx.post(base + "/v1/classify", json={"query": "x"}, timeout=10)
+        assert r.status_code == 503 and "bug in the loop" in r.json()["detail"]
+        assert httpx.get(base + "/healthz").json()["status"] == "unhealthy"
+        assert httpx.post(base + "/v1/classify", json={"query": "y"}, timeout=10).status_code == 503
+
+
+def test_truncate_to_max_tokens(tiny_model):
+    """With truncation on, a query over --max-tokens is cut to fit, not refused."""
+    clf = Classifier(tiny_model("llama"), device="cpu", truncate=True)
+    with running(create_app(clf, max_tokens=20)) as (base, _):
+        r = httpx.post(base + "/v1/classify", json={"query": "dress " * 100})
+        assert r.status_code == 200, r.text
+        seen = r.json()["results"][0]["query"]
+        assert ("dress " * 100).startswith(seen) and len(seen) < 600
+        assert len(clf.encode(seen).ids) - clf.prefix_len <= 20
+        check(r.json()["results"], clf.classify_batch([seen]))
 
 
 def test_healthz_starting_until_warm(clf):
