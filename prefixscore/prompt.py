@@ -27,7 +27,9 @@ PROBES = ["a", "A", " a", "  x", "1", "2024", "中文", "😀", "!", ".", "-", "
 
 
 def sentinel(name: str) -> str:
-    return f"\x1eSLOT-{name}\x1e"
+    # Private-use characters: not whitespace, so a chat template's `| trim` keeps them (\x1e was:
+    # str.strip() removes it).
+    return f"\ue000SLOT-{name}\ue001"
 
 
 def check_template(template, slots: tuple[str, ...]) -> None:
@@ -70,6 +72,7 @@ class Prompt:
         if len(pieces) != 2 * len(slots) + 1:
             raise ConfigError("the chat template altered the slot; pass chat=False")
         self.pieces = pieces  # [text0, sentinel, text1, sentinel, text2, ...]
+        self.strip = self._edge_strip()
         self.prefix_text = pieces[0]
         self.backend = None  # the HF call first: the reference the Rust backend must match
         texts = [self.prefix_text] + [self.render(**{s: probe for s in slots}) for probe in PROBES]
@@ -90,11 +93,34 @@ class Prompt:
                 [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         return text
 
+    def _edge_strip(self) -> dict:
+        """slot -> how its value is stripped: a chat template that trims the message (Llama 3:
+        `message['content'] | trim`) also trims a value at the message's start or end, as
+        rendering the whole prompt would. Found by rendering a padded probe message."""
+        if not self.chat:
+            return {}
+        mark = sentinel("probe")
+        out = self.tokenizer.apply_chat_template([{"role": "user", "content": f" \t{mark}\n "}],
+                                                 tokenize=False, add_generation_prompt=True)
+        lead, trail = f" \t{mark}" not in out, f"{mark}\n " not in out
+        at = {s: self.template.index("{%s}" % s) for s in self.slots}
+        first, last = min(at, key=at.get), max(at, key=at.get)
+        strip = {}
+        if lead and not self.template[:at[first]].strip():
+            strip[first] = str.lstrip
+        if trail and not self.template[at[last] + len(last) + 2:].strip():
+            strip[last] = str.strip if strip.get(last) else str.rstrip
+        return strip
+
+    def fill(self, name: str, value: str) -> str:
+        """A slot's text as the whole prompt holds it (see _edge_strip)."""
+        return self.strip[name](value) if name in self.strip else value
+
     def render(self, **values) -> str:
         """The whole prompt text (template in the chat template) with the slots filled."""
         out = []
         for i, piece in enumerate(self.pieces):
-            out.append(values[piece[6:-1]] if i % 2 else piece)
+            out.append(self.fill(piece[6:-1], values[piece[6:-1]]) if i % 2 else piece)
         return "".join(out)
 
     def encode_text(self, text: str) -> list[int]:

@@ -353,7 +353,7 @@ class Scorer:
             elif piece == sentinel("item"):
                 break
             else:
-                out.append(query)
+                out.append(self.prompt.fill("query", query))
         return "".join(out)
 
     def prepare(self, query: str, items) -> Prepared:

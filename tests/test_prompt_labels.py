@@ -196,3 +196,43 @@ def test_logits_mode(tiny_model):
         assert a.label == max(labels, key=a.scores.get)
     with pytest.raises(ConfigError, match="first tokens"):
         Classifier(clf.loaded, labels=["T-shirt", "Trench Coat"], mode="logits")
+
+
+LLAMA3_CHAT = ("{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
+               "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
+               "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+               "{%- endif %}")
+
+
+@pytest.mark.parametrize("template", ["Classify: {query}", "{query}", "{query}\nAnswer: ",
+                                      "Classify the query:\n  {query}  \n", TEMPLATES["trailing"]])
+def test_trimming_chat_template(smol_tokenizer, template):
+    """A chat template that trims the message (Llama 3's `| trim`) keeps the slot, and trims a query
+    at the message's edge as rendering the whole message does: ids equal HF's whole prompt."""
+    import copy
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.chat_template = LLAMA3_CHAT
+    p = Prompt(tok, template, chat=True)
+    for q in ["red dress", "  red dress \n", "\tx\t", "a  b ", " 😀 ", "\n\nshirt"]:
+        text = tok.apply_chat_template([{"role": "user", "content": template.replace("{query}", q)}],
+                                       tokenize=False, add_generation_prompt=True)
+        e = p.encode(query=q)
+        assert e.text == text
+        assert e.ids == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_trimming_chat_template_two_slots(smol_tokenizer):
+    """The same for a multi-item template: the item at the message's end is trimmed, the query
+    inside it is not."""
+    import copy
+
+    tok = copy.deepcopy(smol_tokenizer)
+    tok.chat_template = LLAMA3_CHAT
+    template = "Decide whether the item fits the query.\nQuery: {query}\nItem: {item}\n"
+    p = Prompt(tok, template, chat=True, slots=("query", "item"))
+    for q, it in [(" wool coat ", " parka \n"), ("x", "\ty")]:
+        content = template.replace("{query}", q).replace("{item}", it)
+        text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                       add_generation_prompt=True)
+        assert p.render(query=q, item=it) == text
