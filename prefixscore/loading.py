@@ -14,7 +14,7 @@ import torch
 
 from .config import ModelConfig
 from .errors import ConfigError, ModelLoadError
-from .model import Transformer, rope_inv_freq
+from .model import Transformer
 
 DEFAULT_MODEL = "smollm2-135m"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,23 +102,61 @@ def from_tensors(cfg, tensors, tokenizer, name, device, dtype) -> LoadedModel:
     with torch.device("meta"):
         model = Transformer(cfg)
     state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-    if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
-        lm_head = tensors["lm_head.weight"]
-    else:
-        lm_head = state["embed_tokens.weight"]
-    expected = set(model.state_dict())
-    missing = expected - set(state)
+    if cfg.tie_word_embeddings and "embed_tokens.weight" not in state and "lm_head.weight" in tensors:
+        state["embed_tokens.weight"] = tensors["lm_head.weight"]  # HF ties to whichever is there
+    expected = model.state_dict()  # meta tensors: names and shapes
+    missing = sorted(set(expected) - set(state))
     if missing:
-        raise ModelLoadError(f"{name}: weights missing for {sorted(missing)[:5]} (and {len(missing)} in all)")
+        raise ModelLoadError(f"{name}: weights missing for {missing[:5]} (and {len(missing)} in all)")
+    # Every tensor in the file is used or refused, never dropped (an o_proj bias once was). Old
+    # checkpoints' rotary_emb.inv_freq buffers are recomputed from the config, as HF does.
+    unused = sorted(k for k in tensors if k != "lm_head.weight" and not k.endswith("rotary_emb.inv_freq")
+                    and k.removeprefix("model.") not in expected)
+    if unused:
+        raise ModelLoadError(f"{name}: the checkpoint has weights this {cfg.model_type} config does not "
+                             f"use: {unused[:5]} ({len(unused)} in all); check config.json "
+                             f"(attention_bias, mlp_bias, num_hidden_layers)")
+    for k, p in expected.items():
+        if state[k].shape != p.shape:
+            raise ModelLoadError(f"{name}: model.{k} has shape {list(state[k].shape)} in the checkpoint "
+                                 f"but {list(p.shape)} from the config")
+    lm_head = _output_head(cfg, tensors, state["embed_tokens.weight"], name)
     model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
-    # The RoPE buffer is not in the checkpoint (still on meta); it stays fp32 like HF's.
-    model.inv_freq = rope_inv_freq(cfg)[0]
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False).fuse()
-    model.inv_freq = model.inv_freq.float()
     return LoadedModel(model, lm_head.to(device=device, dtype=dtype), tokenizer, name)
 
 
+def _output_head(cfg, tensors, embed, name):
+    """The vocabulary head as transformers 5 picks it: lm_head.weight when the file has it, unless
+    the config ties it and it equals the embeddings (then they are one tensor); the embeddings when
+    tied and absent. Untied and absent is an error (HF would leave it random)."""
+    head = tensors.get("lm_head.weight")
+    if head is None:
+        if not cfg.tie_word_embeddings:
+            raise ModelLoadError(f"{name}: lm_head.weight is missing and the config says "
+                                 f"tie_word_embeddings=false (set it true if the head is the embeddings)")
+        return embed
+    if head.shape != embed.shape:
+        raise ModelLoadError(f"{name}: lm_head.weight has shape {list(head.shape)} in the checkpoint "
+                             f"but {list(embed.shape)} from the config")
+    if cfg.tie_word_embeddings and head is not embed and not torch.equal(head, embed):
+        logging.getLogger(__name__).warning(
+            "%s: the config ties the output head to the embeddings but lm_head.weight differs from "
+            "them: using lm_head.weight, as transformers does", name)
+    return head
+
+
+# What transformers raises for a bad config.json or GGUF metadata (huggingface_hub's strict dataclass
+# validation, e.g. "num_attention_heads": null, is none of the builtin ones).
+try:
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # an older huggingface_hub (no strict dataclasses): nothing more to catch
+    StrictDataclassError = ValueError
+_CONFIG_ERRORS = (ValueError, KeyError, TypeError, OSError, StrictDataclassError)
+
+
 def _read_folder(path: Path):
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
@@ -131,12 +169,15 @@ def _read_folder(path: Path):
         raise ModelLoadError(f"{path}: no *.safetensors weights{hint}")
     try:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
+    except _CONFIG_ERRORS as e:
         raise ModelLoadError(f"{path}/config.json: {e}") from None
     ModelConfig.from_hf(hf_config)  # fail on an unsupported architecture before reading weights
     tensors = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:  # truncated, empty, not safetensors at all
+            raise ModelLoadError(f"{f}: not a readable safetensors file ({e})") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError) as e:
@@ -191,13 +232,19 @@ def _convert_gguf(path: Path):
     try:
         try:
             hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        except (ValueError, KeyError) as e:
+        except _CONFIG_ERRORS as e:
             raise ModelLoadError(f"{path}: cannot read GGUF metadata ({e})") from None
         ModelConfig.from_hf(hf_config)
+        try:  # before the slow dequantization: a missing tokenizer.ggml.* key fails here
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
+            raise ModelLoadError(f"{path}: missing or incomplete tokenizer metadata ({e!r})") from None
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(hf_config)
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        try:
+            tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+        except (ValueError, KeyError, TypeError, IndexError, OSError) as e:
+            raise ModelLoadError(f"{path}: cannot read the GGUF tensors ({e!r})") from None
     finally:
         tlog.set_verbosity(level)
         tlog.enable_progress_bar()

@@ -3,7 +3,7 @@
 Llama / Mistral / Qwen2 / Qwen3 share this block, x being the residual stream:
     q, k, v = split(RMSNorm(x) @ Wqkv (+ bias, Qwen2))   (Q, K, V fused into one GEMM)
     q, k = RoPE(RMSNorm_head(q), RMSNorm_head(k))        (per-head norm for Qwen3 only)
-    x = x + attention(q, k, v | pinned prefix K/V, in-batch visibility ranges) @ Wo
+    x = x + attention(q, k, v | pinned prefix K/V, in-batch visibility ranges) @ Wo (+ bias)
     h = RMSNorm(x)
     x = x + (silu(h @ Wgate) * (h @ Wup)) @ Wdown        (gate/up fused into one GEMM)
 Each RMSNorm's weight is folded into the columns of the linear after it at load (fuse(): W' = W
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from .config import ModelConfig, rope_parameters
+from .errors import ModelLoadError
 from .kernels.attention import attention_o, span_layout
 from .kernels.fused import embed_rope
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * D, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * D, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * D, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.num_heads * D, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * D, c.hidden_size, bias=c.o_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(D, c.rms_norm_eps)
             self.k_norm = RMSNorm(D, c.rms_norm_eps)
@@ -72,7 +73,7 @@ class Attention(nn.Module):
                                      pk.shape[0])
         return attention_o(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                            c.head_dim ** -0.5, self.o_proj.weight, residual, ctx.seg_offsets,
-                           ctx.layout)
+                           ctx.layout, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -113,18 +114,23 @@ class Block(nn.Module):
 
 
 def rope_inv_freq(c: ModelConfig):
-    """Inverse frequencies and attention scaling, via transformers for the scaled RoPE variants."""
-    hf = c.hf_config
-    rp = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type != "default":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    """fp32 inverse frequencies [D/2] and attention scaling, via transformers for the scaled RoPE
+    variants; on the CPU, as the model is built on the meta device and these are not weights."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
-        return inv_freq.float(), float(scaling)
-    theta = rp.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    D = c.head_dim
-    return 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)), 1.0
+    hf, D = c.hf_config, c.head_dim
+    rp = rope_parameters(hf)
+    with torch.device("cpu"):
+        if rp["rope_type"] == "default":
+            theta = rp.get("rope_theta") or getattr(hf, "rope_theta", None) or 10000.0
+            return 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D)), 1.0
+        try:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rp["rope_type"]](hf, "cpu")
+        except (KeyError, ValueError, TypeError, ZeroDivisionError) as e:
+            raise ModelLoadError(f"config: bad {rp['rope_type']!r} rope parameters {rp} ({e!r})") from None
+    if inv_freq.shape != (D // 2,):  # e.g. partial_rotary_factor, which this block does not apply
+        raise ModelLoadError(f"config: RoPE over {2 * inv_freq.numel()} of {D} head dims is not supported")
+    return inv_freq.float(), float(scaling)
 
 
 @dataclass
@@ -146,8 +152,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        inv_freq, self.rope_scaling = rope_inv_freq(c)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # A plain fp32 attribute, not a buffer, so model.to(bf16) cannot round it (HF keeps it fp32:
+        # bf16 frequencies put the angle of position 2000 off by radians).
+        self.inv_freq, self.rope_scaling = rope_inv_freq(c)
         self._rope_tables: dict = {}
 
     def fuse(self):
@@ -157,7 +164,8 @@ class Transformer(nn.Module):
         return self
 
     def rope(self, positions, dtype):
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        """cos, sin [T, D] in dtype, computed in fp32 as HF does."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device, torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
 
@@ -166,8 +174,8 @@ class Transformer(nn.Module):
         a forward gathers its rows, the same values, in the kernel that gathers the embeddings."""
         key = (str(device), dtype)
         if key not in self._rope_tables:
-            pos = torch.arange(self.config.context_limit, device=self.inv_freq.device)
-            self._rope_tables[key] = tuple(t.to(device) for t in self.rope(pos, dtype))
+            pos = torch.arange(self.config.context_limit, device=device)
+            self._rope_tables[key] = self.rope(pos, dtype)
         return self._rope_tables[key]
 
     def forward(self, tokens, positions, ctx: Context):

@@ -104,10 +104,11 @@ def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
 
 
 def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, wo, residual,
-                seg_offsets=None, layout=None):
-    """residual + attention(...) @ wo^T -> (out, ssq) as gemm.linear_residual returns them: one
-    Triton kernel for few tokens on CUDA (kernels/attention_o_triton.py), else attention, then
-    linear_residual."""
+                seg_offsets=None, layout=None, bias=None):
+    """residual + attention(...) @ wo^T (+ bias) -> (out, ssq) as gemm.linear_residual returns them:
+    one Triton kernel for few tokens on CUDA (kernels/attention_o_triton.py), else attention, then
+    linear_residual. The fused kernel has no bias input: an O bias (Llama, Qwen3 with
+    attention_bias) takes the two-kernel path."""
     from . import FUSE_ATTN_O
     from .gemm import SMALL_T_MAX, linear_residual
 
@@ -116,7 +117,7 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
     # kernels with Qwen2.5-0.5B's 1.6 MB Wo, but 25-31 against 12-13 us with 7B's 26 MB
     # (bench/results/kernels_attn_o.json): there the O GEMM is a weight stream that the per-program
     # attention only delays.
-    if (q.is_cuda and use_triton() and FUSE_ATTN_O and 0 < T <= SMALL_T_MAX
+    if (q.is_cuda and use_triton() and FUSE_ATTN_O and bias is None and 0 < T <= SMALL_T_MAX
             and q.dtype == wo.dtype == residual.dtype and wo.numel() * wo.element_size() <= 8 << 20):
         from .attention_o_triton import attention_o_residual_small
 
@@ -124,7 +125,7 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
                                           own_start, scale, wo, residual)
     o = attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets,
                   layout)
-    return linear_residual(o.reshape(T, -1), wo, None, residual)
+    return linear_residual(o.reshape(T, -1), wo, bias, residual)
 
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
