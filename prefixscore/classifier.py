@@ -1,6 +1,7 @@
 """Classifier: the public API for "which of N labels does this LLM pick for this text?"."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
@@ -14,6 +15,15 @@ from .loading import obtain
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_template
 
 MODES = ("logprobs", "logits")
+
+
+def classifier_labels(labels) -> list[str]:
+    """check_labels, plus the classifier's own rule: with one label there is nothing to choose (it
+    would always win with score 0). Not in check_labels: a Scorer may score a single label token."""
+    labels = check_labels(labels)
+    if len(labels) < 2:
+        raise ConfigError(f"a classifier needs at least two labels to choose from, got {labels}")
+    return labels
 
 
 @dataclass
@@ -43,19 +53,24 @@ class Classifier:
             labels = head_file.labels if labels is None else labels
             chat = head_file.meta["chat"] if chat is None else chat
         template = SEED_TEMPLATE if template is None else template
-        labels = check_labels(SEED_LABELS if labels is None else labels)
+        labels = classifier_labels(SEED_LABELS if labels is None else labels)
         check_template(template, ("query",))  # fail fast, before loading a model
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-        if max_batch_tokens < 1:
-            raise ConfigError("max_batch_tokens must be positive")
+        if not isinstance(max_batch_tokens, numbers.Integral) or max_batch_tokens < 1:  # numpy ints too
+            raise ConfigError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         self.loaded = obtain(model, device, dtype)
         self.engine = Engine(self.loaded)
         tok = self.loaded.tokenizer
         self.prompt = Prompt(tok, template, chat=chat)
         self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)
         # Branch tokens follow the suffix, so the prompt itself must leave room for them.
-        self.prompt.context_limit = self.engine.config.context_limit - self.trie.max_len
+        limit = self.engine.config.context_limit
+        self.prompt.context_limit = limit - self.trie.max_len
+        if limit and self.prefix_len >= self.prompt.context_limit:  # not even a one-token query fits
+            raise ConfigError(f"the template's fixed part is {self.prefix_len} tokens, so with the longest "
+                              f"label ({self.trie.max_len} tokens) not even a one-token query fits the "
+                              f"model's context limit of {limit} tokens: shorten the template")
         self.labels, self.mode, self.truncate = labels, mode, truncate
         self.head = None
         if head_file is not None:  # refuse a head trained for another model, template or labels
@@ -93,24 +108,36 @@ class Classifier:
     def classify_batch(self, queries, progress=None) -> list[Result]:
         if isinstance(queries, str):
             raise InputError("classify_batch takes a list of strings; use classify() for one")
-        queries = list(queries)
+        return self.classify_encoded(self._encode_numbered(list(queries)), progress)
+
+    def _encode_numbered(self, queries: list[str]) -> list[Encoded]:
+        """encode_many; of several queries, a bad one is named 1-based ("query 3: empty query")."""
         try:
-            encoded = self.encode_many(queries)
+            return self.encode_many(queries)
         except InputError as e:
             if len(queries) > 1:
-                raise InputError(f"query {e.index}: {e}") from None
+                raise InputError(f"query {e.index + 1}: {e}") from None
             raise
-        return self.classify_encoded(encoded, progress)
 
     def classify_encoded(self, encoded: list[Encoded], progress=None) -> list[Result]:
         """Run pre-tokenized requests (see encode) in as few flat batches as fit max_batch_tokens."""
-        out: list[Result | None] = [None] * len(encoded)
+        return [r for batch in self.classify_iter(encoded, progress) for r in batch]
+
+    def classify_iter(self, encoded: list[Encoded], progress=None):
+        """classify_encoded batch by batch, for streaming: yields the results that each flat batch
+        completes, in input order. Requests with the cached prefix run before those without it (rare:
+        a query that merges into the prefix), so one of those holds back the results after it."""
+        done, ready = {}, 0
         for chunk in self._chunks(encoded):
-            for i, r in zip(chunk, self._run([encoded[i] for i in chunk])):
-                out[i] = r
+            done.update(zip(chunk, self._run([encoded[i] for i in chunk])))
             if progress is not None:
                 progress(len(chunk))
-        return out
+            batch = []
+            while ready in done:
+                batch.append(done.pop(ready))
+                ready += 1
+            if batch:
+                yield batch
 
     def _chunks(self, encoded):
         """Group request indices by prefix use (cached / exact) and by a token budget per batch."""
@@ -134,7 +161,7 @@ class Classifier:
     def features(self, queries: list[str]) -> torch.Tensor:
         """Final-normed hidden state at each query's read-out position (the root row), [B, hidden]
         in fp32: the input of a trained N-way head (heads.py)."""
-        encoded = self.encode_many(list(queries))
+        encoded = self._encode_numbered(list(queries))
         out = torch.empty(len(encoded), self.engine.config.hidden_size)
         for chunk in self._chunks(encoded):
             batch = [encoded[i] for i in chunk]

@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -35,10 +36,12 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _read_text(path: str, what: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
             return f.read()
     except OSError as e:
         raise InputError(f"cannot read {what} file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{what} file {path}: not valid UTF-8") from None
 
 
 def _labels(a) -> list[str] | None:
@@ -72,23 +75,34 @@ def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_batches(clf, queries: list[str]):
-    """Encode and classify with a progress bar on stderr (shown for long inputs on a terminal)."""
+def encode_queries(clf, queries: list[str]):
+    """Every query tokenized, so a bad one (named 1-based) fails before any batch runs."""
+    try:
+        return clf.encode_many(queries)
+    except InputError as e:
+        raise InputError(f"query {e.index + 1}: {e}") from None
+
+
+def classify_batches(clf, encoded):
+    """Yield each flat batch's results, in input order, with a progress bar on stderr (shown for
+    long inputs on a terminal)."""
     from tqdm import tqdm
 
-    with tqdm(total=len(queries), unit="q", disable=None if len(queries) > 256 else True,
+    with tqdm(total=len(encoded), unit="q", disable=None if len(encoded) > 256 else True,
               file=sys.stderr, desc="classify") as bar:
-        t0 = time.perf_counter()
-        try:
-            encoded = clf.encode_many(queries)
-        except InputError as e:
-            raise InputError(f"query {e.index + 1}: {e}") from None
-        results = clf.classify_encoded(encoded, progress=bar.update)
-        return results, time.perf_counter() - t0
+        yield from clf.classify_iter(encoded, progress=bar.update)
+
+
+def run_batches(clf, queries: list[str]):
+    """Encode and classify -> (results, seconds)."""
+    t0 = time.perf_counter()
+    encoded = encode_queries(clf, queries)
+    results = [r for batch in classify_batches(clf, encoded) for r in batch]
+    return results, time.perf_counter() - t0
 
 
 def cmd_classify(a) -> int:
-    from .io import read_rows, write_results
+    from .io import ResultWriter, check_output, read_rows
 
     if a.queries and a.input:
         raise InputError("give queries as arguments or --input, not both")
@@ -101,11 +115,17 @@ def cmd_classify(a) -> int:
     for i, q in enumerate(queries):
         if not q.strip():
             raise InputError(f"query {i + 1} is empty")
+    check_output(a.output)  # a bad path must fail now, not after the whole run
     clf = make_classifier(a)
-    results, secs = run_batches(clf, queries)
-    write_results(results, a.output, a.format, clf.labels)
-    counts = Counter(r.label for r in results)
-    _err(f"classified {len(results)} queries in {secs:.2f} s ({1e3 * secs / len(results):.1f} ms/query); "
+    t0 = time.perf_counter()
+    encoded = encode_queries(clf, queries)
+    counts = Counter()
+    with ResultWriter(a.output, a.format, clf.labels) as out:
+        for batch in classify_batches(clf, encoded):  # streamed: a crash or Ctrl-C keeps what is done
+            out.write_results(batch)
+            counts.update(r.label for r in batch)
+    secs = time.perf_counter() - t0
+    _err(f"classified {len(queries)} queries in {secs:.2f} s ({1e3 * secs / len(queries):.1f} ms/query); "
          + ", ".join(f"{l}: {n}" for l, n in counts.most_common()))
     return 0
 
@@ -136,8 +156,9 @@ def format_confusion(rep: dict) -> str:
 
 
 def cmd_eval(a) -> int:
-    from .io import read_rows
+    from .io import Output, check_output, read_rows
 
+    check_output(a.json)
     rows = read_rows(a.data, a.input_format, (a.column, a.label_column))
     labels = _labels(a) or (None if getattr(a, "head", None) else SEED_LABELS)
     if labels is not None:  # fail before loading the model when we can
@@ -152,15 +173,15 @@ def cmd_eval(a) -> int:
           f"{rep['ms_per_query']:.2f} ms/query (batched)")
     print(format_confusion(rep))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rep, f, indent=1)
+        with Output(a.json) as f:
+            f.write(json.dumps(rep, indent=1))
     return 0
 
 
 def _check_gold(rows, a, labels) -> None:
     unknown = sorted({r[a.label_column] for r in rows} - set(labels))
-    if unknown:
-        raise InputError(f"{a.data}: gold labels not in the label set: {', '.join(unknown)}")
+    if unknown:  # repr: a trailing space or a case difference must show
+        raise InputError(f"{a.data}: gold labels not in the label set: {', '.join(map(repr, unknown))}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,6 +228,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         _err("prefixscore: interrupted")
         return 130
+    except BrokenPipeError:  # the reader left (`prefixscore classify ... | head -1`): stop quietly
+        # stdout to /dev/null, or the interpreter's last flush of it fails again on the way out
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE: what a shell reports for a tool the signal stopped
 
 
 if __name__ == "__main__":

@@ -115,7 +115,9 @@ def _same_weights(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> None:
     """Write the head with the identity of `clf` (model, template, chat flag, labels) it was trained on."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from .io import cannot_write
 
     if list(head.labels) != list(clf.labels):
         raise ConfigError("the head's labels differ from the classifier's")
@@ -130,10 +132,12 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
     }
     tensors = {k: v.detach().float().cpu().contiguous() for k, v in head.tensors().items()}
     tensors["model_signature"] = ident["signature"]
+    data = save(tensors, metadata=meta)  # in memory: save_file's I/O errors are SafetensorErrors
     try:
-        save_file(tensors, str(path), metadata=meta)
+        with open(path, "wb") as f:
+            f.write(data)
     except OSError as e:
-        raise InputError(f"cannot write head file {path}: {e.strerror}") from None
+        raise cannot_write(path, e) from None
 
 
 def read_head(path) -> HeadWeights:
@@ -165,8 +169,10 @@ def read_head(path) -> HeadWeights:
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: damaged head file ({type(e).__name__}: {e})") from None
     N, H = len(labels), parsed["hidden_size"]
+    if kind == "mlp" and (head.out_weight is None or head.out_bias is None):
+        raise ModelLoadError(f"{path}: damaged head file (an mlp head without out_weight and out_bias)")
     out_rows = head.out_weight.shape[0] if kind == "mlp" else head.weight.shape[0]
-    if kind not in KINDS or head.weight.shape[1] != H or out_rows != N:
+    if kind not in KINDS or head.weight.ndim != 2 or head.weight.shape[1] != H or out_rows != N:
         raise ModelLoadError(f"{path}: damaged head file (kind {kind!r}, weight "
                              f"{tuple(head.weight.shape)} for {N} labels, hidden size {H})")
     return head
@@ -453,6 +459,26 @@ def _timed_batch1(fn, queries) -> float:
     return statistics.median(ts)
 
 
+def check_compare_options(labels, folds: int, latency_queries: int) -> None:
+    """compare_modes' own checks, cheap enough to run before a model loads."""
+    from .classifier import classifier_labels
+
+    classifier_labels(labels)
+    if folds < 2:
+        raise ConfigError("folds must be at least 2")
+    if latency_queries < 1:
+        raise ConfigError("latency_queries must be at least 1: each mode times that many rows")
+
+
+def _encode_rows(clf, queries: list[str], rows):
+    """clf.encode_many of queries[rows]; a bad one is named by its place in the whole set (1-based,
+    as `prefixscore eval` names it), not by its place in a fold."""
+    try:
+        return clf.encode_many([queries[i] for i in rows])
+    except InputError as e:
+        raise InputError(f"query {rows[e.index] + 1}: {e}") from None
+
+
 def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str], template: str,
                   chat=None, head_template: str = "{query}", head_chat: bool = False,
                   shots=(1, 2, 4), folds: int = 5, seed: int = 0, opts: FitOptions | None = None,
@@ -469,11 +495,10 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
     from .classifier import Classifier
     from .cli import confusion_report
 
+    check_compare_options(labels, folds, latency_queries)
     unknown = sorted(set(gold) - set(labels))
     if unknown:
-        raise InputError(f"gold labels not in the label set: {', '.join(unknown)}")
-    if folds < 2:
-        raise ConfigError("folds must be at least 2")
+        raise InputError(f"gold labels not in the label set: {', '.join(map(repr, unknown))}")
     say = log or (lambda *_: None)
     opts = opts or FitOptions(seed=seed)
     y = torch.tensor([labels.index(g) for g in gold])
@@ -499,9 +524,10 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
             if not modes:  # the process's first forward passes are slow (allocator, thread pools)
                 clf.classify_batch(queries[:8])
             t0 = time.perf_counter()
-            for i, r in zip(test, clf.classify_batch([queries[i] for i in test])):
+            for i, r in zip(test, clf.classify_encoded(_encode_rows(clf, queries, test))):
                 pred[i] = r.label
             secs += time.perf_counter() - t0
+        _encode_rows(clf, queries, range(len(lat_q)))  # the timed rows fit this fold's prefix too
         p50 = _timed_batch1(clf.classify, lat_q)
         add("prompt, zero-shot" if k == 0 else f"prompt, {k}-shot", pred, round(statistics.mean(plens)),
             secs, p50, shots=k)
@@ -577,10 +603,13 @@ def _labeled(path, fmt, column, label_column, labels) -> tuple[list[str], list[s
 def cmd_fit_head(a) -> int:
     from .cli import _labels, _template, make_classifier, run_batches
     from .classifier import Classifier
-    from .io import read_rows
+    from .io import check_output, read_rows
     from .prompt import SEED_LABELS, SEED_TEMPLATE
 
     opts = _fit_options(a)
+    if a.soft and not a.teacher:
+        raise ConfigError("--soft fits the teacher's label distribution: it needs --teacher")
+    check_output(a.output)
     labels = _labels(a) or SEED_LABELS
     if a.teacher:  # unlabeled queries: the prompted model's decisions are the targets
         queries = [r[a.column] for r in read_rows(a.data, a.input_format, (a.column,))]
@@ -625,21 +654,25 @@ def cmd_fit_head(a) -> int:
 
 def cmd_eval_modes(a) -> int:
     from .cli import _labels, _template
+    from .io import Output, check_output
     from .loading import obtain
     from .prompt import SEED_LABELS, SEED_TEMPLATE
 
     labels = _labels(a) or SEED_LABELS
+    shots, opts, template = _shots(a.shots), _fit_options(a), _template(a) or SEED_TEMPLATE
+    check_compare_options(labels, a.folds, a.latency_queries)  # all before the model loads
+    check_output(a.json)
     queries, gold = _labeled(a.data, a.input_format, a.column, a.label_column, labels)
     loaded = obtain(a.model, a.device, a.dtype)
-    rep = compare_modes(loaded, queries, gold, labels, _template(a) or SEED_TEMPLATE, chat=a.chat,
-                        head_template=a.head_template, head_chat=a.head_chat, shots=_shots(a.shots),
-                        folds=a.folds, seed=a.seed, opts=_fit_options(a),
+    rep = compare_modes(loaded, queries, gold, labels, template, chat=a.chat,
+                        head_template=a.head_template, head_chat=a.head_chat, shots=shots,
+                        folds=a.folds, seed=a.seed, opts=opts,
                         latency_queries=a.latency_queries, log=_err, truncate=a.truncate,
                         max_batch_tokens=a.batch_tokens)
     print(format_confusion_all(rep))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rep, f, indent=1)
+        with Output(a.json) as f:
+            f.write(json.dumps(rep, indent=1))
     return 0
 
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,10 +20,11 @@ def _format(path: str | None, fmt: str) -> str:
 
 
 def _open(path: str):
+    # utf-8-sig: a byte-order mark (Excel, Notepad) would otherwise stick to the first value
     if path == "-":
-        return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="strict")
+        return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", errors="strict")
     try:
-        return open(path, newline="", encoding="utf-8")
+        return open(path, newline="", encoding="utf-8-sig")
     except FileNotFoundError:
         raise InputError(f"input file not found: {path}") from None
     except IsADirectoryError:
@@ -42,13 +45,17 @@ def read_rows(path: str, fmt: str = "auto", columns: tuple[str, ...] = ("query",
                                      f"with columns {', '.join(columns)}")
                 rows = [{columns[0]: line.rstrip("\r\n")} for line in f if line.strip()]
             elif fmt == "csv":
-                reader = csv.DictReader(f)
-                missing = [c for c in columns if c not in (reader.fieldnames or [])]
+                records = iter_csv(f, path)
+                header = next(records, (1, []))[1]
+                missing = [c for c in columns if c not in header]
                 if missing:
                     raise InputError(f"{path}: no column {missing[0]!r} (columns: "
-                                     f"{', '.join(reader.fieldnames or []) or 'none, the file is empty'})")
-                for n, r in enumerate(reader, start=2):
-                    rows.append(_checked(r, columns, path, n))
+                                     f"{', '.join(header) or 'none, the file is empty'})")
+                for n, fields in records:
+                    if len(fields) > len(header):  # csv.DictReader would drop the extra fields
+                        raise InputError(f"{path}:{n}: {len(fields)} fields but the header has "
+                                         f"{len(header)} (quote a field that contains a comma)")
+                    rows.append(_checked(dict(zip(header, fields)), columns, path, n))
             elif fmt == "jsonl":
                 rows = [_checked(obj, columns, path, n) for n, obj in iter_jsonl(f, path)]
             else:
@@ -58,6 +65,27 @@ def read_rows(path: str, fmt: str = "auto", columns: tuple[str, ...] = ("query",
     if not rows:
         raise InputError(f"{path}: no rows")
     return rows
+
+
+def iter_csv(f, path: str):
+    """(line number, fields) for each non-blank CSV record; the line is where the record starts (a
+    quoted field may span lines). Strict: a stray or unclosed quote is an error naming the line, not
+    a field that silently swallows the rows after it."""
+    # csv's default limit of 128 KiB per field guards memory that reading the whole file spends
+    # anyway; a query that long then gets the context-limit error (or --truncate) like any other.
+    csv.field_size_limit(max(csv.field_size_limit(), 2 ** 31 - 1))
+    reader = csv.reader(f, strict=True)
+    while True:
+        start = reader.line_num + 1
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            hint = "; a quote opened here is never closed" if "end of data" in str(e) else ""
+            raise InputError(f"{path}:{start}: malformed CSV ({e}{hint})") from None
+        if fields:
+            yield start, fields
 
 
 def iter_jsonl(f, path: str):
@@ -79,25 +107,91 @@ def _checked(row: dict, columns, path, n) -> dict:
     out = {}
     for c in columns:
         v = row.get(c)
-        if not isinstance(v, str) or not v.strip():
+        if v is not None and not isinstance(v, str):  # JSONL: a number, a list...
+            raise InputError(f"{path}:{n}: {c!r} must be a string, got {type(v).__name__}")
+        if not v or not v.strip():
             raise InputError(f"{path}:{n}: {c!r} is missing or empty")
         out[c] = v
     return out
 
 
-def write_results(results, path: str | None, fmt: str, labels: list[str]) -> None:
-    fmt = _format(path, fmt)
-    fmt = "csv" if fmt == "txt" else fmt
-    f = sys.stdout if path in (None, "-") else open(path, "w", newline="", encoding="utf-8")
+# ---------------------------------------------------------------- output
+
+def cannot_write(path, e: OSError) -> InputError:
+    return InputError(f"cannot write output file {path}: {e.strerror or e}")
+
+
+def check_output(path: str | None) -> None:
+    """Fail now, before the model loads and the work runs, if `path` cannot be written (a directory,
+    a missing folder, no permission). An existing file is opened for appending, so it is not
+    truncated yet; a new one is created and removed again. Devices and pipes are left alone."""
+    if path in (None, "-"):
+        return
     try:
-        if fmt == "jsonl":
-            for r in results:
-                f.write(json.dumps(r.to_dict(), ensure_ascii=False) + "\n")
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))  # as open() would
+        if not os.path.lexists(path):
+            open(path, "x").close()
+            os.remove(path)
+        elif os.path.isfile(path):
+            open(path, "a").close()
+    except OSError as e:
+        raise cannot_write(path, e) from None
+
+
+class Output:
+    """stdout (path None or '-') or a file opened for writing, as a context manager. Each write is
+    flushed, so what is written survives a crash or Ctrl-C later on. An OSError on the file is an
+    InputError naming it; stdout's own (a closed pipe) are left to the caller."""
+
+    def __init__(self, path: str | None):
+        self.path = None if path in (None, "-") else path
+        self.f = sys.stdout if self.path is None else self._io(
+            open, self.path, "w", newline="", encoding="utf-8")
+
+    def _io(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except OSError as e:
+            if self.path is None:
+                raise
+            raise cannot_write(self.path, e) from None
+
+    def write(self, text: str) -> None:
+        self._io(self.f.write, text)
+        self._io(self.f.flush)
+
+    def __enter__(self) -> "Output":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path is not None:
+            self._io(self.f.close)
+
+
+class ResultWriter(Output):
+    """Classifier results as CSV (a header, then a row per result) or JSONL, written batch by batch."""
+
+    def __init__(self, path: str | None, fmt: str, labels: list[str]):
+        fmt = _format(path, fmt)
+        self.fmt, self.labels = "csv" if fmt == "txt" else fmt, labels
+        super().__init__(path)
+        if self.fmt == "csv":
+            self._rows([["query", "label"] + [f"score:{l}" for l in labels]])
+
+    def _rows(self, rows) -> None:
+        buf = io.StringIO()
+        csv.writer(buf).writerows(rows)
+        self.write(buf.getvalue())
+
+    def write_results(self, results) -> None:
+        if self.fmt == "jsonl":
+            self.write("".join(json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in results))
         else:
-            w = csv.writer(f)
-            w.writerow(["query", "label"] + [f"score:{l}" for l in labels])
-            for r in results:
-                w.writerow([r.query, r.label] + [f"{r.scores[l]:.6g}" for l in labels])
-    finally:
-        if f is not sys.stdout:
-            f.close()
+            self._rows([r.query, r.label] + [f"{r.scores[l]:.6g}" for l in self.labels]
+                       for r in results)
+
+
+def write_results(results, path: str | None, fmt: str, labels: list[str]) -> None:
+    with ResultWriter(path, fmt, labels) as w:
+        w.write_results(results)

@@ -275,7 +275,7 @@ class Scorer:
                     raise InputError("a request is (query, items) or {\"query\", \"items\"}")
                 prepared.append(self.prepare(q, items))
             except InputError as e:
-                raise (InputError(f"request {k}: {e}") if len(requests) > 1 else e) from None
+                raise (InputError(f"request {k + 1}: {e}") if len(requests) > 1 else e) from None
         return self.run(prepared, progress=progress)
 
     def score_ids(self, query_ids, items_ids, item_first: bool = False) -> list[ItemResult]:
@@ -627,6 +627,10 @@ def plan_items(groups: list[_Group], trie: LabelTrie, branches: list[tuple]) -> 
 
 # ---------------------------------------------------------------- command line
 
+# score_request's keys that the command does not take per line: refused rather than ignored
+REQUEST_ONLY_KEYS = ("labels", "label_token_ids", "apply_softmax", "item_first")
+
+
 def _read_requests(path: str) -> list[tuple[int, dict]]:
     """JSONL, one {"query": ..., "items": [...]} per line (other keys are passed through)."""
     from .io import _open, iter_jsonl
@@ -637,6 +641,12 @@ def _read_requests(path: str) -> list[tuple[int, dict]]:
             for n, obj in iter_jsonl(f, path):
                 if "query" not in obj or "items" not in obj:
                     raise InputError(f"{path}:{n}: expected an object with \"query\" and \"items\"")
+                key = next((k for k in REQUEST_ONLY_KEYS if k in obj), None)
+                if key:
+                    raise InputError(f"{path}:{n}: {key!r} per request is not supported by `score`: "
+                                     f"labels (--labels), mode (--mode) and the template's slot order "
+                                     f"hold for the whole file; drop the key, or use Scorer.score_request "
+                                     f"or POST /v1/score for per-request label sets")
                 out.append((n, obj))
         except UnicodeDecodeError:
             raise InputError(f"{path}: not valid UTF-8") from None
@@ -649,9 +659,15 @@ def cmd_score(a) -> int:
     from tqdm import tqdm
 
     from .cli import _err, _labels, _template
+    from .io import Output, check_output
 
     if a.truncate:
         raise ConfigError("score does not truncate: an item over the context limit is an error")
+    if a.head:
+        raise ConfigError("score does not take --head: a trained head is for classify and eval")
+    if a.chunk < 1:
+        raise ConfigError(f"--chunk must be positive, got {a.chunk}")
+    check_output(a.output)  # before the model loads
     src = a.input or "-"
     if src == "-" and sys.stdin.isatty():
         raise InputError("no requests: pass --input FILE (JSONL) or pipe JSONL on stdin")
@@ -668,23 +684,19 @@ def cmd_score(a) -> int:
             prepared.append(sc.prepare(obj["query"], obj["items"]))
         except InputError as e:
             raise InputError(f"{src}:{n}: {e}") from None
-    out = sys.stdout if a.output in (None, "-") else open(a.output, "w", encoding="utf-8")
     n_items = sum(len(p.items) for p in prepared)
     t0 = time.perf_counter()
-    try:
-        with tqdm(total=n_items, unit="item", disable=None if n_items > 1024 else True,
-                  file=sys.stderr, desc="score") as bar:
-            for c in range(0, len(prepared), a.chunk):
-                chunk = prepared[c:c + a.chunk]
-                for (_, obj), res in zip(rows[c:c + a.chunk],
-                                         sc.run(chunk, progress=bar.update)):
-                    rec = {k: v for k, v in obj.items() if k != "items"}
-                    rec.update(labels=sc.labels, best=[r.label for r in res],
-                               scores=[[r.scores[l] for l in sc.labels] for r in res])
-                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    with Output(a.output) as out, tqdm(total=n_items, unit="item", file=sys.stderr, desc="score",
+                                       disable=None if n_items > 1024 else True) as bar:
+        for c in range(0, len(prepared), a.chunk):  # each chunk written (and flushed) when done
+            lines = []
+            for (_, obj), res in zip(rows[c:c + a.chunk], sc.run(prepared[c:c + a.chunk],
+                                                                 progress=bar.update)):
+                rec = {k: v for k, v in obj.items() if k != "items"}
+                rec.update(labels=sc.labels, best=[r.label for r in res],
+                           scores=[[r.scores[l] for l in sc.labels] for r in res])
+                lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+            out.write("".join(lines))
     secs = time.perf_counter() - t0
     _err(f"scored {n_items} items of {len(rows)} requests in {secs:.2f} s "
          f"({n_items / max(secs, 1e-9):.0f} items/s)")

@@ -86,3 +86,168 @@ def test_bad_data_files(model, tmp_path, capsys):
     j = tmp_path / "bad.jsonl"
     j.write_text('{"query": "ok"}\n{not json}\n')
     assert ":2: invalid JSON" in fails("classify", "-i", str(j), "--model", model)
+
+
+NO_MODEL = ["--model", "/nonexistent/model"]  # an error about anything else came before the model load
+
+
+def fails(capsys, *args):
+    """main() exits 2 with one 'prefixscore: error:' line, the last on stderr; -> that line."""
+    assert main(list(args)) == 2
+    err = capsys.readouterr().err
+    assert err.count("prefixscore: error:") == 1 and "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith("prefixscore: error:")
+    return last
+
+
+def test_bad_output_path_fails_before_the_model_loads(tmp_path, capsys):
+    data = tmp_path / "d.csv"
+    data.write_text("query,label\nred dress,Dress\nblue jeans,Jeans\n")
+    req = tmp_path / "r.jsonl"
+    req.write_text('{"query": "q", "items": ["a"]}\n')
+    for bad, why in ((tmp_path, "Is a directory"), (tmp_path / "no" / "o.csv", "No such file or directory")):
+        for args in (["classify", "x", "-o", str(bad)], ["score", "-i", str(req), "-o", str(bad)],
+                     ["eval", str(data), "--json", str(bad)], ["eval-modes", str(data), "--json", str(bad)],
+                     ["fit-head", str(data), "-o", str(bad)]):
+            assert f"cannot write output file {bad}: {why}" in fails(capsys, *args, *NO_MODEL), args
+    ok = tmp_path / "new.csv"
+    assert "does not exist" in fails(capsys, "classify", "x", "-o", str(ok), *NO_MODEL)
+    assert not ok.exists()  # the check leaves no empty file behind
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+def test_write_error_is_one_line(model, capsys):
+    assert "cannot write output file /dev/full: No space left on device" in fails(
+        capsys, "classify", "x", "-o", "/dev/full", "--model", model)
+
+
+def test_score_options_refused(tmp_path, capsys):
+    req = tmp_path / "r.jsonl"
+    req.write_text('{"query": "q", "items": ["a"]}\n')
+    for chunk in ("0", "-1"):
+        assert "--chunk must be positive" in fails(capsys, "score", "-i", str(req), "--chunk", chunk, *NO_MODEL)
+    assert "score does not take --head" in fails(capsys, "score", "-i", str(req), "--head", "h.st", *NO_MODEL)
+    for key in ('"labels": ["maybe", "nah"]', '"label_token_ids": [5, 6]', '"apply_softmax": true'):
+        req.write_text('{"query": "q", "items": ["a"]}\n{"query": "q", "items": ["a"], %s}\n' % key)
+        assert f"{req}:2: '{key.split(chr(34))[1]}' per request is not supported" in fails(
+            capsys, "score", "-i", str(req), *NO_MODEL)
+
+
+def test_bom_and_encoding(model, tmp_path, capsys):
+    from prefixscore.cli import _read_text
+    from prefixscore.io import read_rows
+
+    bom = "\ufeff"
+    for name, text in (("q.csv", "query,label\nlevis,Jeans\n"), ("q.txt", "levis\n"),
+                       ("q.jsonl", '{"query": "levis"}\n')):
+        (tmp_path / name).write_text(bom + text, encoding="utf-8")
+        assert read_rows(str(tmp_path / name)) == [{"query": "levis"}]
+    (tmp_path / "labels.txt").write_text(bom + "Dress\nJeans\n", encoding="utf-8")
+    assert _read_text(str(tmp_path / "labels.txt"), "labels") == "Dress\nJeans\n"
+    p = run("classify", "--model", model, "--labels-file", str(tmp_path / "labels.txt"),
+            stdin=bom + "red dress\n")
+    assert p.returncode == 0, p.stderr
+    header, row = p.stdout.splitlines()
+    assert header == "query,label,score:Dress,score:Jeans" and row.startswith("red dress,")
+    (tmp_path / "latin1.txt").write_bytes("Caf\xe9\n".encode("latin-1"))
+    for flag, what in (("--labels-file", "labels"), ("--template-file", "template")):
+        assert f"{what} file {tmp_path / 'latin1.txt'}: not valid UTF-8" in fails(
+            capsys, "classify", "x", flag, str(tmp_path / "latin1.txt"), *NO_MODEL)
+
+
+def test_malformed_csv(tmp_path):
+    from prefixscore.errors import InputError
+    from prefixscore.io import read_rows
+
+    f = tmp_path / "bad.csv"
+
+    def error(text):
+        f.write_text(text, encoding="utf-8")
+        with pytest.raises(InputError) as e:
+            read_rows(str(f), columns=("query", "label"))
+        return str(e.value)
+
+    # an unclosed quote would swallow every row after it; named by the line it opens on
+    assert f"{f}:3: malformed CSV" in error('query,label\nlevis,Jeans\n"red dress,Dress\nfoo,Bar\n')
+    assert f"{f}:2: malformed CSV" in error('query,label\n"levis" 501,Jeans\n')
+    assert f"{f}:3: 3 fields but the header has 2" in error("query,label\nlevis,Jeans\nred, dress,Dress\n")
+    # lines, not record numbers: a quoted field over three lines and two blank lines come first
+    assert f"{f}:8: 'query' is missing or empty" in error(
+        'query,label\n"multi\nline\nquery",Dress\n\n\nlevis,Jeans\n,Dress\n')
+    long = "dress " * 30000  # 180000 characters, over csv's default field limit of 131072
+    f.write_text(f"query\n{long}\nlevis\n", encoding="utf-8")
+    assert read_rows(str(f)) == [{"query": long}, {"query": "levis"}]
+
+
+def test_misleading_messages(tmp_path, capsys):
+    j = tmp_path / "n.jsonl"
+    j.write_text('{"query": "ok"}\n{"query": 5}\n')
+    assert f"{j}:2: 'query' must be a string, got int" in fails(capsys, "classify", "-i", str(j), *NO_MODEL)
+    d = tmp_path / "d.csv"
+    d.write_text("query,label\nlevis 501,Jeans \n")
+    assert "gold labels not in the label set: 'Jeans '" in fails(
+        capsys, "eval", str(d), "--labels", "Dress,Jeans", *NO_MODEL)
+    assert "at least two labels" in fails(capsys, "classify", "x", "--labels", "Dress", *NO_MODEL)
+    d.write_text("query,label\nlevis 501,Jeans\n")
+    assert "at least two labels" in fails(capsys, "eval", str(d), "--labels", "Jeans", *NO_MODEL)
+    assert "latency_queries must be at least 1" in fails(
+        capsys, "eval-modes", str(d), "--labels", "Dress,Jeans ", "--latency-queries", "0", *NO_MODEL)
+    assert "--soft" in fails(capsys, "fit-head", str(d), "-o", str(tmp_path / "h.st"), "--soft", *NO_MODEL)
+
+
+def expected_output(results, labels, fmt):
+    """The output format as write_results has always written it."""
+    import io
+
+    if fmt == "jsonl":
+        return "".join(json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in results)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["query", "label"] + [f"score:{l}" for l in labels])
+    for r in results:
+        w.writerow([r.query, r.label] + [f"{r.scores[l]:.6g}" for l in labels])
+    return buf.getvalue()
+
+
+def test_results_stream_to_the_output_file(model, tmp_path, monkeypatch, capsys):
+    from prefixscore.classifier import Classifier
+
+    labels = ["Dress", "Jeans", "Other"]
+    queries = [f"red dress number {i}" for i in range(40)] + ["連衣裙, red", 'say "levis"']
+    src = tmp_path / "q.txt"
+    src.write_text("\n".join(queries) + "\n")
+    args = ["classify", "-i", str(src), "--model", model, "--labels", ",".join(labels), "--no-chat",
+            "--batch-tokens", "64"]
+    results = Classifier(model, labels=labels, chat=False, max_batch_tokens=64).classify_batch(queries)
+    for fmt in ("csv", "jsonl"):
+        out = tmp_path / f"out.{fmt}"
+        assert main(args + ["-o", str(out)]) == 0
+        assert out.read_bytes().decode() == expected_output(results, labels, fmt)
+    capsys.readouterr()
+    # Interrupted in the fourth batch: the three batches before it are on disk, in the same format.
+    run_batch, calls = Classifier._run, []
+
+    def interrupted(self, batch):
+        calls.append(len(batch))
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return run_batch(self, batch)
+
+    monkeypatch.setattr(Classifier, "_run", interrupted)
+    out = tmp_path / "out.csv"
+    assert main(args + ["-o", str(out)]) == 130
+    done = sum(calls[:3])
+    assert done > 0 and out.read_bytes().decode() == expected_output(results[:done], labels, "csv")
+
+
+def test_closed_pipe_is_quiet(model, tmp_path):
+    src = tmp_path / "many.txt"
+    src.write_text("".join(f"a rather long query about a red dress, number {i}\n" for i in range(3000)))
+    p = subprocess.Popen([sys.executable, "-m", "prefixscore.cli", "classify", "-i", str(src), "--model",
+                          model, "--batch-tokens", "2048"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith("query,label")  # `| head -1`
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=600) in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err

@@ -284,3 +284,34 @@ def test_classifier_with_head(tiny, bare_clf, fitted, tmp_path):
         Classifier(tiny[1], "query: {query}", head=str(path))
     with pytest.raises(ModelLoadError, match="not found"):
         Classifier(tiny[1], head=str(tmp_path / "missing.safetensors"))
+
+
+def test_compare_modes_errors_name_the_row(tiny):
+    rows = synthetic(11, seed=3) + [("{x} " + "apple " * 470, "Alpha")]  # braces: never an example
+    queries, gold = [q for q, _ in rows], [l for _, l in rows]
+    # It fits behind the zero-shot prefix, not behind a 1-shot one: the error comes from inside a
+    # fold, and names the row of the whole set (12), not the row's place in its fold.
+    with pytest.raises(InputError, match="^query 12: prompt is"):
+        compare_modes(tiny[1], queries, gold, LABELS, INSTR, chat=False, shots=(1,), folds=3,
+                      latency_queries=2, log=None)
+    with pytest.raises(ConfigError, match="latency_queries must be at least 1"):
+        compare_modes(tiny[1], queries, gold, LABELS, INSTR, latency_queries=0, log=None)
+    with pytest.raises(ConfigError, match="at least two labels"):
+        compare_modes(tiny[1], queries, ["Alpha"] * len(rows), ["Alpha"], INSTR, log=None)
+    with pytest.raises(InputError, match="'Alpha '"):
+        compare_modes(tiny[1], queries, gold[:-1] + ["Alpha "], LABELS, INSTR, log=None)
+
+
+def test_head_file_errors(bare_clf, fitted, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with pytest.raises(InputError, match=f"cannot write output file {tmp_path}: Is a directory"):
+        save_head(tmp_path, fitted[0], bare_clf)
+    path = tmp_path / "head.safetensors"
+    save_head(path, fitted[0], bare_clf)
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={**meta, "kind": "mlp"})  # an mlp head without out_weight
+    with pytest.raises(ModelLoadError, match="damaged head file"):
+        read_head(path)

@@ -5,7 +5,7 @@ import torch
 from conftest import random_queries
 from hf_reference import hf_scores
 from prefixscore import Classifier, ConfigError, InputError
-from prefixscore.labels import LabelTrie
+from prefixscore.labels import LabelTrie, check_labels
 from prefixscore.prompt import Prompt
 
 TEMPLATES = {
@@ -126,6 +126,20 @@ def test_exact_fallback_equals_cached(tiny_model):
     assert max(abs(a.scores[l] - b.scores[l]) for l in clf.labels) < 1e-4
 
 
+def test_classify_iter_streams_in_input_order(tiny_model):
+    """Batch by batch, in input order: a request without the cached prefix runs in a later batch,
+    so it holds back the results after it, never reorders them."""
+    clf = Classifier(str(tiny_model("llama")), chat=True, max_batch_tokens=40)
+    queries = [f"wool coat {i}" for i in range(12)]
+    encoded = clf.encode_many(queries)
+    e = encoded[5]
+    encoded[5] = type(e)(e.values, e.text, e.ids, 0)  # computed without the cache
+    batches = list(clf.classify_iter(encoded))
+    assert len(batches) > 2 and [r.query for b in batches for r in b] == queries
+    assert batches[-1][0].query == queries[5]
+    assert [r.scores for b in batches for r in b] == [r.scores for r in clf.classify_encoded(encoded)]
+
+
 def test_shared_first_tokens_need_the_trie(smol_tokenizer):
     """T-shirt / Trench Coat share their first token in SmolLM2's tokenizer: one branching node."""
     p = Prompt(smol_tokenizer, "{query}", chat=True)
@@ -144,10 +158,26 @@ def test_label_that_prefixes_another_uses_eos(smol_tokenizer):
 
 @pytest.mark.parametrize("labels,msg", [
     ([], "empty"), (["A", "A"], "duplicate"), (["A", ""], "non-empty"), ("A,B", "list"),
+    (["A"], "at least two labels"),
 ])
 def test_bad_labels(labels, msg):
     with pytest.raises(ConfigError, match=msg):
         Classifier(model="/nonexistent", labels=labels)
+
+
+def test_one_label_is_only_refused_by_the_classifier():
+    assert check_labels(["yes"]) == ["yes"]  # a Scorer may score one label token (SGLang scoring)
+
+
+def test_bad_options():
+    with pytest.raises(ConfigError, match="max_batch_tokens must be a positive integer, got '5'"):
+        Classifier(model="/nonexistent", max_batch_tokens="5")
+
+
+def test_template_over_the_context_limit(tiny_model):
+    # max_position_embeddings = 512: the cached prefix alone is longer (was an IndexError in prefill)
+    with pytest.raises(ConfigError, match=r"fixed part is \d+ tokens.*context limit of 512 tokens"):
+        Classifier(str(tiny_model("mistral")), template="word " * 600 + "query: {query}", chat=False)
 
 
 @pytest.mark.parametrize("template", ["no slot", "{query} and {query}", "{query} {other}", 42])
@@ -164,6 +194,10 @@ def test_bad_queries_and_context_limit(tiny_model):
         clf.classify(None)
     with pytest.raises(InputError, match="list"):
         clf.classify_batch("not a list")
+    with pytest.raises(InputError, match="^query 2: empty query"):  # 1-based, as the CLI says
+        clf.classify_batch(["ok", "  "])
+    with pytest.raises(InputError, match="^query 1: empty query"):
+        clf.features(["  ", "ok"])
     long = "trench coat " * 400
     with pytest.raises(InputError, match=r"context limit of \d+ tokens"):
         clf.classify(long)

@@ -348,7 +348,7 @@ def test_bad_input(models):
         sc.score("red dress", ["fine", "dress " * 600])
     with pytest.raises(InputError, match="6 items in one request, over the limit of 5"):
         sc.score("red dress", ["a"] * 6)
-    with pytest.raises(InputError, match="request 1: no items"):
+    with pytest.raises(InputError, match="request 2: no items"):
         sc.score_batch([("q", ["a"]), ("q", [])])
     # score requests: labels must be single tokens (scores are per label token, like label_token_ids)
     with pytest.raises(InputError, match="'Trench Coat' is \\d+ tokens"):
