@@ -57,6 +57,9 @@ class Classifier:
         check_template(template, ("query",))  # fail fast, before loading a model
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        if not isinstance(truncate, bool) or not (chat is None or isinstance(chat, bool)):
+            raise ConfigError(f"truncate and chat are true or false (chat may be None), got "
+                              f"truncate={truncate!r}, chat={chat!r}")
         if not isinstance(max_batch_tokens, numbers.Integral) or max_batch_tokens < 1:  # numpy ints too
             raise ConfigError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         self.loaded = obtain(model, device, dtype)

@@ -164,11 +164,16 @@ class Scorer:
             pieces = self.prompt.pieces
             self.item_first = pieces.index(sentinel("item")) < pieces.index(sentinel("query"))
             self.prefix_ids = self.prompt.prefix_ids
-        self.prefix_kv = self.engine.prefill(self.prefix_ids)
         # The scorer's own label set is kept for good (its CUDA graphs use its weight).
         self._own_key = self._label_key(labels, label_token_ids, ConfigError)
         self.head = self._build_head(self._own_key, ConfigError)
         self.labels, self.trie = self.head.labels, self.head.trie
+        limit = self.config.context_limit
+        if len(self.prefix_ids) + 1 + self.trie.max_len > limit:  # not even a one-token query + item
+            raise ConfigError(f"the template's fixed part is {len(self.prefix_ids)} tokens, so with the "
+                              f"longest label ({self.trie.max_len} tokens) no query and item fit the "
+                              f"model's context limit of {limit} tokens: shorten the template")
+        self.prefix_kv = self.engine.prefill(self.prefix_ids)
         self._check_mode(mode, self.head)
         if layout == "packed" and mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:
             raise ConfigError("layout 'packed' needs labels that branch at most once after their "

@@ -544,8 +544,8 @@ def check_api_key(key: str) -> None:
 
 
 def query_name(i: int, n: int) -> str:
-    """How an error names query i of a request of n queries."""
-    return f"query {i}" if n > 1 else "query"
+    """How an error names query i of a request of n queries: its JSON index, as in items[i]."""
+    return f"query[{i}]" if n > 1 else "query"
 
 
 def is_unicode(text: str) -> bool:

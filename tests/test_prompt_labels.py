@@ -270,3 +270,16 @@ def test_trimming_chat_template_two_slots(smol_tokenizer):
         text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                        add_generation_prompt=True)
         assert p.render(query=q, item=it) == text
+
+
+def test_switch_types_and_scorer_template_over_the_context_limit(tiny_model):
+    """truncate="no" once turned truncation on; a scorer whose template fills the context crashed
+    in the prefill's RoPE gather (IndexError) instead of saying why."""
+    from prefixscore.scorer import Scorer
+
+    model = tiny_model("llama")  # 512 positions
+    for kw in ({"truncate": "no"}, {"chat": "yes"}):
+        with pytest.raises(ConfigError, match="true or false"):
+            Classifier(model, device="cpu", **kw)
+    with pytest.raises(ConfigError, match="context limit of 512"):
+        Scorer(model, "word " * 600 + "Query: {query}\nItem: {item}", device="cpu", chat=False)

@@ -222,7 +222,7 @@ def test_score_sglang_shape(clf, scorer):
     (b'{"query": "x", "extra": 1}', JSON, 422, "extra"),
     (b'["x"]', JSON, 422, "valid dictionary"),
     (b'{"query": ""}', JSON, 422, "empty query"),
-    (b'{"query": ["ok", "  "]}', JSON, 422, "query 1: empty query"),
+    (b'{"query": ["ok", "  "]}', JSON, 422, "query[1]: empty query"),
     (b'{"query": []}', JSON, 422, "empty list"),
     (b'{"query": "\\ud800"}', JSON, 422, "lone surrogate"),
     (b'{"query": "x"}', {"content-type": "text/plain"}, 422, "content-type: application/json"),
@@ -712,7 +712,7 @@ def test_bad_request_fails_alone_in_its_batch(clf):
         first, responses = asyncio.run(go())
     assert first.status_code == 200
     bad = responses.pop(2)
-    assert bad.status_code == 422 and "query 1 is" in bad.json()["detail"] and "--max-tokens" in bad.json()["detail"]
+    assert bad.status_code == 422 and "query[1] is" in bad.json()["detail"] and "--max-tokens" in bad.json()["detail"]
     for r, w in zip(responses, want):
         assert r.status_code == 200, r.text
         check(r.json()["results"], [w])
