@@ -190,8 +190,3 @@ class ResultWriter(Output):
         else:
             self._rows([r.query, r.label] + [f"{r.scores[l]:.6g}" for l in self.labels]
                        for r in results)
-
-
-def write_results(results, path: str | None, fmt: str, labels: list[str]) -> None:
-    with ResultWriter(path, fmt, labels) as w:
-        w.write_results(results)

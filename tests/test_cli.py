@@ -197,7 +197,7 @@ def test_misleading_messages(tmp_path, capsys):
 
 
 def expected_output(results, labels, fmt):
-    """The output format as write_results has always written it."""
+    """The output format as the CLI has always written it (CSV with a header, or JSONL)."""
     import io
 
     if fmt == "jsonl":

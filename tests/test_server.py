@@ -283,6 +283,10 @@ def test_api_key(clf, scorer):
     ('port = "abc"\n', "argument --port: invalid int value"),
     ('mode = "fast"\n', "argument --mode: invalid choice"),
     ("port = \n", "config file"),
+    ("api-key = false\n", "api-key takes a value, not false"),
+    ("max-queue = false\n", "max-queue takes a value"),
+    ('truncate = "yes"\n', "truncate is a switch"),
+    ('labels = ["small, medium", "large"]\n', "contains a comma"),
 ])
 def test_bad_config_file(tmp_path, capsys, text, says):
     from prefixscore.cli import main
@@ -291,16 +295,6 @@ def test_bad_config_file(tmp_path, capsys, text, says):
     cfg.write_text(text)
     assert main(["serve", "--config", str(cfg)]) == 2  # before any model is loaded
     assert says in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("text, says", [
-    ("api-key = false\n", "api-key takes a value, not false"),
-    ("max-queue = false\n", "max-queue takes a value"),
-    ('truncate = "yes"\n', "truncate is a switch"),
-    ('labels = ["small, medium", "large"]\n', "contains a comma"),
-])
-def test_bad_config_values(tmp_path, capsys, text, says):
-    test_bad_config_file(tmp_path, capsys, text, says)
 
 
 def test_config_file_under_the_command_line(tmp_path, monkeypatch):
