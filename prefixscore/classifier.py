@@ -12,7 +12,7 @@ from .kernels.label_head import rms_norm
 from .errors import ConfigError, InputError
 from .labels import LabelTrie, check_labels
 from .loading import obtain
-from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_template
+from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
 MODES = ("logprobs", "logits")
 
@@ -70,10 +70,7 @@ class Classifier:
         # Branch tokens follow the suffix, so the prompt itself must leave room for them.
         limit = self.engine.config.context_limit
         self.prompt.context_limit = limit - self.trie.max_len
-        if limit and self.prefix_len >= self.prompt.context_limit:  # not even a one-token query fits
-            raise ConfigError(f"the template's fixed part is {self.prefix_len} tokens, so with the longest "
-                              f"label ({self.trie.max_len} tokens) not even a one-token query fits the "
-                              f"model's context limit of {limit} tokens: shorten the template")
+        check_prefix_fits(self.prefix_len, self.trie.max_len, limit)
         self.labels, self.mode, self.truncate = labels, mode, truncate
         self.head = None
         if head_file is not None:  # refuse a head trained for another model, template or labels

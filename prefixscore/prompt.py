@@ -32,6 +32,15 @@ def sentinel(name: str) -> str:
     return f"\ue000SLOT-{name}\ue001"
 
 
+def check_prefix_fits(prefix_len: int, label_len: int, limit: int) -> None:
+    """The cached prefix, one token of the slots' text and the longest label must fit the context
+    (else the prefix's own prefill would index past the RoPE table)."""
+    if limit and prefix_len + 1 + label_len > limit:
+        raise ConfigError(f"the template's fixed part is {prefix_len} tokens, so with the longest "
+                          f"label ({label_len} tokens) not even one token of text fits the model's "
+                          f"context limit of {limit} tokens: shorten the template")
+
+
 def check_template(template, slots: tuple[str, ...]) -> None:
     if not isinstance(template, str):
         raise ConfigError(f"template must be a string, got {type(template).__name__}")

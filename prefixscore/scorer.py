@@ -52,7 +52,7 @@ from .errors import ConfigError, InputError
 from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
 from .loading import obtain
-from .prompt import Prompt, check_template, common_prefix_len, sentinel
+from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
 
 SLOTS = ("query", "item")
 DEFAULT_TEMPLATE = ("Decide whether the item is relevant to the query. Answer yes or no.\n"
@@ -168,11 +168,7 @@ class Scorer:
         self._own_key = self._label_key(labels, label_token_ids, ConfigError)
         self.head = self._build_head(self._own_key, ConfigError)
         self.labels, self.trie = self.head.labels, self.head.trie
-        limit = self.config.context_limit
-        if len(self.prefix_ids) + 1 + self.trie.max_len > limit:  # not even a one-token query + item
-            raise ConfigError(f"the template's fixed part is {len(self.prefix_ids)} tokens, so with the "
-                              f"longest label ({self.trie.max_len} tokens) no query and item fit the "
-                              f"model's context limit of {limit} tokens: shorten the template")
+        check_prefix_fits(len(self.prefix_ids), self.trie.max_len, self.config.context_limit)
         self.prefix_kv = self.engine.prefill(self.prefix_ids)
         self._check_mode(mode, self.head)
         if layout == "packed" and mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:
