@@ -3,7 +3,8 @@
     python -m bench.gpu [--quick] [--skip-7b]      (on a CUDA machine; writes $OUT or bench/results)
     python -m bench.latency [...]      the same, without the W2 batch sweep (--part latency)
     python -m bench.throughput [...]   correctness and the W2 batch sweep only (--part throughput)
-    python -m bench.gpu --ab           W1 replay with plain launches and with PDL, twice each
+    python -m bench.gpu --ab [SWITCH]  W1 replay with a kernels/ switch off and on (default PDL),
+                                       twice each
 
 Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), bf16, a 48-token
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
@@ -309,6 +310,8 @@ def one_request_rows(res, hf, ours):
     res["w1_norms_unfused"] = variant_graph(ours, one[0], FUSE_NORMS=False)
     # ... and with attention and the O GEMM as two kernels
     res["w1_attn_o_unfused"] = variant_graph(ours, one[0], FUSE_ATTN_O=False)
+    # ... and with gate/up and down as two kernels
+    res["w1_mlp_unfused"] = variant_graph(ours, one[0], FUSE_MLP=False)
     # ... and with plain launches instead of programmatic dependent launch (kernels/pdl.py)
     res["w1_pdl_off"] = variant_graph(ours, one[0], PDL=False)
     res.update(hf_peers(hf, ours.prefix_ids))
@@ -333,16 +336,17 @@ def sweep(ours, floors, floor_ms, shape, batches):
     return out
 
 
-def ab_rows(shapes, modes=(False, True)):
-    """--ab: W1 graph replay of each shape with plain launches and with PDL, each twice; nothing
+def ab_rows(shapes, switch="PDL", modes=(False, True)):
+    """--ab: W1 graph replay of each shape with a kernels/ switch off and on, each twice; nothing
     else. (Its run on commit de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
     out = {}
     for shape in shapes:
         hf = hf_model(shape)
         ours = Synthetic(hf, max_tokens=16)
         one = random_suffixes(1, seed=9)[0]
-        rows = {f"pdl={m}": variant_graph(ours, one, PDL=m) for m in modes}
-        rows.update({f"pdl={m} again": variant_graph(ours, one, PDL=m) for m in modes})
+        key = switch.lower()
+        rows = {f"{key}={m}": variant_graph(ours, one, **{switch: m}) for m in modes}
+        rows.update({f"{key}={m} again": variant_graph(ours, one, **{switch: m}) for m in modes})
         out[shape] = rows
         for k, v in rows.items():
             print(f"{shape:5s} {k:14s} p50 {v['p50_ms']:.4f} p99 {v['p99_ms']:.4f}", flush=True)
@@ -425,11 +429,14 @@ def main(argv=None):
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
                     help="latency: W1/W4 rows, peers, profile; throughput: the W2 batch sweep")
-    ap.add_argument("--ab", action="store_true", help="only the W1 A/B rows (PDL modes)")
+    ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH",
+                    help="only the W1 A/B rows: a kernels/ switch (PDL, FUSE_MLP, ...) off and on")
     a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     if a.ab:
-        res = ab_rows(["0.5B"] + ([] if a.skip_7b else ["7B"]))
+        if not isinstance(getattr(K, a.ab, None), bool):
+            ap.error(f"--ab: no kernels switch {a.ab!r}")
+        res = ab_rows(["0.5B"] + ([] if a.skip_7b else ["7B"]), a.ab)
         (OUT / "gpu_ab.json").write_text(json.dumps(res, indent=1))
         return
     latency, throughput = a.part in ("all", "latency"), a.part in ("all", "throughput")
@@ -459,6 +466,7 @@ def print_table(r):
                 ("prefixscore GPU (graph replay)", s.get("w1_gpu_replay", {"skipped": 1})),
                 ("same, RMSNorm as its own kernels", s.get("w1_norms_unfused", {"skipped": 1})),
                 ("same, attention and O unfused", s.get("w1_attn_o_unfused", {"skipped": 1})),
+                ("same, gate/up and down unfused", s.get("w1_mlp_unfused", {"skipped": 1})),
                 ("same, no PDL (plain launches)", s.get("w1_pdl_off", {"skipped": 1})),
                 ("prefixscore engine call (ids)", s.get("w1_engine_call", {"skipped": 1})),
                 ("plain torch kernels, one graph", s.get("plain_graph", {"skipped": 1})),
