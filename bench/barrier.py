@@ -20,12 +20,26 @@ import torch
 import triton
 import triton.language as tl
 
-from prefixscore.kernels.grid_triton import grid_barrier
 from prefixscore.kernels.pdl import launch_kwargs, wait
 
 from .gpu import gpu_times
 
 OUT = Path(os.environ.get("OUT") or "bench/results")
+
+
+@triton.jit
+def grid_barrier(BAR, NPROG: tl.constexpr):
+    """All NPROG programs (all resident at once) arrive before any leaves, and every program's
+    global writes from before it are visible after it. BAR: an int64 counter that only grows, so
+    nothing is re-armed between replays; arrival value a leaves at (a // NPROG + 1) * NPROG."""
+    tl.debug_barrier()  # this program's threads have issued their writes before it arrives
+    arrived = tl.atomic_add(BAR, 1, sem="acq_rel")  # release: those writes; one thread per program
+    target = (arrived // NPROG + 1) * NPROG
+    seen = arrived + 1
+    while seen < target:
+        seen = tl.load(BAR, volatile=True)
+    tl.atomic_add(BAR, 0, sem="acquire")  # the others' writes are visible from here on
+    tl.debug_barrier()
 
 
 @triton.jit

@@ -259,6 +259,35 @@ def variant_graph(ours, suffix, **switches):
             setattr(K, k, v)
 
 
+def copies_ab(ours, suffixes, calls=600):
+    """The engine call with the H2D/D2H copies inside the bucket's graph (the default) and around it
+    (engine.GRAPH_COPIES off), one call of each in turn (the host's speed drifts within a run:
+    BENCHMARKS.md), and each graph's replay: {mode: {"engine_call": stats, "gpu_replay": stats}}."""
+    import prefixscore.engine as E
+
+    saved = E.GRAPH_COPIES
+    try:
+        E.GRAPH_COPIES = False
+        w = ours.weight.clone()  # a second graph table entry, captured with the copies outside
+        ours.engine.capture(ours.prefix, w, True, 16)
+    finally:
+        E.GRAPH_COPIES = saved
+    modes = {"inside": ours.weight, "outside": w}
+    times = {m: [] for m in modes}
+    for i in range(calls + 20):
+        for m, weight in modes.items():
+            t = time.perf_counter()
+            plan = plan_classify(suffixes, [PREFIX] * len(suffixes), ours.trie)
+            ours.trie.assemble(*ours.engine.run(plan, ours.prefix, weight, True), len(suffixes))
+            if i >= 20:  # warm-up calls
+                times[m].append(1e3 * (time.perf_counter() - t))
+    out = {}
+    for m, weight in modes.items():
+        g = ours.engine.graphs[(id(ours.prefix), id(weight), True)].graphs[16]
+        out[m] = {"engine_call": stats(times[m]), "gpu_replay": stats(gpu_times(g.replay))}
+    return out
+
+
 def profile_kernels(ours, suffix):
     """Kernel names, counts and GPU µs of one eager forward (what the graph replays)."""
     from torch.profiler import ProfilerActivity, profile
@@ -310,10 +339,10 @@ def one_request_rows(res, hf, ours):
     res["w1_norms_unfused"] = variant_graph(ours, one[0], FUSE_NORMS=False)
     # ... and with attention and the O GEMM as two kernels
     res["w1_attn_o_unfused"] = variant_graph(ours, one[0], FUSE_ATTN_O=False)
-    # ... and with gate/up and down as two kernels
-    res["w1_mlp_unfused"] = variant_graph(ours, one[0], FUSE_MLP=False)
     # ... and with plain launches instead of programmatic dependent launch (kernels/pdl.py)
     res["w1_pdl_off"] = variant_graph(ours, one[0], PDL=False)
+    # the engine call with the copies inside the graph and around it (engine.GRAPH_COPIES)
+    res["w1_copies_ab"] = copies_ab(ours, one)
     res.update(hf_peers(hf, ours.prefix_ids))
     # Profiled last: a profiler session leaves CUPTI hooked in, and every host-side row timed after
     # it read slower in the one run that profiled first (engine call 0.98 ms, 0.65 in other runs).
@@ -430,9 +459,19 @@ def main(argv=None):
     ap.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
                     help="latency: W1/W4 rows, peers, profile; throughput: the W2 batch sweep")
     ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH",
-                    help="only the W1 A/B rows: a kernels/ switch (PDL, FUSE_MLP, ...) off and on")
+                    help="only the W1 A/B rows: a kernels/ switch (PDL, FUSE_NORMS, ...) off and "
+                         "on, or COPIES: the engine call with the graph copies inside and around")
     a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
+    if a.ab == "COPIES":
+        hf = hf_model("0.5B")
+        ours = Synthetic(hf, max_tokens=16)
+        res = {f"round {i}": copies_ab(ours, random_suffixes(1, seed=9)) for i in range(3)}
+        for k, r in res.items():
+            print(k, {m: (round(v["engine_call"]["p50_ms"], 4), round(v["gpu_replay"]["p50_ms"], 4))
+                      for m, v in r.items()}, flush=True)
+        (OUT / "gpu_ab_copies.json").write_text(json.dumps(res, indent=1))
+        return
     if a.ab:
         if not isinstance(getattr(K, a.ab, None), bool):
             ap.error(f"--ab: no kernels switch {a.ab!r}")
@@ -466,9 +505,10 @@ def print_table(r):
                 ("prefixscore GPU (graph replay)", s.get("w1_gpu_replay", {"skipped": 1})),
                 ("same, RMSNorm as its own kernels", s.get("w1_norms_unfused", {"skipped": 1})),
                 ("same, attention and O unfused", s.get("w1_attn_o_unfused", {"skipped": 1})),
-                ("same, gate/up and down unfused", s.get("w1_mlp_unfused", {"skipped": 1})),
                 ("same, no PDL (plain launches)", s.get("w1_pdl_off", {"skipped": 1})),
                 ("prefixscore engine call (ids)", s.get("w1_engine_call", {"skipped": 1})),
+                ("same, copies around the graph", (s.get("w1_copies_ab") or {}).get("outside", {}).get(
+                    "engine_call", {"skipped": 1})),
                 ("plain torch kernels, one graph", s.get("plain_graph", {"skipped": 1})),
                 ("HF eager, full prompt", s.get("hf_eager_full_prompt", {"skipped": 1})),
                 ("HF eager, prefix KV reused", s.get("hf_eager_prefix_reused", {"skipped": 1})),

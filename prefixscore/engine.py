@@ -3,8 +3,9 @@
 The prefix KV is computed once per (model, template) and every batch attends to the same tensors
 (no per-request copies). CPU runs each plan eagerly with the torch reference kernels. On CUDA,
 `capture()` records one CUDA graph per token-count bucket over static buffers; a call then writes
-the plan into one pinned host buffer, copies it with one H2D copy, replays, and reads the result
-back with one D2H copy and one sync.
+the plan into one pinned host buffer, replays, and waits once. The graphs of the small buckets
+hold their H2D and D2H copies too, as kernels reading and writing the pinned buffers in place (one
+launch per call); the large ones copy only the rows used, around the replay.
 """
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ BUCKETS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # Past 8192 tokens a batch keeps the GPU busy for milliseconds, so launches hide behind it and a
 # graph would only add padding (W3: 15,050 tokens padded to 16,384 was 9% waste): run eagerly.
 GRAPH_MAX_TOKENS = BUCKETS[-1]
+# Buckets whose input + output bytes are at most this copy them inside their graph (the whole
+# buffers, used rows or not); larger ones copy around the replay, only what the call uses.
+GRAPH_COPY_MAX_BYTES = 1 << 20
+GRAPH_COPIES = True  # False: every bucket copies around the replay (bench/ A/B)
 
 
 class Engine:
@@ -139,6 +144,12 @@ class GraphRunner:
             best, scores = self._split_out(hout, T)
             self.views[T] = (ints, allowed, best, scores)
         self.graphs = {}
+        # copies in the graph: the bucket's whole input and output buffers
+        from . import kernels
+
+        copies = GRAPH_COPIES and kernels.USE_TRITON  # (the plain-torch baseline copies around)
+        self.inline = {T: copies and self._in_bytes(T) + self._out_bytes(T) <= GRAPH_COPY_MAX_BYTES
+                       for T in self.buckets}
         pool = None
         # Warm up on the stream that captures: what a kernel caches per stream (the skinny GEMMs'
         # split-K counters) then exists before the capture, which would otherwise record its
@@ -149,6 +160,9 @@ class GraphRunner:
             ints, allowed = self._split_in(self.dev_in, T)
             ints.copy_(torch.from_numpy(self._idle(T)))  # valid visibility everywhere, all allowed
             allowed.fill_(True)
+            h, a = self.views[T][:2]  # the same in the host buffer, which an inline copy reads
+            h[:] = self._idle(T)
+            a[:] = True
             torch.cuda.synchronize()
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
@@ -182,11 +196,19 @@ class GraphRunner:
         return ints
 
     def _body(self, T):
+        if self.inline[T]:  # a kernel reads the pinned input in place
+            from .kernels.fused_triton import copy_bytes  # (CUDA only: triton is imported lazily)
+
+            copy_bytes(self.host_in, self.dev_in, self._in_bytes(T))
         (tokens, pos, bs, be, own, rows), allowed = self._split_in(self.dev_in, T)
         best, scores = self._split_out(self.dev_out, T)
         ctx = Context(self.prefix_kv, bs, be, own)
         self.engine.forward_scores(tokens, pos, ctx, rows, allowed, self.weight, self.logprobs,
                                    out=(scores, best))
+        if self.inline[T]:
+            from .kernels.fused_triton import copy_bytes
+
+            copy_bytes(self.dev_out, self.host_out, self._out_bytes(T))
 
     def run(self, plan: Plan):
         T, R, N = plan.num_tokens, plan.rows.shape[0], self.N
@@ -201,10 +223,13 @@ class GraphRunner:
         h[5, R:Tb] = 0  # padding rows read token 0 (stale indices could point past this bucket)
         a[:R] = plan.allowed.numpy()
         a[R:Tb] = True
-        n_in = self._in_bytes(Tb)
-        self.dev_in[:n_in].copy_(self.host_in[:n_in], non_blocking=True)
-        self.graphs[Tb].replay()
-        n_out = 8 * Tb + 4 * R * N  # best (all Tb) and the first R rows of scores
-        self.host_out[:n_out].copy_(self.dev_out[:n_out], non_blocking=True)
+        if self.inline[Tb]:  # the graph copies the input in and the output out
+            self.graphs[Tb].replay()
+        else:
+            n_in = self._in_bytes(Tb)
+            self.dev_in[:n_in].copy_(self.host_in[:n_in], non_blocking=True)
+            self.graphs[Tb].replay()
+            n_out = 8 * Tb + 4 * R * N  # best (all Tb) and the first R rows of scores
+            self.host_out[:n_out].copy_(self.dev_out[:n_out], non_blocking=True)
         torch.cuda.current_stream().synchronize()  # the one host sync of the call
         return torch.from_numpy(scores[:R].copy()), torch.from_numpy(best[:R].copy())

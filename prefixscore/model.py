@@ -26,7 +26,7 @@ from .config import ModelConfig, rope_parameters
 from .errors import ModelLoadError
 from .kernels.attention import attention_o, span_layout
 from .kernels.fused import embed_rope
-from .kernels.gemm import Normed, mlp, qkv_rope
+from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
 
 
 def fold(w, norm_weight):
@@ -90,7 +90,8 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, h: Normed, residual):
-        return mlp(h, self.wgu, self.bgu, self.down_proj.weight, self.down_proj.bias, residual)
+        return linear_residual(gate_up_silu(h, self.wgu, self.bgu), self.down_proj.weight,
+                               self.down_proj.bias, residual)
 
 
 class Block(nn.Module):

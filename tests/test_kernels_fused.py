@@ -77,3 +77,22 @@ def test_embed_rope(T, H, D, dtype):
     assert torch.equal(x, rx) and torch.equal(cos, rcos) and torch.equal(sin, rsin)
     assert ssq.shape == (1, T) and ssq.dtype == torch.float32
     torch.testing.assert_close(ssq[0], rx.float().pow(2).sum(-1), atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4097, 10000])
+def test_copy_bytes(n):
+    """The graphs' copy kernel (engine.GraphRunner): the first n bytes, nothing past them; on CUDA
+    from pinned host memory to the GPU and back, as the engine uses it."""
+    g = torch.Generator().manual_seed(n)
+    src = torch.randint(0, 256, (n + 7,), generator=g, dtype=torch.uint8)
+    if DEV == "cuda":
+        src = src.pin_memory()
+        dev = torch.zeros(n + 7, dtype=torch.uint8, device="cuda")
+        fused_triton.copy_bytes(src, dev, n)
+        back = torch.zeros(n + 7, dtype=torch.uint8).pin_memory()
+        fused_triton.copy_bytes(dev, back, n)
+        torch.cuda.synchronize()
+    else:
+        back = torch.zeros(n + 7, dtype=torch.uint8)
+        fused_triton.copy_bytes(src, back, n)
+    assert torch.equal(back[:n], src[:n]) and not back[n:].any()

@@ -91,42 +91,6 @@ def test_attention_o_applies_bias():
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("arch", ARCHS)
-def test_gpu_fused_mlp_matches_two_kernels(arch, tmp_path, smol_tokenizer, monkeypatch):
-    """At <= MLP_T_MAX tokens gate/up and down run as one kernel (gemm_triton EPI 3, a grid barrier
-    inside): a whole bf16 forward through it (ragged intermediate width, behind a pinned prefix)
-    matches the same forward with the two kernels, which test_gpu_bf16_matches_hf checks against
-    HF. Tolerance: 2e-2 of the largest hidden value (the sum runs in another order, so one bf16
-    rounding per layer may differ)."""
-    from conftest import make_tiny_model
-    from prefixscore import kernels
-    from prefixscore.engine import Engine
-    from prefixscore.kernels import gemm_triton
-    from prefixscore.loading import load
-    from prefixscore.model import Context
-
-    loaded = load(str(make_tiny_model(tmp_path, arch, smol_tokenizer, intermediate_size=1000)),
-                  "cuda", torch.bfloat16)
-    calls = []
-    real = gemm_triton.mlp_small
-    monkeypatch.setattr(gemm_triton, "mlp_small", lambda *a, **k: calls.append(1) or real(*a, **k))
-    g = torch.Generator().manual_seed(1)
-    P = 20
-    prefix = Engine(loaded).prefill(torch.randint(0, 49152, (P,), generator=g).tolist())
-    for T in (1, 9, 16):
-        tokens = torch.randint(0, 49152, (T,), generator=g).cuda()
-        z = torch.zeros(T, dtype=torch.int32, device="cuda")
-        out = {}
-        for on in (False, True):
-            monkeypatch.setattr(kernels, "FUSE_MLP", on)
-            n = len(calls)
-            with torch.inference_mode():
-                out[on] = loaded.model(tokens, torch.arange(P, P + T).cuda(), Context(prefix, z, z, z)).float()
-            assert (len(calls) > n) == on  # the path under test ran (and only when switched on)
-        assert (out[True] - out[False]).abs().max() <= 2e-2 * out[False].abs().max(), T
-
-
 ROPE = {
     "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64, rope_theta=10000.0),

@@ -457,3 +457,27 @@ def test_gpu_pdl_changes_nothing(tiny_model, monkeypatch):
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
         out[on] = [[r.scores for r in res] for res in sc.score_batch(requests)]
     assert out[True] == out[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graph_copies_change_nothing(tiny_model, monkeypatch):
+    """The small buckets' graphs copy their input in and their output out themselves
+    (engine.GRAPH_COPIES): scores are bitwise those of copies around the replay, for calls in a
+    bucket with the copies inside and one without, back to back (a replay must read this call's
+    input, not the last one's)."""
+    from prefixscore import engine
+
+    loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+    template, chat = TEMPLATES["query_first"]
+    requests = random_requests(24, seed=12)
+    monkeypatch.setattr(engine, "GRAPH_COPY_MAX_BYTES", 4096)  # bucket 16 inside, the rest not
+    out = {}
+    for on in (True, False):
+        monkeypatch.setattr(engine, "GRAPH_COPIES", on)
+        sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
+        inline = [v for r in sc.engine.graphs.values() for v in r.inline.values()]
+        assert (True in inline and False in inline) if on else not any(inline)
+        out[on] = [[r.scores for r in res] for q in requests[:6] for res in sc.score_batch([(q[0], q[1][:1])])]
+        out[on] += [[r.scores for r in res] for res in sc.score_batch(requests)]
+    assert out[True] == out[False]
+

@@ -1,7 +1,6 @@
 """Kernels with a torch reference and (on CUDA) a Triton implementation behind the same call."""
 USE_TRITON = True  # False: torch references on CUDA too (the plain-graph baseline in bench/)
 FUSE_NORMS = True  # False: RMSNorm as its own kernel, not in the next GEMM's epilogue (bench/ A/B)
-FUSE_MLP = True  # False: gate/up and down as two kernels at small T (bench/ A/B)
 FUSE_ATTN_O = True  # False: attention and the O GEMM as two kernels at small T (bench/ A/B)
 PDL = True  # False: plain launches, no overlap of a kernel with the one before (kernels/pdl.py; A/B)
 from .attention import attention, attention_ref

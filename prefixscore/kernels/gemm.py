@@ -3,7 +3,6 @@
   linear_residual(x, w, b, r)        -> (r + x @ w^T (+ b), ssq)               (addmm)
   gate_up_silu(x, w_gu, b)           -> silu(x @ Wg^T) * (x @ Wu^T)            (linear + silu_mul)
   qkv_rope(x, w_qkv, b, cos, sin, ...) -> q, k, v after per-head norm + RoPE (linear + rope_qk)
-  mlp(x, w_gu, b_gu, w_down, b_down, r) -> linear_residual(gate_up_silu(x, w_gu, b_gu), w_down, b_down, r)
 
 gate_up_silu and qkv_rope also take x as Normed: the residual stream's RMSNorm with unit weight, not
 yet computed (the norm weight is folded into their weight columns, model.py).
@@ -12,9 +11,8 @@ On CUDA with T <= SMALL_T_MAX tokens these are one skinny Triton kernel each (we
 over every SM, epilogue fused), and the block's RMSNorms and residual adds ride along: the GEMM
 that writes the residual stream (O, down) adds the residual in its epilogue and leaves per-row
 sums of squares (ssq), and the GEMM that reads the stream (QKV, gate/up) scales its output rows
-by 1/rms (rms_norm(x) @ W^T = rstd * (x @ W^T)). Up to MLP_T_MAX tokens gate/up and down are one
-kernel (gemm_triton EPI 3) where its per-program partials stay small (the 0.5B shapes; not 7B).
-Larger T stays on cuBLAS (F.linear, addmm) + the fused elementwise kernels.
+by 1/rms (rms_norm(x) @ W^T = rstd * (x @ W^T)). Larger T stays on cuBLAS (F.linear, addmm) + the
+fused elementwise kernels.
 """
 from __future__ import annotations
 
@@ -27,7 +25,6 @@ from .attention import use_triton
 from .fused import rms_norm, rope_qk, rope_qk_ref, silu_mul, silu_mul_ref
 
 SMALL_T_MAX = 64  # crossover to cuBLAS (tune from bench/gemm.py)
-MLP_T_MAX = 16  # gate/up + down as one kernel up to here (its partials grow with T: bench/gemm.py)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -60,12 +57,6 @@ def _fuse_norms() -> bool:
     from . import FUSE_NORMS  # read at call time, like USE_TRITON
 
     return FUSE_NORMS
-
-
-def _fuse_mlp() -> bool:
-    from . import FUSE_MLP
-
-    return FUSE_MLP
 
 
 def _data(x):
@@ -109,18 +100,6 @@ def gate_up_silu(x, w_gu, bias=None):
 
         return gate_up_silu_small(x, w_gu, bias, norm=norm)
     return silu_mul(F.linear(x, w_gu, bias))
-
-
-def mlp(x, w_gu, b_gu, w_down, b_down, residual):
-    """-> (residual + down(silu(gate) * up), ssq) as linear_residual's, for x Normed or a tensor."""
-    d = _data(x)
-    if (_small(d, w_gu) and d.shape[0] <= MLP_T_MAX and b_gu is None and b_down is None
-            and isinstance(x, Normed) and x.ssq is not None and _fuse_norms() and _fuse_mlp()):
-        from .gemm_triton import mlp_fits, mlp_small
-
-        if mlp_fits(w_down.shape[1], d.device):
-            return mlp_small(x.x, w_gu, w_down, residual, norm=(x.eps, x.ssq))
-    return linear_residual(gate_up_silu(x, w_gu, b_gu), w_down, b_down, residual)
 
 
 def _rope_fits(D):

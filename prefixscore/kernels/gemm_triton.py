@@ -12,12 +12,6 @@ One kernel, three epilogues (EPI):
   2  rope:   w = Wqkv; one program = one head of D columns, held as two accumulators (the first
              and second halves of the head) so RoPE's rotate-half pairs meet in registers;
              optional Qwen3 per-head RMSNorm; writes q, k (rotated) and v  (replaces rope_qk)
-  3  mlp:    EPI 1, then the down GEMM in the same kernel: each program multiplies its BLOCK_N
-             columns of the activation by the same columns of W_down ([K, I]) into an fp32 partial
-             [T, K]; after a grid barrier every program sums a few output columns over all partials
-             and adds the residual (kernels/grid_triton.py). The down weights stream straight after
-             the gate/up weights in every program, with no kernel boundary, first-load latency or
-             split-K arrival between them (replaces the down kernel of EPI 0 + RESID)
 
 Layout of the work: programs over (column tile, K split). A column tile is BLOCK_N output columns
 (two tiles of BLOCK_N for EPI 1/2). K is split SPLIT ways so that small-N layers still spread their
@@ -46,7 +40,6 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .grid_triton import grid_barrier, reduce_launch, reduce_partials
 from .pdl import launch_kwargs, wait
 
 
@@ -54,7 +47,7 @@ from .pdl import launch_kwargs, wait
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
-    SSQ_IN, R, SSQ_OUT, WD, BAR,
+    SSQ_IN, R, SSQ_OUT,
     T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -63,8 +56,6 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    FUSED: tl.constexpr, NPROG: tl.constexpr, BLOCK_H: tl.constexpr, RED_N: tl.constexpr,
-    BLOCK_P: tl.constexpr, PRELOAD: tl.constexpr,
     GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -78,7 +69,7 @@ def _skinny_kernel(
         cols_a = pid_n * BLOCK_N + j
         c_ok = cols_a < N
         cols_b = cols_a
-    elif EPI == 1 or EPI == 3:
+    elif EPI == 1:
         I: tl.constexpr = N // 2
         cols_a = pid_n * BLOCK_N + j  # gate
         c_ok = cols_a < I
@@ -112,10 +103,6 @@ def _skinny_kernel(
             bias_b = tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if RESID:
         r_in = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0)
-    if EPI == 3 and PRELOAD:  # the first W_down tile, in flight during the gate/up loop
-        hh0 = tl.arange(0, BLOCK_H)
-        wd0 = tl.load(WD + hh0[:, None] * I + cols_a[None, :], mask=(hh0 < K)[:, None] & c_ok[None, :],
-                      other=0.0, eviction_policy="evict_first")
     if EPI == 2:  # RoPE's cos / sin rows (q and k heads only; masked off for v heads)
         m_rope = t_ok[:, None] & (pid_n < HQ + HKV)
         c1 = tl.load(COS + tc * D + jc, mask=m_rope, other=0.0)
@@ -193,40 +180,14 @@ def _skinny_kernel(
                 yf = tl.where(m_out, y.to(tl.float32), 0.0)
                 tl.store(SSQ_OUT + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
             tl.store(OUT + tc * stride_ot + cols_a[None, :], y, mask=m_out)
-        elif EPI == 1 or EPI == 3:
+        elif EPI == 1:
             dt = OUT.dtype.element_ty
             # HF: gate and up rounded to the dtype by their linears, silu(gate) rounded, then the
             # product (exact in fp32) rounded once.
             g = acc_a.to(dt).to(tl.float32)
             u = acc_b.to(dt).to(tl.float32)
             sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-            act = (sg * u).to(dt)
-            if EPI == 1:
-                tl.store(OUT + tc * stride_ot + cols_a[None, :], act, mask=m_out)
-            else:
-                # Partial of down over this program's columns: WS[pid, t, :] = act @ W_down[:, cols]^T
-                # (columns past I read zero weights; rows past T are zero activations, not stored).
-                if UPCAST:
-                    act = act.to(tl.float32)
-                ws = WS + pid_n * (BLOCK_T * K) + tc * K
-                if PRELOAD:
-                    wd = wd0.to(tl.float32) if UPCAST else wd0
-                    part = tl.dot(act, tl.trans(wd), input_precision=DOT_PREC)
-                    tl.store(ws + hh0[None, :], part, mask=t_ok[:, None] & (hh0 < K)[None, :])
-                for h0 in range(BLOCK_H if PRELOAD else 0, K, BLOCK_H):
-                    hh = h0 + tl.arange(0, BLOCK_H)
-                    h_ok = hh < K
-                    wd = tl.load(WD + hh[:, None] * I + cols_a[None, :],
-                                 mask=h_ok[:, None] & c_ok[None, :], other=0.0,
-                                 eviction_policy="evict_first")
-                    if UPCAST:
-                        wd = wd.to(tl.float32)
-                    part = tl.dot(act, tl.trans(wd), input_precision=DOT_PREC)
-                    tl.store(ws + hh[None, :], part, mask=t_ok[:, None] & h_ok[None, :])
-                if FUSED:  # else the reduction is the next launch (grid_triton.reduce_launch)
-                    grid_barrier(BAR, NPROG)
-                    reduce_partials(WS, R, OUT, SSQ_OUT, T, stride_ot, pid_n, NPROG, K, NPROG,
-                                    BLOCK_T, RED_N, BLOCK_P)
+            tl.store(OUT + tc * stride_ot + cols_a[None, :], (sg * u).to(dt), mask=m_out)
         else:
             dt = QO.dtype.element_ty
             h = pid_n
@@ -339,27 +300,15 @@ def _finish_config(cfg, K, dtype):
     return cfg
 
 
-# EPI 3's launch parameters, passed (unused) to the other epilogues too
-_DOWN = dict(FUSED=False, NPROG=1, BLOCK_H=16, RED_N=16, BLOCK_P=16, PRELOAD=False)
-
-
-def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None, down=None):
-    """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID or EPI 3; down: EPI 3's
-    (w_down, partials workspace, fused or None for "if every program can be resident")."""
+def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None):
+    """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
     cfg = _finish_config(cfg, K, x.dtype)
     assert cfg["BLOCK_T"] >= T
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
     grid = (tiles, cfg["SPLIT"])
-    wd = bar = x
-    if down is not None:
-        assert epi == 3 and cfg["SPLIT"] == 1 and cfg["DOT"]
-        wd, ws, fused = down
-        cnt = x
-        bar = _barrier(x.device, tiles)
-        cfg.update(NPROG=tiles)
-    elif cfg["SPLIT"] > 1:
+    if cfg["SPLIT"] > 1:
         ws = torch.empty((cfg["SPLIT"], cfg["BLOCK_T"], N), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device)
         assert tiles <= cnt.numel()
@@ -381,59 +330,18 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     if norm is not None:
         assert ssq_in.shape[1:] == (T,) and ssq_in.is_contiguous()
     if resid is not None:
-        assert epi in (0, 3) and r.shape == out.shape and r.stride() == out.stride()
-        assert ssq_out.dtype == torch.float32
-        assert ssq_out.shape == ((tiles if epi == 0 else triton.cdiv(K, cfg["RED_N"])), T)
-    args = (x, w, bias if bias is not None else x, out, ws, cnt,
-            cos, sin, qn, kn, qo, ko, vo,
-            ssq_in, r, ssq_out, wd, bar,
-            T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps)
-    kw = dict(N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
-              NORM=norm is not None, NT=nt, NTP=_np2(nt), RESID=resid is not None and epi == 0,
-              DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-              HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **{**_DOWN, **cfg}, **launch_kwargs(x.device))
-    if down is None:
-        _skinny_kernel[grid](*args, **kw)
-        return
-    if fused is None:
-        fused = _can_fuse(args, kw, grid, x.device)
-    _skinny_kernel[grid](*args, **{**kw, "FUSED": fused})
-    if not fused:
-        reduce_launch(ws, r, out, ssq_out, T, cfg, launch_kwargs(x.device))
-
-
-_RESIDENT: dict = {}
-_BARRIERS: dict = {}
-
-
-def _barrier(device, nprog):
-    """EPI 3's grid-barrier counter (int64, only grows): one per (device, stream, program count)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, nprog)
-    if key not in _BARRIERS:
-        _BARRIERS[key] = torch.zeros(1, dtype=torch.int64, device=device)
-    return _BARRIERS[key]
-
-
-def _can_fuse(args, kw, grid, device) -> bool:
-    """Whether the EPI 3 kernel with its grid barrier can have all its programs resident at once
-    (else the barrier would wait forever): from the compiled kernel's registers and shared memory.
-    Never under the CPU interpreter, which runs programs one after another."""
-    if _INTERPRETED or device.type != "cuda":
-        return False
-    key = (str(device), grid, tuple(sorted((k, v) for k, v in kw.items() if k != "FUSED")))
-    if key not in _RESIDENT:
-        k = _skinny_kernel.warmup(*args, grid=grid, **{**kw, "FUSED": True})
-        k._init_handles()
-        p = torch.cuda.get_device_properties(device)
-        warps = k.metadata.num_warps
-        regs_per_warp = triton.cdiv(max(k.n_regs, 1) * 32, 256) * 256  # allocation unit: 256
-        smem = k.metadata.shared + 1024  # the driver reserves 1 KB per block
-        per_sm = min(32, getattr(p, "max_threads_per_multi_processor", 2048) // (32 * warps),
-                     getattr(p, "regs_per_multiprocessor", 65536) // (regs_per_warp * warps),
-                     getattr(p, "shared_memory_per_multiprocessor", 233472) // smem)
-        _RESIDENT[key] = per_sm * p.multi_processor_count >= grid[0] * grid[1] and k.n_spills == 0
-    return _RESIDENT[key]
+        assert epi == 0 and r.shape == out.shape and r.stride() == out.stride()
+        assert ssq_out.shape == (tiles, T) and ssq_out.dtype == torch.float32
+    _skinny_kernel[grid](
+        x, w, bias if bias is not None else x, out, ws, cnt,
+        cos, sin, qn, kn, qo, ko, vo,
+        ssq_in, r, ssq_out,
+        T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
+        N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
+        NORM=norm is not None, NT=nt, NTP=_np2(nt), RESID=resid is not None,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg, **launch_kwargs(x.device),
+    )
 
 
 def _prep(x, w, bias):
@@ -484,46 +392,6 @@ def _plain_or_gated(x, w, bias, out, config, epi, norm=None, residual=None):
     if T > 0:
         _launch(x, w, bias, epi, cols, cfg, out=out, norm=_norm_args(norm), resid=resid)
     return out if resid is None else (out, resid[1])
-
-
-def mlp_config(T: int, I: int, K: int, dtype, device) -> dict:
-    """EPI 3: gate/up's launch config, unsplit (each program owns all of K for its columns), plus
-    the down loop's row tile and the reduction's chunk of columns and partials per step."""
-    cfg = gemm_config(T, I, K, 1, dtype, device)
-    cfg.update(SPLIT=1, BLOCK_H=128, RED_N=8, BLOCK_P=64, PRELOAD=True)
-    return cfg
-
-
-def mlp_fits(I: int, device) -> bool:
-    """EPI 3 pays off where its programs (one per BLOCK_N columns of the intermediate) fit the GPU
-    twice over (every program resident, partials [programs, T, K] no larger than W_down): the
-    0.5B shape's 152 on 132 SMs, not 7B's 592."""
-    return triton.cdiv(I, 32) <= 2 * _num_sms(device)
-
-
-def mlp_small(x, w_gu, w_down, residual, norm=None, config=None, fused=None):
-    """residual + (silu(x @ Wg^T) * (x @ Wu^T)) @ W_down^T -> (out [T, K], ssq [chunks, T]) in one
-    kernel (EPI 3), with w_gu = [Wg; Wu] [2I, K], w_down [K, I]; norm and ssq as
-    gate_up_silu_small's and linear_residual_small's. fused: None = one launch when every program
-    can be resident, False = the reduction as a second launch (what the interpreter runs)."""
-    x, w_gu, _ = _prep(x, w_gu, None)
-    T, K = x.shape
-    I = w_gu.shape[0] // 2
-    assert w_gu.shape[0] == 2 * I and w_down.shape == (K, I) and residual.shape == (T, K)
-    assert w_down.dtype == x.dtype and residual.dtype == x.dtype
-    cfg = mlp_config(T, I, K, x.dtype, x.device)
-    cfg.update(config or {})
-    cfg["SPLIT"] = 1
-    kw = dict(dtype=x.dtype, device=x.device)
-    out = torch.empty((T, K), **kw)
-    ssq = torch.empty((triton.cdiv(K, cfg["RED_N"]), T), dtype=torch.float32, device=x.device)
-    if T == 0:
-        return out, ssq
-    ws = torch.empty((triton.cdiv(I, cfg["BLOCK_N"]), cfg["BLOCK_T"], K), dtype=torch.float32,
-                     device=x.device)
-    _launch(x, w_gu, None, 3, I, cfg, out=out, norm=_norm_args(norm),
-            resid=(residual.contiguous(), ssq), down=(w_down.contiguous(), ws, fused))
-    return out, ssq
 
 
 def _norm_args(norm):
