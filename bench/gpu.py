@@ -241,6 +241,12 @@ def host_profile(fn, n=300):
     return s.getvalue()[-3500:]
 
 
+def w1_graph(ours, weight):
+    """The graph a W1 request (one SUFFIX-token suffix) replays, in the runner captured for weight."""
+    runner = ours.engine.graphs[(id(ours.prefix), id(weight), True)]
+    return runner.graphs[next(b for b in runner.buckets if b >= SUFFIX)]
+
+
 def variant_graph(ours, suffix, **switches):
     """W1 replay of the same engine captured with kernels/ switches changed (USE_TRITON=False: torch
     reference kernels, the plain graph)."""
@@ -252,7 +258,7 @@ def variant_graph(ours, suffix, **switches):
         ours.engine.capture(ours.prefix, w, True, 16)
         plan = plan_classify([suffix], [PREFIX], ours.trie)
         ours.engine.run(plan, ours.prefix, w, True)
-        g = ours.engine.graphs[(id(ours.prefix), id(w), True)].graphs[16]
+        g = w1_graph(ours, w)
         return stats(gpu_times(g.replay))
     finally:
         for k, v in saved.items():
@@ -283,7 +289,7 @@ def copies_ab(ours, suffixes, calls=600):
                 times[m].append(1e3 * (time.perf_counter() - t))
     out = {}
     for m, weight in modes.items():
-        g = ours.engine.graphs[(id(ours.prefix), id(weight), True)].graphs[16]
+        g = w1_graph(ours, weight)
         out[m] = {"engine_call": stats(times[m]), "gpu_replay": stats(gpu_times(g.replay))}
     return out
 

@@ -93,7 +93,7 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     runner = GraphRunner(engine, prefix, weight, True, 64)
     for T, g in runner.graphs.items():
         g.body = (lambda T=T: orig_body(runner, T))
-    assert sorted(set(captured)) == runner.buckets == [16, 32, 64]
+    assert sorted(set(captured)) == runner.buckets == [1, 2, 4, 8, 16, 32, 64]
     rng = random.Random(0)
     used = set()
     for B in (6, 1, 3, 1):
