@@ -475,6 +475,7 @@ def test_gpu_graph_copies_change_nothing(tiny_model, monkeypatch):
     for on in (True, False):
         monkeypatch.setattr(engine, "GRAPH_COPIES", on)
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
+        assert sc.capture_info["capture_s"] > 0 and sc.capture_info["graph_mem_mb"] >= 0
         inline = [v for r in sc.engine.graphs.values() for v in r.inline.values()]
         assert (True in inline and False in inline) if on else not any(inline)
         out[on] = [[r.scores for r in res] for q in requests[:6] for res in sc.score_batch([(q[0], q[1][:1])])]
