@@ -3,6 +3,7 @@
     python -m bench.gemm                      # both models, T in 1 8 16 32 64, small config sweep
     python -m bench.gemm --models 0.5b --T 8  # a subset
     python -m bench.gemm --sweep full         # wider config grid (slow: many compiles)
+    python -m bench.gemm --sweep splits       # split-K 1, 2, 3, 4, 7 x K tile x stages, tiles as is
     python -m bench.gemm --sweep none         # heuristic config only
 The sweep stops after --budget-s seconds (default 500, under a 10-minute limit); run the models
 separately (--models 0.5b, then --models 7b) to sweep both.
@@ -133,6 +134,9 @@ def sweep_configs(model, kind, N, K, T, level, only_bn=None):
             bns = [16, 32, 64, 128]
         if only_bn:
             bns = [b for b in bns if b in only_bn] or list(only_bn)
+    if level == "splits":  # the heuristic's column tile; SPLIT given, not from programs per SM
+        return [{"SPLIT": sp, "BLOCK_K": bk, "num_stages": st} for sp in (1, 2, 3, 4, 7)
+                for bk in (64, 128, 256) for st in (2, 3, 4, 6)]
     full = level == "full"
     for bn in bns:
         for mult in ((0.5, 1, 2, 3, 4, 8) if full else (1, 2, 4)):
@@ -175,7 +179,7 @@ def main():
     ap.add_argument("--T", nargs="*", type=int, default=[1, 8, 16, 32, 64])
     ap.add_argument("--layers", nargs="*", default=None)
     ap.add_argument("--bn", nargs="*", type=int, default=None, help="sweep only these column tiles")
-    ap.add_argument("--sweep", choices=["none", "small", "full"], default="small")
+    ap.add_argument("--sweep", choices=["none", "small", "full", "splits"], default="small")
     ap.add_argument("--budget-s", type=float, default=500,
                     help="stop sweeping (heuristic rows only) after this many seconds")
     args = ap.parse_args()
