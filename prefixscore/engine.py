@@ -202,7 +202,8 @@ class GraphRunner:
         return ints
 
     def _body(self, T):
-        if self.inline[T]:  # a kernel reads the pinned input in place
+        copies = self.inline[T]
+        if copies:  # a kernel reads the pinned input in place
             from .kernels.fused_triton import copy_bytes  # (CUDA only: triton is imported lazily)
 
             copy_bytes(self.host_in, self.dev_in, self._in_bytes(T))
@@ -211,9 +212,7 @@ class GraphRunner:
         ctx = Context(self.prefix_kv, bs, be, own)
         self.engine.forward_scores(tokens, pos, ctx, rows, allowed, self.weight, self.logprobs,
                                    out=(scores, best))
-        if self.inline[T]:
-            from .kernels.fused_triton import copy_bytes
-
+        if copies:
             copy_bytes(self.dev_out, self.host_out, self._out_bytes(T))
 
     def run(self, plan: Plan):

@@ -168,5 +168,5 @@ def copy_bytes(src, dst, n):
     costs ~6 us of GPU time (bench.gpu --ab COPIES)."""
     assert src.dtype == dst.dtype == torch.uint8 and src.is_contiguous() and dst.is_contiguous()
     BLOCK = 4096
-    _copy_bytes_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK,
-                                                 **launch_kwargs(torch.device("cuda")))
+    gpu = dst.device if dst.is_cuda else src.device
+    _copy_bytes_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **launch_kwargs(gpu))
