@@ -63,9 +63,10 @@ class LabelTrie:
         terms = [[(index[tuple(p[:d])], col[p[d]]) for d in range(len(p)) if tuple(p[:d]) in index]
                  for p in paths]
         depth = max(len(t) for t in terms)
-        self.term_node = torch.zeros(len(paths), depth, dtype=torch.long)
-        self.term_col = torch.zeros(len(paths), depth, dtype=torch.long)
-        self.term_valid = torch.zeros(len(paths), depth, dtype=torch.bool)
+        # numpy: assemble() runs on every call's host path, where torch -> numpy costs ~1 us each
+        self.term_node = np.zeros((len(paths), depth), dtype=np.int64)
+        self.term_col = np.zeros((len(paths), depth), dtype=np.int64)
+        self.term_valid = np.zeros((len(paths), depth), dtype=bool)
         for l, ts in enumerate(terms):
             for d, (n, c) in enumerate(ts):
                 self.term_node[l, d], self.term_col[l, d], self.term_valid[l, d] = n, c, True
@@ -98,7 +99,7 @@ class LabelTrie:
         -> label scores [B, L] and decision index [B], as numpy (host work: a few array ops)."""
         K = len(self.nodes)
         s = scores.numpy().reshape(batch, K, -1)
-        tn, tc, tv = self.term_node.numpy(), self.term_col.numpy(), self.term_valid.numpy()
+        tn, tc, tv = self.term_node, self.term_col, self.term_valid
         label_scores = np.where(tv, s[:, tn, tc], 0.0).sum(-1)  # [B, L]
         chosen = best.numpy().reshape(batch, K)[:, tn] == tc  # greedy choice at each node on the path
         greedy = (chosen | ~tv).all(-1)  # [B, L]: exactly one label is the greedy path
