@@ -33,6 +33,9 @@ class Plan:
     rows: torch.Tensor  # [R] int64 read-out flat positions, K per request
     allowed: torch.Tensor  # [R, N] bool: label tokens each row may choose among
     batch: int
+    # One-request plans: what fixes every field but the tokens (suffix length, branch paths, first
+    # position), so a graph runner can keep its filled input buffer per layout (engine.py).
+    layout: tuple | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -61,12 +64,12 @@ def plan_classify(suffixes: list[list[int]], starts: list[int], trie: LabelTrie,
     paths = tuple(map(tuple, trie.branch_paths())) if branches else ()
     pos, zero, end, own, rows, offsets = _block(len(suffix), paths)
     T = pos.shape[0]
-    # torch.from_numpy, not torch.tensor(list): ~10 us less per call. The cached arrays are
-    # shared and read-only; a Plan's tensors are only read.
+    # torch.from_numpy, not torch.tensor(list): ~10 us less per call. The cached arrays (and the
+    # trie's allowed rows) are shared and read-only; a Plan's tensors are only read.
     return Plan(
         tokens=torch.from_numpy(np.fromiter(itertools.chain(suffix, *paths), np.int64, T)),
         positions=torch.from_numpy(pos + start), base_start=zero, base_end=end, own_start=own,
-        seg_offsets=offsets, rows=rows, allowed=trie.allowed.clone(), batch=1,
+        seg_offsets=offsets, rows=rows, allowed=trie.allowed, batch=1, layout=(len(suffix), paths, start),
     )
 
 

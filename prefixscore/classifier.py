@@ -103,7 +103,7 @@ class Classifier:
         return self.prompt.encode_many([{"query": q} for q in queries], self.truncate)
 
     def classify(self, query: str) -> Result:
-        return self.classify_batch([query])[0]
+        return self._run([self.encode(query)])[0]  # one request: one batch, nothing to chunk
 
     def classify_batch(self, queries, progress=None) -> list[Result]:
         if isinstance(queries, str):
@@ -121,6 +121,8 @@ class Classifier:
 
     def classify_encoded(self, encoded: list[Encoded], progress=None) -> list[Result]:
         """Run pre-tokenized requests (see encode) in as few flat batches as fit max_batch_tokens."""
+        if len(encoded) == 1 and progress is None:  # the server's latency path: nothing to chunk
+            return self._run(encoded)
         return [r for batch in self.classify_iter(encoded, progress) for r in batch]
 
     def classify_iter(self, encoded: list[Encoded], progress=None):

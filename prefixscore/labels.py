@@ -70,6 +70,8 @@ class LabelTrie:
         for l, ts in enumerate(terms):
             for d, (n, c) in enumerate(ts):
                 self.term_node[l, d], self.term_col[l, d], self.term_valid[l, d] = n, c, True
+        self.term_flat = self.term_node * len(self.columns) + self.term_col  # into a [K * N] row
+        self.term_none = ~self.term_valid
         self.first_distinct = len({p[0] for p in paths}) == len(paths)
         self.max_len = max(len(p) for p in paths)
 
@@ -97,13 +99,12 @@ class LabelTrie:
     def assemble(self, scores: torch.Tensor, best: torch.Tensor, batch: int):
         """scores [B*K, N], best [B*K] on the CPU (K = len(nodes) rows per request, in node order)
         -> label scores [B, L] and decision index [B], as numpy (host work: a few array ops)."""
-        K = len(self.nodes)
-        s = scores.numpy().reshape(batch, K, -1)
-        tn, tc, tv = self.term_node, self.term_col, self.term_valid
-        label_scores = np.where(tv, s[:, tn, tc], 0.0).sum(-1)  # [B, L]
-        chosen = best.numpy().reshape(batch, K)[:, tn] == tc  # greedy choice at each node on the path
-        greedy = (chosen | ~tv).all(-1)  # [B, L]: exactly one label is the greedy path
-        return label_scores, greedy.argmax(-1)
+        K, N = len(self.nodes), len(self.columns)
+        s = scores.numpy().reshape(batch, K * N)
+        label_scores = np.where(self.term_valid, s[:, self.term_flat], 0.0).sum(-1)  # [B, L]
+        # greedy: the label whose every node's choice was its next token (exactly one is)
+        chosen = best.numpy().reshape(batch, K)[:, self.term_node] == self.term_col
+        return label_scores, (chosen | self.term_none).all(-1).argmax(-1)
 
     def assemble_logits(self, logits: torch.Tensor, best: torch.Tensor):
         """Raw first-token logits [B, N] and their argmax column [B] -> per label [B, L], decision."""

@@ -1,5 +1,6 @@
 """Flat batch plan (batch.py) against a per-token Python reference of the layout, on random batches:
 the one-request path and the many-request path."""
+import dataclasses
 import random
 
 import pytest
@@ -106,3 +107,20 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
         assert torch.equal(got[1], want[1]) and got[0].shape == (plan.rows.shape[0], len(trie.columns))
     assert len(used) >= 2, used
+    # One-request plans reuse the filled input of their layout (GraphRunner.images), tokens
+    # rewritten: the input must equal a fresh fill's (layout=None), also after a longer plan left
+    # stale tokens behind.
+    P, vocab = len(prompt.prefix_ids), loaded.model.config.vocab_size
+    seen = set()
+    for n in (3, 5, 3, 9, 5, 3):
+        plan = plan_classify([[rng.randrange(vocab) for _ in range(n)]], [P], trie)
+        images = len(runner.images)
+        got = runner.run(plan)
+        assert len(runner.images) == images + (n not in seen), n  # filled once per layout
+        seen.add(n)
+        cached = runner.host_in.clone()
+        fresh = runner.run(dataclasses.replace(plan, layout=None))
+        assert torch.equal(cached, runner.host_in), n
+        assert torch.equal(got[0], fresh[0]) and torch.equal(got[1], fresh[1])
+        want = engine.launch(plan, prefix, weight, True)()
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
