@@ -166,3 +166,38 @@ def test_bf16_long_prompt_as_close_as_hf_bf16(tmp_path, smol_tokenizer):
     hf32, hf16 = (hf_scores(_hf(path, dt), prompts, clf.trie) for dt in (torch.float32, torch.bfloat16))
     dist = lambda a, b: max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     assert dist(ours, hf32) <= 1.5 * dist(hf16, hf32), (dist(ours, hf32), dist(hf16, hf32))
+
+
+def test_classify_one_equals_batch(tiny_model):
+    """classify(query), the one-request path (own plan and a cached layout), gives each query
+    exactly what classify_batch gives it (CPU, fp32: the same math in both)."""
+    clf = Classifier(str(tiny_model("qwen2")), device="cpu", dtype="float32")
+    queries = random_queries(24, seed=4)
+    batch = clf.classify_batch(queries)
+    one = [clf.classify(q) for q in queries]
+    assert [r.label for r in one] == [r.label for r in batch]
+    for a, b in zip(one, batch):
+        assert a.scores == pytest.approx(b.scores, abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_classify_one_at_a_time(tiny_model, monkeypatch):
+    """On the GPU, classify(query) replays a graph with its layout's filled input reused and the
+    tokens rewritten (engine.GraphRunner.images): bitwise what a fresh fill gives, for queries of
+    repeated and new lengths in any order; and as close to HF bf16-tolerance as classify_batch."""
+    from prefixscore import engine
+
+    path = str(tiny_model("qwen2"))
+    queries = random_queries(64, seed=6)
+    out = {}
+    for images in (engine.MAX_IMAGES, 0):
+        monkeypatch.setattr(engine, "MAX_IMAGES", images)
+        clf = Classifier(path, device="cuda", dtype="bfloat16")
+        out[images] = [clf.classify(q) for q in queries]
+        if images:
+            assert clf.engine.graphs and all(g.images for g in clf.engine.graphs.values())
+            batch = clf.classify_batch(queries)
+    assert [r.scores for r in out[engine.MAX_IMAGES]] == [r.scores for r in out[0]]
+    one = out[engine.MAX_IMAGES]
+    worst = max(abs(a.scores[l] - b.scores[l]) for a, b in zip(one, batch) for l in a.scores)
+    assert worst < 5e-2, worst  # bf16: bucket and batch shape move scores by ~1e-2
