@@ -58,7 +58,7 @@ def instrument(clf) -> Phases:
     import prefixscore.engine as E
 
     ph = Phases()
-    ph.wrap(clf, "encode_many", "tokenize")
+    ph.wrap(clf.prompt, "encode_many", "tokenize")  # classify() and the server both come here
     ph.wrap(C, "plan_classify", "plan")
     ph.wrap(clf.trie, "assemble", "assemble")
     if clf.engine.device.type == "cuda":

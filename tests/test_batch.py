@@ -1,6 +1,7 @@
 """Flat batch plan (batch.py) against a per-token Python reference of the layout, on random batches:
 the one-request path and the many-request path."""
 import dataclasses
+import os
 import random
 
 import pytest
@@ -57,6 +58,7 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     buffer contents from a bigger batch must not leak into a smaller one)."""
     import contextlib
 
+    from prefixscore import engine as engine_mod
     from prefixscore.engine import Engine, GraphRunner
     from prefixscore.loading import load
     from prefixscore.prompt import Prompt
@@ -83,6 +85,8 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"synchronize": lambda s: None})())
     monkeypatch.setattr(EagerGraph, "pool", lambda self: None, raising=False)
+    if os.environ.get("TRITON_INTERPRET") != "1":  # a GPU host: the copy kernel needs CUDA tensors
+        monkeypatch.setattr(engine_mod, "GRAPH_COPIES", False)  # (test_copy_bytes runs it there)
     orig_body = GraphRunner._body
 
     def body(self, T):  # record each bucket's body as its graph
@@ -124,3 +128,46 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
         assert torch.equal(got[0], fresh[0]) and torch.equal(got[1], fresh[1])
         want = engine.launch(plan, prefix, weight, True)()
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_scores_do_not_depend_on_the_bucket():
+    """One request replayed in every bucket that holds it: bitwise the same scores. Padding tokens
+    and the bucket's size must not reach a real row (the kernels compile one variant for every T;
+    Triton's T % 16 == 0 variant once summed in another order). Qwen2.5-0.5B widths, 6 layers of
+    random weights, 48 requests: the difference showed from layer 8 of 24 in one request."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from prefixscore.config import ModelConfig
+    from prefixscore.engine import Engine
+    from prefixscore.loading import from_tensors
+
+    cfg = AutoConfig.for_model("qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                               num_key_value_heads=2, num_hidden_layers=6, vocab_size=4096,
+                               max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():  # std 0.02 like HF's init, norms around 1
+        for n, p in hf.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in n else p.normal_(0, 0.02)
+    loaded = from_tensors(ModelConfig.from_hf(cfg), hf.state_dict(), None, "random",
+                          torch.device("cuda"), torch.bfloat16)
+    engine = Engine(loaded)
+    trie = LabelTrie([str(t) for t in range(100, 109)], [[t] for t in range(100, 109)], None)
+    prefix = engine.prefill(list(range(200, 248)))
+    weight = engine.label_weight(trie.columns)
+    engine.capture(prefix, weight, True, 64)
+    runner = engine.graphs[(id(prefix), id(weight), True)]
+    rng = random.Random(3)
+    for _ in range(48):
+        n = rng.randint(1, 16)
+        plan = plan_classify([[rng.randrange(4096) for _ in range(n)]], [48], trie)
+        own, outs = runner.bucket_of[n], {}
+        for Tb in (b for b in runner.buckets if b >= n):
+            runner.bucket_of[n] = Tb
+            outs[Tb] = runner.run(plan)
+        runner.bucket_of[n] = own
+        first = outs[own]
+        for Tb, (scores, best) in outs.items():
+            assert torch.equal(scores, first[0]) and torch.equal(best, first[1]), (n, Tb)
