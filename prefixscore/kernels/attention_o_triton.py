@@ -23,8 +23,7 @@ from .gemm_triton import _counters
 from .pdl import launch_kwargs, wait
 
 
-# one kernel for every T: results do not depend on the bucket (gemm_triton._skinny_kernel)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _attn_o_kernel(
     Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,

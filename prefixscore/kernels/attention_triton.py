@@ -118,8 +118,7 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
     return acc, l_i
 
 
-# one kernel for every T: results do not depend on the bucket (gemm_triton._skinny_kernel)
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _prefix_attn_kernel(
     Q, K, V, PK, PV, BS, BE, OS, O,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,

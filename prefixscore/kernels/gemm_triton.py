@@ -43,10 +43,7 @@ from .attention_triton import _num_sms
 from .pdl import launch_kwargs, wait
 
 
-# T (the bucket's token count) is not specialized on: Triton compiles T % 16 == 0 and T == 1
-# apart, and a different layout changed the order of a sum, so one request scored differently
-# in buckets 8 and 16. One compiled kernel for every T keeps its rows' results bucket-independent.
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
@@ -54,7 +51,7 @@ def _skinny_kernel(
     T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, NT: tl.constexpr, NTP: tl.constexpr, RESID: tl.constexpr,
+    NORM: tl.constexpr, NT: tl.constexpr, RESID: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -96,10 +93,14 @@ def _skinny_kernel(
 
     # The epilogue's inputs, loaded before the main loop so their latency hides under it (after
     # it, the last program of a split-K tile would wait on one more round trip to memory).
-    if NORM:  # rstd of each row from the producer's per-tile sums of squares (fixed order)
-        tile = tl.arange(0, NTP)[:, None]
-        ssq = tl.load(SSQ_IN + tile * T + t[None, :], mask=(tile < NT) & t_ok[None, :], other=0.0)
-        rstd = tl.rsqrt(tl.sum(ssq, 0) / K + norm_eps)[:, None]
+    if NORM:  # rstd of each row from the producer's per-tile sums of squares, added in tile order:
+        # tl.sum over a [tiles, T] load adds in an order that follows the tensor's layout, which
+        # Triton picks apart for T % 16 == 0, and one request then scored up to 0.012 apart in
+        # buckets 8 and 16 (BENCHMARKS.md, sixth session). NT independent loads, all in flight.
+        ssq = tl.zeros([BLOCK_T], tl.float32)
+        for tile in tl.static_range(NT):
+            ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0)
+        rstd = tl.rsqrt(ssq / K + norm_eps)[:, None]
     if HAS_BIAS:
         bias_a = tl.load(B + cols_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         if TWO:
@@ -341,7 +342,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         ssq_in, r, ssq_out,
         T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
-        NORM=norm is not None, NT=nt, NTP=_np2(nt), RESID=resid is not None,
+        NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg, **launch_kwargs(x.device),
     )

@@ -18,8 +18,7 @@ from .attention_triton import _num_sms
 from .pdl import launch_kwargs, wait
 
 
-# one kernel for every R (rows): results do not depend on the bucket (gemm_triton._skinny_kernel)
-@triton.jit(do_not_specialize=["R"])
+@triton.jit
 def _label_head_kernel(
     X, ROWS, NW, W, ALLOWED, SCORES, BEST,
     sx_t, sw_n, sa_r, ss_r,
