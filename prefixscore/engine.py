@@ -45,11 +45,6 @@ class Engine:
         empty = torch.empty(0, c.num_kv_heads, c.head_dim, device=self.device, dtype=self.dtype)
         self.no_prefix = [(empty, empty)] * c.num_layers
         self.graphs: dict[tuple, GraphRunner] = {}
-        from .kernels import prefetch  # the kernels' weight order, for kernels.PREFETCH_NEXT
-
-        prefetch.chain([w for layer in self.model.layers for w in (
-            layer.self_attn.wqkv, layer.self_attn.o_proj.weight, layer.mlp.wgu,
-            layer.mlp.down_proj.weight)])
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -52,19 +52,18 @@ def split_launch(cfg):
     return cfg, cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
 
 
-def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           pf=0):
+def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64):
     cfg = G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     cfg = G._finish_config(cfg, K, BF16)
     cfg, nw, ns = split_launch(cfg)
-    types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R", "PF")}
+    types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
     types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
                   "eps": "fp32", "norm_eps": "fp32"})
     nt = 28
-    consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
-                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, PF_MODE=pf, **cfg)
+    consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, NTP=32, RESID=resid,
+                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, **cfg)
     compile_kernel(f"skinny {name} {cfg}", G._skinny_kernel, types, consts, nw, ns)
 
 
@@ -73,8 +72,6 @@ def main():
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True)
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True)
-    for pf in (1, 2):  # kernels/prefetch.py (experiment): the bulk L2 prefetch's inline PTX
-        skinny(f"0.5B gate/up+norm, prefetch mode {pf}", 16, 4864, 896, 1, 9728, norm=True, pf=pf)
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True)
     skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128)
     skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True)
@@ -88,14 +85,13 @@ def main():
         compile_kernel(f"attention T={T} G={Gq} D={D} {cfg}", AT._prefix_attn_kernel, at_types,
                        dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, **cfg), nw, ns)
 
-    ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT", "PF")}
+    ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
     ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "CNT")}, SSQ="*fp32", WS="*fp32",
                     qk_scale="fp32")
-    for T, pf in ((16, 0), (64, 0), (16, 1)):
+    for T in (16, 64):
         cfg, nw, ns = split_launch(AO.attn_o_config(T, 14, 896, 64, BF16, CPU))
-        compile_kernel(f"attention+O T={T} prefetch mode {pf} {cfg}", AO._attn_o_kernel, ao_types,
-                       dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, PF_MODE=pf, **cfg),
-                       nw, ns)
+        compile_kernel(f"attention+O T={T} {cfg}", AO._attn_o_kernel, ao_types,
+                       dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, **cfg), nw, ns)
 
     for R in (1, 512):
         cfg, nw, ns = split_launch(LH.head_config(R, 19, 896, CPU))

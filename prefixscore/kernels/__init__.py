@@ -2,7 +2,6 @@
 USE_TRITON = True  # False: torch references on CUDA too (the plain-graph baseline in bench/)
 FUSE_NORMS = True  # False: RMSNorm as its own kernel, not in the next GEMM's epilogue (bench/ A/B)
 FUSE_ATTN_O = True  # False: attention and the O GEMM as two kernels at small T (bench/ A/B)
-PREFETCH_NEXT = 0  # experiment: 1/2 prefetch the next kernel's weights into L2 (kernels/prefetch.py)
 PDL = True  # False: plain launches, no overlap of a kernel with the one before (kernels/pdl.py; A/B)
 from .attention import attention, attention_ref
 from .label_head import label_head, label_head_ref

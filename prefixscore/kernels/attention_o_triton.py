@@ -21,22 +21,19 @@ import triton.language as tl
 from .attention_triton import _attend, _dot, _num_sms, _ranges
 from .gemm_triton import _counters
 from .pdl import launch_kwargs, wait
-from .prefetch import args as prefetch_args, prefetch
 
 
 @triton.jit
 def _attn_o_kernel(
-    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT, PF, PF_BYTES, PF_PIECE,
+    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr, PF_MODE: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
-    if PF_MODE == 1:  # the next kernel's weights into L2 (kernels/prefetch.py, experiment)
-        prefetch(PF, PF_BYTES, PF_PIECE, pid_n + grp * tl.num_programs(0))
     SPLIT: tl.constexpr = HQ // HPP
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
@@ -66,8 +63,6 @@ def _attn_o_kernel(
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
 
-    if PF_MODE == 2:
-        prefetch(PF, PF_BYTES, PF_PIECE, pid_n + grp * tl.num_programs(0))
     if SPLIT > 1:  # as gemm_triton's split-K: partials, an arrival count, the last one sums
         tl.store(WS + grp * (BLOCK_T * N) + tc * N + cols[None, :], acc, mask=m_out)
         tl.debug_barrier()
@@ -130,14 +125,12 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         assert tiles <= cnt.numel()
     else:
         ws = cnt = out  # never touched
-    pf = prefetch_args(wo, tiles * split)
     _attn_o_kernel[(tiles, split)](
         q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, wo, residual, out, ssq, ws, cnt,
-        pf["PF"], pf["PF_BYTES"], pf["PF_PIECE"],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, **cfg, **launch_kwargs(q.device), PF_MODE=pf["PF_MODE"],
+        UPCAST=_INTERPRETED, **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

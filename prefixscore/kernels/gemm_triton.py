@@ -41,14 +41,13 @@ import triton.language as tl
 
 from .attention_triton import _num_sms
 from .pdl import launch_kwargs, wait
-from .prefetch import args as prefetch_args, prefetch
 
 
 @triton.jit
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
-    SSQ_IN, R, SSQ_OUT, PF, PF_BYTES, PF_PIECE,
+    SSQ_IN, R, SSQ_OUT,
     T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -57,12 +56,10 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    GDC: tl.constexpr, PF_MODE: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if PF_MODE == 1:  # the next kernel's weights into L2 (kernels/prefetch.py, experiment)
-        prefetch(PF, PF_BYTES, PF_PIECE, pid_n + pid_k * tl.num_programs(0))
     TWO: tl.constexpr = EPI != 0
     t = tl.arange(0, BLOCK_T)
     j = tl.arange(0, BLOCK_N)
@@ -150,8 +147,6 @@ def _skinny_kernel(
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
-    if PF_MODE == 2:
-        prefetch(PF, PF_BYTES, PF_PIECE, pid_n + pid_k * tl.num_programs(0))
     if SPLIT > 1:
         # Partials to the workspace [SPLIT, BLOCK_T, N] (fp32), then count arrivals.
         ws = WS + pid_k * (BLOCK_T * N) + tc * N
@@ -341,17 +336,15 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     if resid is not None:
         assert epi == 0 and r.shape == out.shape and r.stride() == out.stride()
         assert ssq_out.shape == (tiles, T) and ssq_out.dtype == torch.float32
-    pf = prefetch_args(w, grid[0] * grid[1])
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
-        ssq_in, r, ssq_out, pf["PF"], pf["PF_BYTES"], pf["PF_PIECE"],
+        ssq_in, r, ssq_out,
         T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg, **launch_kwargs(x.device),
-        PF_MODE=pf["PF_MODE"],
     )
 
 
