@@ -18,6 +18,8 @@ one run; bench/results/gpu_ab_pdl_*.json), ms:
     one prefetch per 128-byte line            0.729         5.340
     one cp.async.bulk.prefetch per row        0.730         4.960-4.989
     the same with the late trigger            0.619-0.621   4.878-4.895
+  the *next* kernel's weights prefetched by the kernel ahead (sixth session, its own harness:
+    0.617 without): at its start 0.686, after its main loop 0.677 (gpu_prefetch_next_session6.json)
 so only the wait is kept. --ab reads ~0.06 ms above the full bench's W1 row for the same graph
 in the same device call (0.613 vs 0.556: gpu_ab_pdl_bulk.json, gpu_quick_pdl_final.json), so
 compare its rows only with each other. (Not the GPU clock after a capture: a 0.3 s warm-up before
