@@ -187,10 +187,12 @@ class Classifier:
                              branches=logprobs)
         prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
         scores, best = self.engine.run(plan, prefix, self.weight, logprobs)
-        if logprobs:
-            label_scores, decision = self.trie.assemble(scores, best, len(batch))
+        if logprobs and len(batch) == 1:  # the latency path
+            one, d = self.trie.assemble_one(scores, best)
+            label_scores, decision = [one], [d]
         else:
-            label_scores, decision = self.trie.assemble_logits(scores, best)
-        label_scores, decision = label_scores.tolist(), decision.tolist()
+            label_scores, decision = (self.trie.assemble(scores, best, len(batch)) if logprobs
+                                      else self.trie.assemble_logits(scores, best))
+            label_scores, decision = label_scores.tolist(), decision.tolist()
         return [Result(e.values["query"], self.labels[d], dict(zip(self.labels, s)))
                 for e, d, s in zip(batch, decision, label_scores)]

@@ -72,6 +72,7 @@ class LabelTrie:
                 self.term_node[l, d], self.term_col[l, d], self.term_valid[l, d] = n, c, True
         self.term_flat = self.term_node * len(self.columns) + self.term_col  # into a [K * N] row
         self.term_none = ~self.term_valid
+        self.terms = [tuple((n * len(self.columns) + c, n, c) for n, c in ts) for ts in terms]
         self.first_distinct = len({p[0] for p in paths}) == len(paths)
         self.max_len = max(len(p) for p in paths)
 
@@ -101,10 +102,29 @@ class LabelTrie:
         -> label scores [B, L] and decision index [B], as numpy (host work: a few array ops)."""
         K, N = len(self.nodes), len(self.columns)
         s = scores.numpy().reshape(batch, K * N)
-        label_scores = np.where(self.term_valid, s[:, self.term_flat], 0.0).sum(-1)  # [B, L]
+        v = np.where(self.term_valid, s[:, self.term_flat], np.float32(0.0))  # [B, L, depth]
+        label_scores = v[..., 0]
+        for d in range(1, v.shape[-1]):  # each label's terms added in node order (as assemble_one)
+            label_scores = label_scores + v[..., d]
         # greedy: the label whose every node's choice was its next token (exactly one is)
         chosen = best.numpy().reshape(batch, K)[:, self.term_node] == self.term_col
         return label_scores, (chosen | self.term_none).all(-1).argmax(-1)
+
+    def assemble_one(self, scores: torch.Tensor, best: torch.Tensor) -> tuple[list[float], int]:
+        """assemble() for one request, in plain Python over its K * N numbers: ~8 vs ~19 us on
+        the latency path (numpy's per-call cost dominates at this size). The same floats: a label's
+        terms are added in fp32, in node order, as assemble adds them."""
+        s, b = scores.numpy().ravel().tolist(), best.tolist()
+        out = []
+        for ts in self.terms:
+            acc = np.float32(s[ts[0][0]])
+            for i, _, _ in ts[1:]:
+                acc = acc + np.float32(s[i])
+            out.append(float(acc))
+        for l, ts in enumerate(self.terms):  # the label whose every node chose its next token
+            if all(b[n] == c for _, n, c in ts):
+                return out, l
+        return out, 0  # (none: as argmax over all-False)
 
     def assemble_logits(self, logits: torch.Tensor, best: torch.Tensor):
         """Raw first-token logits [B, N] and their argmax column [B] -> per label [B, L], decision."""

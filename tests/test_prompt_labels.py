@@ -156,6 +156,35 @@ def test_label_that_prefixes_another_uses_eos(smol_tokenizer):
     assert trie.paths[0][-1] == eos and trie.paths[1][-1] == eos
 
 
+
+@pytest.mark.parametrize("seed", range(6))
+def test_assemble_one_is_assemble(seed):
+    """The one-request assembly (plain Python) gives bitwise assemble()'s label scores and the same
+    decision, on random tries: shared prefixes several tokens deep, labels that prefix others
+    (EOS-terminated), up to 6 terms per label; scores as the label head leaves them."""
+    import random
+
+    rng = random.Random(seed)
+    paths = {(rng.randrange(10, 30),)}
+    n = rng.randint(3, 12)
+    while len(paths) < n:  # a new label continues a random prefix of one already there
+        p = rng.choice(sorted(paths))
+        paths.add(p[:rng.randint(0, len(p))] + tuple(rng.randrange(10, 30) for _ in range(rng.randint(1, 3))))
+    paths = sorted(paths)
+    trie = LabelTrie([str(p) for p in paths], [list(p) for p in paths], eos_id=2)
+    K, N, B = len(trie.nodes), len(trie.columns), 16
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B * K, N, generator=g) * 4
+    allowed = trie.allowed.repeat(B, 1)
+    scores = logits.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    best = scores.argmax(-1)
+    many, decision = trie.assemble(scores, best, B)
+    for i in range(B):
+        one, d = trie.assemble_one(scores[i * K:(i + 1) * K], best[i * K:(i + 1) * K])
+        assert one == many[i].tolist() and d == decision[i], (paths, i)
+    assert max(len(t) for t in trie.terms) > 1  # some label sums several nodes' terms
+
+
 @pytest.mark.parametrize("labels,msg", [
     ([], "empty"), (["A", "A"], "duplicate"), (["A", ""], "non-empty"), ("A,B", "list"),
     (["A"], "at least two labels"),
