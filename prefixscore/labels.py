@@ -117,12 +117,18 @@ class LabelTrie:
         s, b = scores.numpy().ravel().tolist(), best.tolist()
         out = []
         for ts in self.terms:
+            if len(ts) == 1:  # (s holds fp32 values already)
+                out.append(s[ts[0][0]])
+                continue
             acc = np.float32(s[ts[0][0]])
             for i, _, _ in ts[1:]:
                 acc = acc + np.float32(s[i])
             out.append(float(acc))
         for l, ts in enumerate(self.terms):  # the label whose every node chose its next token
-            if all(b[n] == c for _, n, c in ts):
+            for _, n, c in ts:
+                if b[n] != c:
+                    break
+            else:
                 return out, l
         return out, 0  # (none: as argmax over all-False)
 
