@@ -61,6 +61,7 @@ def instrument(clf) -> Phases:
     ph.wrap(clf.prompt, "encode_many", "tokenize")  # classify() and the server both come here
     ph.wrap(C, "plan_classify", "plan")
     ph.wrap(clf.trie, "assemble", "assemble")
+    ph.wrap(clf.trie, "assemble_one", "assemble")  # one request: classify()'s path
     if clf.engine.device.type == "cuda":
         ph.wrap(E.GraphRunner, "run", "runner")  # copies = runner - replay - wait
         ph.wrap(torch.cuda.CUDAGraph, "replay", "replay")

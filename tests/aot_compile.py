@@ -52,7 +52,9 @@ def split_launch(cfg):
     return cfg, cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
 
 
-def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64):
+def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
+           nt=28):
+    """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled)."""
     cfg = G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
@@ -61,8 +63,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
     types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
     types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
                   "eps": "fp32", "norm_eps": "fp32"})
-    nt = 28
-    consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, NTP=32, RESID=resid,
+    consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
                   DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, **cfg)
     compile_kernel(f"skinny {name} {cfg}", G._skinny_kernel, types, consts, nw, ns)
 
@@ -70,11 +71,12 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
 def main():
     # Qwen2.5-0.5B (hidden 896, I 4864, 14/2 heads of 64) and 7B (3584, 18944, 28/4 of 128), T = 16.
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True)
-    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True)
+    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14)  # after attention + O
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True)
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True)
-    skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128)
-    skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True)
+    skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128,
+           nt=56)  # after down's 64-column tiles
+    skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112)  # after O's 32
     skinny("7B o+residual", 16, 3584, 3584, 0, 3584, resid=True)
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True)
 

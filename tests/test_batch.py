@@ -113,22 +113,26 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     assert len(used) >= 2, used
     # One-request plans reuse the filled input of their layout (GraphRunner.images), tokens
     # rewritten: the input must equal a fresh fill's (layout=None), also after a longer plan left
-    # stale tokens behind.
+    # stale tokens behind, and a layout that differs in its first position or its allowed rows
+    # only must get its own image.
     P, vocab = len(prompt.prefix_ids), loaded.model.config.vocab_size
     seen = set()
-    for n in (3, 5, 3, 9, 5, 3):
-        plan = plan_classify([[rng.randrange(vocab) for _ in range(n)]], [P], trie)
+    for n, start, all_allowed in ((3, P, False), (5, P, False), (3, P, False), (3, 0, False),
+                                  (9, P, False), (3, P, True), (5, P, False), (3, 0, False)):
+        plan = plan_classify([[rng.randrange(vocab) for _ in range(n)]], [start], trie)
+        if all_allowed:  # as a trained head's plan (heads.py)
+            plan = dataclasses.replace(plan, allowed=torch.ones_like(plan.allowed))
         images = len(runner.images)
         got = runner.run(plan)
-        assert len(runner.images) == images + (n not in seen), n  # filled once per layout
-        seen.add(n)
+        key = (n, start, all_allowed)
+        assert len(runner.images) == images + (key not in seen), key  # filled once per layout
+        seen.add(key)
         cached = runner.host_in.clone()
         fresh = runner.run(dataclasses.replace(plan, layout=None))
-        assert torch.equal(cached, runner.host_in), n
+        assert torch.equal(cached, runner.host_in), key
         assert torch.equal(got[0], fresh[0]) and torch.equal(got[1], fresh[1])
         want = engine.launch(plan, prefix, weight, True)()
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
-
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_scores_do_not_depend_on_the_bucket():

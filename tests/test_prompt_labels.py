@@ -182,7 +182,20 @@ def test_assemble_one_is_assemble(seed):
     for i in range(B):
         one, d = trie.assemble_one(scores[i * K:(i + 1) * K], best[i * K:(i + 1) * K])
         assert one == many[i].tolist() and d == decision[i], (paths, i)
+        # and both are right: each label's log-prob summed along its path, from the paths alone
+        ref, greedy = [], []
+        for p in trie.paths:
+            at = [(trie.nodes.index(tuple(p[:j])), trie.columns.index(p[j])) for j in range(len(p))
+                  if tuple(p[:j]) in trie.nodes]
+            ref.append(sum(scores[i * K + n, c].item() for n, c in at))
+            greedy.append(all(best[i * K + n].item() == c for n, c in at))
+        assert one == pytest.approx(ref, abs=1e-5) and greedy.count(True) == 1 and greedy[d]
     assert max(len(t) for t in trie.terms) > 1  # some label sums several nodes' terms
+    # a choice that follows no label (not a label head's output): both say label 0
+    best = torch.randint(0, N, (B * K,), generator=g)
+    decision = trie.assemble(scores, best, B)[1]
+    assert [trie.assemble_one(scores[i * K:(i + 1) * K], best[i * K:(i + 1) * K])[1]
+            for i in range(B)] == decision.tolist()
 
 
 @pytest.mark.parametrize("labels,msg", [
