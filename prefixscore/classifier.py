@@ -103,7 +103,7 @@ class Classifier:
         return self.prompt.encode_many([{"query": q} for q in queries], self.truncate)
 
     def classify(self, query: str) -> Result:
-        return self._run([self.encode(query)])[0]  # one request: one batch, nothing to chunk
+        return self.classify_encoded([self.encode(query)])[0]
 
     def classify_batch(self, queries, progress=None) -> list[Result]:
         if isinstance(queries, str):
@@ -121,7 +121,7 @@ class Classifier:
 
     def classify_encoded(self, encoded: list[Encoded], progress=None) -> list[Result]:
         """Run pre-tokenized requests (see encode) in as few flat batches as fit max_batch_tokens."""
-        if len(encoded) == 1 and progress is None:  # the server's latency path: nothing to chunk
+        if len(encoded) == 1 and progress is None:  # the latency path (classify, the server)
             return self._run(encoded)
         return [r for batch in self.classify_iter(encoded, progress) for r in batch]
 
