@@ -3,8 +3,8 @@
     python -m bench.gpu [--quick] [--skip-7b]      (on a CUDA machine; writes $OUT or bench/results)
     python -m bench.latency [...]      the same, without the W2 batch sweep (--part latency)
     python -m bench.throughput [...]   correctness and the W2 batch sweep only (--part throughput)
-    python -m bench.gpu --ab [SWITCH]  W1 replay with a kernels/ switch off and on (default PDL),
-                                       twice each
+    python -m bench.gpu --ab [SWITCH[,SWITCH]] [--profile]   W1 replay with kernels/ switches
+                                       in every on/off combination (default PDL), twice each
 
 Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), bf16, a 48-token
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
@@ -247,9 +247,9 @@ def w1_graph(ours, weight):
     return runner.graphs[next(b for b in runner.buckets if b >= SUFFIX)]
 
 
-def variant_graph(ours, suffix, **switches):
+def variant_graph(ours, suffix, keep=None, **switches):
     """W1 replay of the same engine captured with kernels/ switches changed (USE_TRITON=False: torch
-    reference kernels, the plain graph)."""
+    reference kernels, the plain graph). keep: a list that gets the graph (to profile it later)."""
     saved = {k: getattr(K, k) for k in switches}
     for k, v in switches.items():
         setattr(K, k, v)
@@ -259,6 +259,8 @@ def variant_graph(ours, suffix, **switches):
         plan = plan_classify([suffix], [PREFIX], ours.trie)
         ours.engine.run(plan, ours.prefix, w, True)
         g = w1_graph(ours, w)
+        if keep is not None:
+            keep.append(g)
         return stats(gpu_times(g.replay))
     finally:
         for k, v in saved.items():
@@ -371,21 +373,38 @@ def sweep(ours, floors, floor_ms, shape, batches):
     return out
 
 
-def ab_rows(shapes, switch="PDL", modes=(False, True)):
-    """--ab: W1 graph replay of each shape with a kernels/ switch off and on, each twice; nothing
-    else. (Its run on commit de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
+def ab_rows(shapes, switches=("PDL",), profile=False):
+    """--ab: W1 graph replay of each shape with every on/off combination of kernels/ switches, each
+    captured and timed twice (in turn); profile: then each first capture's kernel timeline
+    (bench.timeline; profiling slows what is timed after it, so it comes last). (Its run on commit
+    de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
+    import itertools
+
     out = {}
     for shape in shapes:
         hf = hf_model(shape)
         ours = Synthetic(hf, max_tokens=16)
         one = random_suffixes(1, seed=9)[0]
-        key = switch.lower()
-        rows = {f"{key}={m}": variant_graph(ours, one, **{switch: m}) for m in modes}
-        rows.update({f"{key}={m} again": variant_graph(ours, one, **{switch: m}) for m in modes})
+        combos = list(itertools.product((False, True), repeat=len(switches)))
+        rows, graphs = {}, []
+        for again in ("", " again"):
+            for combo in combos:
+                key = ",".join(f"{s.lower()}={m}" for s, m in zip(switches, combo)) + again
+                rows[key] = variant_graph(ours, one, keep=None if again else graphs,
+                                          **dict(zip(switches, combo)))
+                print(f"{shape:5s} {key:40s} p50 {rows[key]['p50_ms']:.4f} p99 {rows[key]['p99_ms']:.4f}",
+                      flush=True)
+        if profile:
+            from .timeline import summarize, timeline
+
+            for combo, g in zip(combos, graphs):
+                key = ",".join(f"{s.lower()}={m}" for s, m in zip(switches, combo)) + " timeline"
+                rows[key] = summarize(timeline(g.replay, 20), 20)
+                print(shape, key, {k: round(v, 2) for k, v in rows[key].items() if isinstance(v, float)},
+                      {k: round(v["median_us"], 2) for k, v in rows[key]["skinny_by_role"].items()},
+                      round(rows[key]["kinds"].get("_attn_o_kernel", {}).get("median_us", 0), 2), flush=True)
         out[shape] = rows
-        for k, v in rows.items():
-            print(f"{shape:5s} {k:14s} p50 {v['p50_ms']:.4f} p99 {v['p99_ms']:.4f}", flush=True)
-        del hf, ours
+        del hf, ours, graphs
         torch.cuda.empty_cache()
     return out
 
@@ -464,9 +483,11 @@ def main(argv=None):
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
                     help="latency: W1/W4 rows, peers, profile; throughput: the W2 batch sweep")
-    ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH",
-                    help="only the W1 A/B rows: a kernels/ switch (PDL, FUSE_NORMS, ...) off and "
-                         "on, or COPIES: the engine call with the graph copies inside and around")
+    ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH[,SWITCH]",
+                    help="only the W1 A/B rows: kernels/ switches (PDL, FUSE_NORMS, EARLY_WEIGHTS, "
+                         "...) in every on/off combination, or COPIES: the engine call with the "
+                         "graph copies inside and around")
+    ap.add_argument("--profile", action="store_true", help="with --ab: each variant's kernel timeline")
     a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     if a.ab == "COPIES":
@@ -479,9 +500,11 @@ def main(argv=None):
         (OUT / "gpu_ab_copies.json").write_text(json.dumps(res, indent=1))
         return
     if a.ab:
-        if not isinstance(getattr(K, a.ab, None), bool):
-            ap.error(f"--ab: no kernels switch {a.ab!r}")
-        res = ab_rows(["0.5B"] + ([] if a.skip_7b else ["7B"]), a.ab)
+        switches = a.ab.split(",")
+        for sw in switches:
+            if not isinstance(getattr(K, sw, None), bool):
+                ap.error(f"--ab: no kernels switch {sw!r}")
+        res = ab_rows(["0.5B"] + ([] if a.skip_7b else ["7B"]), switches, a.profile)
         (OUT / "gpu_ab.json").write_text(json.dumps(res, indent=1))
         return
     latency, throughput = a.part in ("all", "latency"), a.part in ("all", "throughput")

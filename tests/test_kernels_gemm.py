@@ -217,6 +217,32 @@ def test_heuristic_config_runs():
         _close(linear_small(x, w, b), linear_ref(x, w, b), dtype)
 
 
+@pytest.mark.parametrize("pre", [0, 1, 2, 4])
+def test_weights_loaded_before_the_wait(pre):
+    """PRE leading K-steps' weight tiles loaded before the PDL wait, as one tile, then the loop
+    for the rest: every PRE (none, part, all of a split's 4 steps; ragged K, so the last split is
+    masked) gives the reference, plain and gated."""
+    gen = torch.Generator().manual_seed(40 + pre)
+    cfg = {"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT": 2, "PRE": pre}  # K = 232: 8 steps, the last ragged
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, b = _inputs(5, 96, 232, dtype, gen)
+        _close(linear_small(x, w, b, config=cfg), linear_ref(x, w, b), dtype)
+        x, w, _ = _inputs(5, 2 * 48, 232, dtype, gen, bias=False)
+        _close(gate_up_silu_small(x, w * 0.5, config=cfg), gate_up_silu_ref(x, w * 0.5), dtype)
+
+
+def test_pre_config():
+    """PRE: a whole split of <= 32 KB before the wait (no loop after), else <= 16 KB of it."""
+    from prefixscore.kernels.gemm_triton import _finish_config
+
+    dev = torch.device(DEVICE)
+    bf = torch.bfloat16
+    pre = {name: _finish_config(gemm_config(16, n, k, epi, bf, dev), k, bf, epi)["PRE"]
+           for name, n, k, epi in (("down", 896, 4864, 0), ("gate_up", 4864, 896, 1),
+                                   ("7b_down", 3584, 18944, 0))}
+    assert pre == {"down": 4, "gate_up": 1, "7b_down": 0}
+
+
 def test_split_counters_reset():
     """Split-K arrival counters are left zeroed: repeated launches (graph replays) stay right."""
     gen = torch.Generator().manual_seed(5)

@@ -232,6 +232,7 @@ ATTN_O_CASES = [
      {"BLOCK_N": 64, "HPP": 7}),  # one head group: no split
     (5, 7, 4, 128, 96, torch.float32, lambda g: make_random_plan(40, g), {"BLOCK_N": 64}),  # 7B heads
     (73, 7, 2, 64, 896, torch.bfloat16, lambda g: _plain_plan([3, 9, 4]), {"BLOCK_N": 128, "HPP": 7}),
+    (100, 7, 2, 64, 96, torch.float32, lambda g: _plain_plan([5]), {"EARLY": False}),  # Wo, prefix after the wait
 ]
 
 

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _attend, _dot, _num_sms, _ranges
+from .attention_triton import _attend, _dot, _num_sms, _prefix_tile, _ranges
 from .gemm_triton import _counters
-from .pdl import launch_kwargs, wait
+from .pdl import launch_kwargs, trigger, wait
 
 
 @triton.jit
@@ -30,21 +30,29 @@ def _attn_o_kernel(
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, TRIG: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
     SPLIT: tl.constexpr = HQ // HPP
+    d = tl.arange(0, D)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < N
+    wo_rows = WO + tl.minimum(cols, N - 1)[:, None] * (HQ * D) + d[None, :]
+    # EARLY: Wo's tile and the pinned prefix's first K/V tile of a one-head program do not depend
+    # on the kernel ahead, so they load before the PDL wait (their latency overlaps its tail).
+    PRE: tl.constexpr = EARLY and HPP == 1
+    if PRE:
+        wo0 = tl.load(wo_rows + grp * D)
+    kt0, v0 = _prefix_tile(PK + (grp // G) * spk_h, PV + (grp // G) * spv_h, spk_t, spv_t, P * PRE, 0,
+                           D, BLOCK_P)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
     tok = tl.minimum(t, T - 1)  # padding rows repeat token T-1 (valid loads, never stored)
-    d = tl.arange(0, D)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ok = cols < N
-    wo_rows = WO + tl.minimum(cols, N - 1)[:, None] * (HQ * D) + d[None, :]
 
     bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)
     tc = t[:, None]
@@ -55,13 +63,18 @@ def _attn_o_kernel(
     for hh in tl.static_range(HPP):
         head = grp * HPP + hh
         kvh = head // G
-        wo = tl.load(wo_rows + head * D)  # [BLOCK_N, D]: issued first, its latency hides below
+        if PRE:
+            wo = wo0
+        else:
+            wo = tl.load(wo_rows + head * D)  # [BLOCK_N, D]: issued first, its latency hides below
         q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head * sq_h + d[None, :])
         o, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h,
                          PV + kvh * spv_h, spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t,
-                         P, qk_scale, BLOCK_T, D, BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST)
+                         P, qk_scale, kt0, v0, BLOCK_T, D, BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST, PRE)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
+    if TRIG:  # Wo is read: let the next kernel's programs start their preloads
+        tl.extra.cuda.gdc_launch_dependents()
 
     if SPLIT > 1:  # as gemm_triton's split-K: partials, an arrival count, the last one sums
         tl.store(WS + grp * (BLOCK_T * N) + tc * N + cols[None, :], acc, mask=m_out)
@@ -90,11 +103,14 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
     """Column tiles x heads. H200 sweep (bench.kernels --only attn_o --sweep, Qwen2.5-0.5B, T = 8
     and 16): 64 columns and one head per program (196 programs) 6.2 / 7.7 us, 32 columns 6.6 / 8.0,
     two heads per program 7.4 / 9.5. Past ~3 programs per SM, wider tiles."""
+    from . import EARLY_WEIGHTS  # read at call time: bench/ switches it for the A/B row
+
     block_n = 64
     while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * _num_sms(device):
         block_n *= 2
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
-                BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=4, num_stages=2)
+                BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=4, num_stages=2,
+                EARLY=bool(EARLY_WEIGHTS))
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
@@ -131,6 +147,6 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, **cfg, **launch_kwargs(q.device),
+        UPCAST=_INTERPRETED, TRIG=trigger(q.device), **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

@@ -67,12 +67,24 @@ def _ranges(BS, BE, OS, tok, T):
 
 
 @triton.jit
+def _prefix_tile(pk_base, pv_base, spk_t, spv_t, P, start, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys (transposed, [D, BLOCK_N]) and values of the prefix from key `start`, zero past P."""
+    d = tl.arange(0, D)
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols < P
+    kt = tl.load(pk_base + cols[None, :] * spk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+    v = tl.load(pv_base + cols[:, None] * spv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+    return kt, v
+
+
+@triton.jit
 def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t, spv_t,
-            k_base, v_base, sk_t, sv_t, P, qk_scale,
+            k_base, v_base, sk_t, sv_t, P, qk_scale, kt0, v0,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NI: tl.constexpr,
-            DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+            DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PRE_KV: tl.constexpr):
     """Online softmax of q [M, D] (row i: token tok[i]) over one kv head's keys: the prefix, then
-    the in-batch base and own ranges (see _ranges) -> (unnormalised output [M, D], row sums)."""
+    the in-batch base and own ranges (see _ranges) -> (unnormalised output [M, D], row sums).
+    PRE_KV: kt0, v0 are the prefix's first tile (_prefix_tile at 0), loaded by the caller."""
     d = tl.arange(0, D)
     # Finite start for the running max: a row whose keys in a tile are all masked then gets
     # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
@@ -80,7 +92,14 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
     l_i = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, D], tl.float32)
     # 1) the cached prefix: every row sees every key; only the last tile has a tail.
-    for start in range(0, P, BLOCK_N):
+    first = 0
+    if PRE_KV:
+        if P > 0:
+            s = _dot(q, kt0, tl.zeros([M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
+            s = tl.where((tl.arange(0, BLOCK_N) < P)[None, :], s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v0, m_i, l_i, acc, DOT_PREC, UPCAST)
+        first = BLOCK_N
+    for start in range(first, P, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < P
         kt = tl.load(pk_base + cols[None, :] * spk_t + d[:, None], mask=col_ok[None, :], other=0.0)
@@ -124,9 +143,12 @@ def _prefix_attn_kernel(
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
     T, P, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PRE_KV: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     kvh = tl.program_id(1)
+    # The pinned prefix does not depend on the kernel ahead: its first tile loads before the wait.
+    kt0, v0 = _prefix_tile(PK + kvh * spk_h, PV + kvh * spv_h, spk_t, spv_t, P * PRE_KV, 0, D, BLOCK_N)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -142,7 +164,7 @@ def _prefix_attn_kernel(
     bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)  # latency hides behind the prefix
     acc, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h, PV + kvh * spv_h,
                        spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t, P, qk_scale,
-                       BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST)
+                       kt0, v0, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST, PRE_KV)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -170,6 +192,8 @@ def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
     q, acc and the score tile live in registers: BLOCK_M * D is capped so nothing spills on sm_90
     (fp32 IEEE dots run on FMA units and hold much more, so fp32 -- tests only -- uses 16 rows).
     """
+    from . import EARLY_WEIGHTS  # read at call time: bench/ switches it for the A/B row
+
     budget = 8192 if dtype != torch.float32 else 1024
     rows = T * G
     target = 2 * _num_sms(device)
@@ -184,6 +208,7 @@ def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
         BLOCK_NI=32,  # in-batch key tile
         num_warps=8 if block_m * D >= budget else 4,
         num_stages=2,
+        PRE_KV=bool(EARLY_WEIGHTS),  # the prefix's first tile loaded before the PDL wait
     )
 
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import launch_kwargs, wait
+from .pdl import launch_kwargs, trigger, wait
 
 
 @triton.jit
@@ -56,7 +56,7 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    GDC: tl.constexpr,
+    PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -78,7 +78,6 @@ def _skinny_kernel(
         cols_a = pid_n * D + j  # first half of head pid_n (BLOCK_N == D // 2)
         c_ok = j < BLOCK_N
         cols_b = cols_a + BLOCK_N
-    EVEN_K: tl.constexpr = (K % BLOCK_K == 0) and (SPLIT * ITERS * BLOCK_K == K)
     # Rows of W past N are clamped (they are never stored) so weight loads need only a K mask.
     wa_ptr = W + tl.minimum(cols_a, N - 1)[:, None] * K
     wb_ptr = W + tl.minimum(cols_b, N - 1)[:, None] * K
@@ -88,6 +87,22 @@ def _skinny_kernel(
     tc = t[:, None]
     jc = j[None, :]
     m_out = t_ok[:, None] & c_ok[None, :]
+    # The weights do not depend on the kernel ahead: the first PRE K-steps' tiles are loaded before
+    # the PDL wait, so their memory latency overlaps the kernel ahead's tail (kernels/pdl.py).
+    EVEN_K: tl.constexpr = (K % BLOCK_K == 0) and (SPLIT * ITERS * BLOCK_K == K)
+    if PRE > 0:
+        kp = k0 + tl.arange(0, PRE * BLOCK_K)
+        kp_ok = kp < K
+        if EVEN_K:
+            wpa = tl.load(wa_ptr + kp[None, :], eviction_policy="evict_first")
+            if TWO:
+                wpb = tl.load(wb_ptr + kp[None, :], eviction_policy="evict_first")
+        else:
+            wpa = tl.load(wa_ptr + kp[None, :], mask=kp_ok[None, :], other=0.0,
+                          eviction_policy="evict_first")
+            if TWO:
+                wpb = tl.load(wb_ptr + kp[None, :], mask=kp_ok[None, :], other=0.0,
+                              eviction_policy="evict_first")
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
 
@@ -116,7 +131,17 @@ def _skinny_kernel(
 
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for i in range(ITERS):
+    if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
+        xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0)
+        if UPCAST:
+            xp = xp.to(tl.float32)
+            wpa = wpa.to(tl.float32)
+        acc_a = tl.dot(xp, tl.trans(wpa), acc_a, input_precision=DOT_PREC)
+        if TWO:
+            if UPCAST:
+                wpb = wpb.to(tl.float32)
+            acc_b = tl.dot(xp, tl.trans(wpb), acc_b, input_precision=DOT_PREC)
+    for i in range(PRE, ITERS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0)
@@ -147,6 +172,8 @@ def _skinny_kernel(
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
+    if TRIG:  # the weight stream is done: let the next kernel's programs start their preloads
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT > 1:
         # Partials to the workspace [SPLIT, BLOCK_T, N] (fp32), then count arrivals.
         ws = WS + pid_k * (BLOCK_T * N) + tc * N
@@ -290,8 +317,18 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
                 num_warps=4, num_stages=3 if iters > 1 else 2)
 
 
-def _finish_config(cfg, K, dtype):
-    """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem."""
+# Weight bytes per program loaded before the PDL wait, held in registers until the wait: a whole
+# split of up to 32 KB (no loop follows; 0.5B down 164 registers), else at most 16 KB so that the
+# pipelined loop after it does not spill (0.5B gate/up at 32 KB: 255 registers + 76 bytes spilled).
+PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
+
+
+def _finish_config(cfg, K, dtype, epi=0):
+    """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem,
+    and pick PRE: the leading K-steps whose weight tiles load before the PDL wait (a power of two:
+    they are one tile), all of them for the small layers (PRE_ALL_BYTES, PRE_BYTES)."""
+    from . import EARLY_WEIGHTS  # read at call time: bench/ switches it for the A/B row
+
     cfg = dict(cfg)
     kit = triton.cdiv(K, cfg["BLOCK_K"])
     split = max(1, min(int(cfg.get("SPLIT", 1)), kit))
@@ -301,6 +338,15 @@ def _finish_config(cfg, K, dtype):
     if not cfg.get("DOT", True):
         cfg["BLOCK_T"] = cfg.get("BLOCK_T_FMA", cfg["BLOCK_T"])
     cfg.pop("BLOCK_T_FMA", None)
+    if "PRE" not in cfg:
+        step = (2 if epi else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] * (4 if dtype == torch.float32 else 2)
+        pre = 0
+        if EARLY_WEIGHTS and cfg.get("DOT", True):
+            pre = 1 << (iters.bit_length() - 1)  # the largest power of two <= iters
+            while pre and pre * step > (PRE_ALL_BYTES if pre == iters else PRE_BYTES):
+                pre //= 2
+        cfg["PRE"] = pre
+    assert 0 <= cfg["PRE"] <= iters and cfg["PRE"] & (cfg["PRE"] - 1) == 0
     return cfg
 
 
@@ -308,7 +354,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
-    cfg = _finish_config(cfg, K, x.dtype)
+    cfg = _finish_config(cfg, K, x.dtype, epi)
     assert cfg["BLOCK_T"] >= T
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
     grid = (tiles, cfg["SPLIT"])
@@ -344,7 +390,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, **cfg, **launch_kwargs(x.device),
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device), **cfg, **launch_kwargs(x.device),
     )
 
 

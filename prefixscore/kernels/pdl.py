@@ -50,6 +50,13 @@ def enabled(device) -> bool:
             and _hopper(device))
 
 
+def trigger(device) -> bool:
+    """TRIG for the kernels that can let the next one start early (kernels.TRIGGER)."""
+    from . import TRIGGER
+
+    return bool(TRIGGER) and enabled(device)
+
+
 def launch_kwargs(device) -> dict:
     """GDC for the kernel, launch_pdl for Triton's launcher."""
     return dict(GDC=True, launch_pdl=True) if enabled(device) else dict(GDC=False)
