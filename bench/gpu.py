@@ -373,9 +373,10 @@ def sweep(ours, floors, floor_ms, shape, batches):
     return out
 
 
-def ab_rows(shapes, switches=("PDL",), profile=False):
-    """--ab: W1 graph replay of each shape with every on/off combination of kernels/ switches, each
-    captured and timed twice (in turn); profile: then each first capture's kernel timeline
+def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False):
+    """--ab: W1 graph replay of each shape with every combination of kernels/ switch values
+    ((name, values) pairs), each captured and timed twice (in turn); profile: then each first
+    capture's kernel timeline
     (bench.timeline; profiling slows what is timed after it, so it comes last). (Its run on commit
     de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
     import itertools
@@ -385,20 +386,21 @@ def ab_rows(shapes, switches=("PDL",), profile=False):
         hf = hf_model(shape)
         ours = Synthetic(hf, max_tokens=16)
         one = random_suffixes(1, seed=9)[0]
-        combos = list(itertools.product((False, True), repeat=len(switches)))
+        names = [n for n, _ in switches]
+        combos = list(itertools.product(*(v for _, v in switches)))
         rows, graphs = {}, []
         for again in ("", " again"):
             for combo in combos:
-                key = ",".join(f"{s.lower()}={m}" for s, m in zip(switches, combo)) + again
+                key = ",".join(f"{s.lower()}={m}" for s, m in zip(names, combo)) + again
                 rows[key] = variant_graph(ours, one, keep=None if again else graphs,
-                                          **dict(zip(switches, combo)))
+                                          **dict(zip(names, combo)))
                 print(f"{shape:5s} {key:40s} p50 {rows[key]['p50_ms']:.4f} p99 {rows[key]['p99_ms']:.4f}",
                       flush=True)
         if profile:
             from .timeline import summarize, timeline
 
             for combo, g in zip(combos, graphs):
-                key = ",".join(f"{s.lower()}={m}" for s, m in zip(switches, combo)) + " timeline"
+                key = ",".join(f"{s.lower()}={m}" for s, m in zip(names, combo)) + " timeline"
                 rows[key] = summarize(timeline(g.replay, 20), 20)
                 print(shape, key, {k: round(v, 2) for k, v in rows[key].items() if isinstance(v, float)},
                       {k: round(v["median_us"], 2) for k, v in rows[key]["skinny_by_role"].items()},
@@ -483,11 +485,13 @@ def main(argv=None):
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
                     help="latency: W1/W4 rows, peers, profile; throughput: the W2 batch sweep")
-    ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH[,SWITCH]",
+    ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH[=V/V..][,...]",
                     help="only the W1 A/B rows: kernels/ switches (PDL, FUSE_NORMS, EARLY_WEIGHTS, "
                          "...) in every on/off combination, or COPIES: the engine call with the "
                          "graph copies inside and around")
     ap.add_argument("--profile", action="store_true", help="with --ab: each variant's kernel timeline")
+    ap.add_argument("--ab-shapes", nargs="*", default=None, help="with --ab: these shapes (default "
+                    "0.5B and, without --skip-7b, 7B)")
     a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     if a.ab == "COPIES":
@@ -500,11 +504,13 @@ def main(argv=None):
         (OUT / "gpu_ab_copies.json").write_text(json.dumps(res, indent=1))
         return
     if a.ab:
-        switches = a.ab.split(",")
-        for sw in switches:
-            if not isinstance(getattr(K, sw, None), bool):
-                ap.error(f"--ab: no kernels switch {sw!r}")
-        res = ab_rows(["0.5B"] + ([] if a.skip_7b else ["7B"]), switches, a.profile)
+        switches = []
+        for spec in a.ab.split(","):  # NAME (a bool: off, on) or NAME=v1/v2/... (ints)
+            name, _, vals = spec.partition("=")
+            if not isinstance(getattr(K, name, None), (bool, int)):
+                ap.error(f"--ab: no kernels switch {name!r}")
+            switches.append((name, [int(v) for v in vals.split("/")] if vals else [False, True]))
+        res = ab_rows(a.ab_shapes or ["0.5B"] + ([] if a.skip_7b else ["7B"]), switches, a.profile)
         (OUT / "gpu_ab.json").write_text(json.dumps(res, indent=1))
         return
     latency, throughput = a.part in ("all", "latency"), a.part in ("all", "throughput")

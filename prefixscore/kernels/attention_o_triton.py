@@ -21,17 +21,18 @@ import triton.language as tl
 from .attention_triton import _attend, _dot, _num_sms, _prefix_tile, _ranges
 from .gemm_triton import _counters
 from .pdl import launch_kwargs, trigger, wait
+from .prefetch import args as prefetch_args, prefetch
 
 
 @triton.jit
 def _attn_o_kernel(
-    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
+    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT, PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, TRIG: tl.constexpr,
-    GDC: tl.constexpr,
+    GDC: tl.constexpr, PF_MODE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
@@ -47,6 +48,8 @@ def _attn_o_kernel(
         wo0 = tl.load(wo_rows + grp * D)
     kt0, v0 = _prefix_tile(PK + (grp // G) * spk_h, PV + (grp // G) * spv_h, spk_t, spv_t, P * PRE, 0,
                            D, BLOCK_P)
+    if PF_MODE != 0:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
+        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + grp * tl.num_programs(0), PF_MODE)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
     dt = Q.dtype.element_ty
@@ -141,12 +144,14 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         assert tiles <= cnt.numel()
     else:
         ws = cnt = out  # never touched
+    pf = prefetch_args("attn_o", wo, tiles * split)
     _attn_o_kernel[(tiles, split)](
         q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, wo, residual, out, ssq, ws, cnt,
+        pf.pop("PF1"), pf.pop("PF1_BYTES"), pf.pop("PF2"), pf.pop("PF2_BYTES"), pf.pop("PF_PIECE"),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, TRIG=trigger(q.device), **cfg, **launch_kwargs(q.device),
+        UPCAST=_INTERPRETED, TRIG=trigger(q.device), **cfg, **launch_kwargs(q.device), **pf,
     )
     return out, ssq

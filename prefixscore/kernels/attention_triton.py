@@ -95,9 +95,11 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
     first = 0
     if PRE_KV:
         if P > 0:
-            s = _dot(q, kt0, tl.zeros([M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
-            s = tl.where((tl.arange(0, BLOCK_N) < P)[None, :], s, float("-inf"))
-            m_i, l_i, acc = _softmax_step(s, v0, m_i, l_i, acc, DOT_PREC, UPCAST)
+            # (own names: with P == 1 specialised this `if` is static, and a name reused by the
+            # loops below with another shape would be loop-carried)
+            s0 = _dot(q, kt0, tl.zeros([M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
+            s0 = tl.where((tl.arange(0, BLOCK_N) < P)[None, :], s0, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s0, v0, m_i, l_i, acc, DOT_PREC, UPCAST)
         first = BLOCK_N
     for start in range(first, P, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)

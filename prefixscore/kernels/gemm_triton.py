@@ -41,13 +41,14 @@ import triton.language as tl
 
 from .attention_triton import _num_sms
 from .pdl import launch_kwargs, trigger, wait
+from .prefetch import args as prefetch_args, prefetch
 
 
 @triton.jit
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
-    SSQ_IN, R, SSQ_OUT,
+    SSQ_IN, R, SSQ_OUT, PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE,
     T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -56,7 +57,7 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr,
+    PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, PF_MODE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -103,6 +104,8 @@ def _skinny_kernel(
             if TWO:
                 wpb = tl.load(wb_ptr + kp[None, :], mask=kp_ok[None, :], other=0.0,
                               eviction_policy="evict_first")
+    if PF_MODE != 0:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
+        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + pid_k * tl.num_programs(0), PF_MODE)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
 
@@ -382,15 +385,17 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     if resid is not None:
         assert epi == 0 and r.shape == out.shape and r.stride() == out.stride()
         assert ssq_out.shape == (tiles, T) and ssq_out.dtype == torch.float32
+    pf = prefetch_args("qkv" if epi == 2 else "", w, grid[0] * grid[1])
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
-        ssq_in, r, ssq_out,
+        ssq_in, r, ssq_out, pf.pop("PF1"), pf.pop("PF1_BYTES"), pf.pop("PF2"), pf.pop("PF2_BYTES"),
+        pf.pop("PF_PIECE"),
         T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device), **cfg, **launch_kwargs(x.device),
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device), **cfg, **launch_kwargs(x.device), **pf,
     )
 
 
