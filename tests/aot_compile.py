@@ -42,6 +42,7 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
         consts.setdefault("TRIG", False)
     if "PF_MODE" in params:  # kernels/prefetch.py (experiment)
         consts.setdefault("PF_MODE", 0)
+        consts.setdefault("PF_LATE", consts["PF_MODE"] == 2)
         types = dict(types, PF1="*bf16", PF2="*bf16")
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})

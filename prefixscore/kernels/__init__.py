@@ -4,7 +4,7 @@ FUSE_NORMS = True  # False: RMSNorm as its own kernel, not in the next GEMM's ep
 FUSE_ATTN_O = True  # False: attention and the O GEMM as two kernels at small T (bench/ A/B)
 PDL = True  # False: plain launches, no overlap of a kernel with the one before (kernels/pdl.py; A/B)
 EARLY_WEIGHTS = True  # False: no weight loads before the PDL wait (gemm_triton PRE, attention + O)
-PREFETCH = 0  # experiment: 1-3 pull a layer's MLP weights into L2 during attention (kernels/prefetch.py)
+PREFETCH = 0  # experiment: 1-5 pull a layer's MLP weights into L2 during attention (kernels/prefetch.py)
 TRIGGER = False  # True: GEMMs let the next kernel launch once their weight stream is done (A/B)
 from .attention import attention, attention_ref
 from .label_head import label_head, label_head_ref

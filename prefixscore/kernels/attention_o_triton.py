@@ -32,7 +32,7 @@ def _attn_o_kernel(
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, TRIG: tl.constexpr,
-    GDC: tl.constexpr, PF_MODE: tl.constexpr,
+    GDC: tl.constexpr, PF_MODE: tl.constexpr, PF_LATE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
@@ -48,10 +48,12 @@ def _attn_o_kernel(
         wo0 = tl.load(wo_rows + grp * D)
     kt0, v0 = _prefix_tile(PK + (grp // G) * spk_h, PV + (grp // G) * spv_h, spk_t, spv_t, P * PRE, 0,
                            D, BLOCK_P)
-    if PF_MODE != 0:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
+    if PF_MODE != 0 and not PF_LATE:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
         prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + grp * tl.num_programs(0), PF_MODE)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
+    if PF_MODE != 0 and PF_LATE:
+        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + grp * tl.num_programs(0), PF_MODE)
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T

@@ -57,7 +57,8 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, PF_MODE: tl.constexpr,
+    PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr,
+    PF_MODE: tl.constexpr, PF_LATE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -104,10 +105,12 @@ def _skinny_kernel(
             if TWO:
                 wpb = tl.load(wb_ptr + kp[None, :], mask=kp_ok[None, :], other=0.0,
                               eviction_policy="evict_first")
-    if PF_MODE != 0:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
+    if PF_MODE != 0 and not PF_LATE:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
         prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + pid_k * tl.num_programs(0), PF_MODE)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
+    if PF_MODE != 0 and PF_LATE:
+        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + pid_k * tl.num_programs(0), PF_MODE)
 
     # The epilogue's inputs, loaded before the main loop so their latency hides under it (after
     # it, the last program of a split-K tile would wait on one more round trip to memory).

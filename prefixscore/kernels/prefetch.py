@@ -8,8 +8,13 @@ the next kernel's weights, from the kernel ahead, and was slower (BENCHMARKS.md)
 a kernel earlier and issues its prefetches after the kernel's own weight loads (EARLY_WEIGHTS),
 so they do not queue ahead of them. Values are unchanged: a prefetch only warms the cache.
 
-PREFETCH: 1 attention + O issues them, as bulk prefetches (cp.async.bulk.prefetch.L2, one per
-lane); 2 the same, one prefetch.global.L2 per 128-byte line; 3 QKV issues them (bulk).
+PREFETCH (who issues them, how, and where; bulk = one cp.async.bulk.prefetch.L2 per lane, line =
+one prefetch.global.L2 per 128-byte line):
+  1 attention + O, bulk, before its PDL wait     3 attention + O, bulk, after its wait
+  2 attention + O, line, before its wait         4 attention + O, line, after its wait
+  5 QKV, bulk, after its wait
+(Before or after the wait: weight loads issued before the wait were slower without TRIGGER, as if
+the wait also drained them; BENCHMARKS.md, seventh session.)
 """
 from __future__ import annotations
 
@@ -37,18 +42,20 @@ def args(kind: str, w: torch.Tensor, programs: int) -> dict:
     """Kernel arguments for the kernel of `kind` ("attn_o" / "qkv") that reads weight w."""
     from . import PREFETCH
 
-    mine = {1: "attn_o", 2: "attn_o", 3: "qkv"}.get(int(PREFETCH))
+    mode = int(PREFETCH)
+    mine = "qkv" if mode == 5 else "attn_o" if mode else None
     regions = AHEAD.get((kind, w.data_ptr())) if mine == kind and w.is_cuda else None
-    off = dict(PF1=w, PF1_BYTES=0, PF2=w, PF2_BYTES=0, PF_PIECE=16, PF_MODE=0)
+    off = dict(PF1=w, PF1_BYTES=0, PF2=w, PF2_BYTES=0, PF_PIECE=16, PF_MODE=0, PF_LATE=False)
     if regions is None:
         return off
     sizes = [r.numel() * r.element_size() for r in regions]
     if sum(sizes) > PREFETCH_MAX_BYTES or any(r.data_ptr() % 128 for r in regions):
         return off
-    line = 128 if PREFETCH == 2 else 16
+    per_line = mode in (2, 4)
+    line = 128 if per_line else 16
     piece = triton.cdiv(triton.cdiv(max(sizes), programs * LANES), line) * line
     return dict(PF1=regions[0], PF1_BYTES=sizes[0], PF2=regions[1], PF2_BYTES=sizes[1], PF_PIECE=piece,
-                PF_MODE=1 if PREFETCH != 2 else 2)
+                PF_MODE=2 if per_line else 1, PF_LATE=mode >= 3)
 
 
 @triton.jit
