@@ -45,9 +45,6 @@ class Engine:
         empty = torch.empty(0, c.num_kv_heads, c.head_dim, device=self.device, dtype=self.dtype)
         self.no_prefix = [(empty, empty)] * c.num_layers
         self.graphs: dict[tuple, GraphRunner] = {}
-        from .kernels import prefetch  # which weights kernels.PREFETCH pulls into L2, per layer
-
-        prefetch.register(self.model.layers)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -40,10 +40,6 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     consts = dict(consts, GDC=True)  # the H200 build: programmatic dependent launch (kernels/pdl.py)
     if "TRIG" in params:
         consts.setdefault("TRIG", False)
-    if "PF_MODE" in params:  # kernels/prefetch.py (experiment)
-        consts.setdefault("PF_MODE", 0)
-        consts.setdefault("PF_LATE", consts["PF_MODE"] == 2)
-        types = dict(types, PF1="*bf16", PF2="*bf16")
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages,
@@ -59,18 +55,18 @@ def split_launch(cfg):
 
 
 def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           nt=28, trig=False, pf=0):
+           nt=28, trig=False):
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled)."""
     cfg = G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
-    cfg = G._finish_config(cfg, K, BF16, epi)
+    cfg = G._finish_config(cfg, K, BF16, epi, N * K * 2)
     cfg, nw, ns = split_launch(cfg)
     types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
     types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
                   "eps": "fp32", "norm_eps": "fp32"})
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
-                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, PF_MODE=pf, **cfg)
+                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, **cfg)
     compile_kernel(f"skinny {name} {cfg}", G._skinny_kernel, types, consts, nw, ns)
 
 
@@ -80,9 +76,6 @@ def main():
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14)  # after attention + O
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True)
     skinny("0.5B down+residual, trigger", 16, 896, 4864, 0, 896, resid=True, trig=True)
-    for pf in (1, 2):
-        skinny(f"0.5B qkv+rope+norm, prefetch {pf}", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True,
-               pf=pf)
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True)
     skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128,
            nt=56)  # after down's 64-column tiles
@@ -105,11 +98,10 @@ def main():
     ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
     ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "CNT")}, SSQ="*fp32", WS="*fp32",
                     qk_scale="fp32")
-    for T, trig, pf in ((16, False, 0), (64, False, 0), (16, True, 1), (16, True, 2)):
+    for T, trig in ((16, False), (64, False), (16, True)):
         cfg, nw, ns = split_launch(AO.attn_o_config(T, 14, 896, 64, BF16, CPU))
-        compile_kernel(f"attention+O T={T} trigger={trig} prefetch={pf} {cfg}", AO._attn_o_kernel, ao_types,
-                       dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, TRIG=trig,
-                            PF_MODE=pf, **cfg),
+        compile_kernel(f"attention+O T={T} trigger={trig} {cfg}", AO._attn_o_kernel, ao_types,
+                       dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, TRIG=trig, **cfg),
                        nw, ns)
 
     cfg, nw, ns = split_launch(AO.attn_o_config(1, 14, 896, 64, BF16, CPU))

@@ -232,15 +232,22 @@ def test_weights_loaded_before_the_wait(pre):
 
 
 def test_pre_config():
-    """PRE: a whole split of <= 32 KB before the wait (no loop after), else <= 16 KB of it."""
+    """PRE: a whole split of <= 32 KB before the wait (no loop after), else <= 16 KB of it, and
+    none for 7B-class weights (slower there: kernels/pdl.py)."""
     from prefixscore.kernels.gemm_triton import _finish_config
 
     dev = torch.device(DEVICE)
     bf = torch.bfloat16
-    pre = {name: _finish_config(gemm_config(16, n, k, epi, bf, dev), k, bf, epi)["PRE"]
+    pre = {name: _finish_config(gemm_config(16, n, k, epi, bf, dev), k, bf, epi,
+                                (2 if epi else 1) * n * k * 2)["PRE"]
            for name, n, k, epi in (("down", 896, 4864, 0), ("gate_up", 4864, 896, 1),
-                                   ("7b_down", 3584, 18944, 0))}
-    assert pre == {"down": 4, "gate_up": 1, "7b_down": 0}
+                                   ("7b_o", 3584, 3584, 0), ("7b_gate_up", 18944, 3584, 1))}
+    assert pre == {"down": 4, "gate_up": 1, "7b_o": 0, "7b_gate_up": 0}
+    assert _finish_config(gemm_config(16, 3584, 3584, 0, bf, dev), 3584, bf, 0)["PRE"] == 2  # ungated
+    from prefixscore.kernels.attention_o_triton import attn_o_config
+
+    assert attn_o_config(16, 14, 896, 64, bf, dev)["EARLY"]  # 0.5B Wo: 1.6 MB
+    assert not attn_o_config(16, 28, 3584, 128, bf, dev)["EARLY"]  # 7B Wo: 25.7 MB
 
 
 def test_split_counters_reset():

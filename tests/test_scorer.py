@@ -441,8 +441,9 @@ def test_gpu_bf16_matches_hf(tiny_model):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_pdl_changes_nothing(tiny_model, monkeypatch):
-    """Programmatic dependent launch (kernels/pdl.py) only overlaps L2 prefetches with the kernel
-    ahead: scores through the captured graphs are bitwise those of plain launches."""
+    """Programmatic dependent launch (kernels/pdl.py) only overlaps a kernel's start (and its
+    early weight loads) with the kernel ahead: scores through the captured graphs are bitwise
+    those of plain launches."""
     from prefixscore import kernels
     from prefixscore.kernels import pdl
 
@@ -457,6 +458,33 @@ def test_gpu_pdl_changes_nothing(tiny_model, monkeypatch):
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
         out[on] = [[r.scores for r in res] for res in sc.score_batch(requests)]
     assert out[True] == out[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_early_weights_and_trigger(tiny_model, monkeypatch):
+    """Weight tiles loaded before the PDL wait and the early trigger (kernels/pdl.py): the trigger
+    only moves the next launch, so scores are bitwise those without it; the early loads feed one
+    dot over PRE K-steps instead of PRE dots, so scores stay within bf16 rounding (0.02) of the
+    plain path, with the same decisions."""
+    from prefixscore import kernels
+
+    loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+    template, chat = TEMPLATES["query_first"]
+    requests = random_requests(48, seed=12)
+    out = {}
+    for early, trig in ((True, True), (True, False), (False, False)):
+        monkeypatch.setattr(kernels, "EARLY_WEIGHTS", early)
+        monkeypatch.setattr(kernels, "TRIGGER", trig)
+        sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
+        out[early, trig] = [torch.tensor([list(r.scores.values()) for r in res])
+                            for res in sc.score_batch(requests)]
+    for a, b in zip(out[True, True], out[True, False]):
+        assert torch.equal(a, b)
+    for a, b in zip(out[True, True], out[False, False]):
+        assert (a - b).abs().max() <= 0.02
+        top2 = b.topk(2, dim=1).values
+        near_tie = top2[:, 0] - top2[:, 1] < 0.04  # only these may change their decision
+        assert ((a.argmax(1) == b.argmax(1)) | near_tie).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -3,9 +3,8 @@ USE_TRITON = True  # False: torch references on CUDA too (the plain-graph baseli
 FUSE_NORMS = True  # False: RMSNorm as its own kernel, not in the next GEMM's epilogue (bench/ A/B)
 FUSE_ATTN_O = True  # False: attention and the O GEMM as two kernels at small T (bench/ A/B)
 PDL = True  # False: plain launches, no overlap of a kernel with the one before (kernels/pdl.py; A/B)
-EARLY_WEIGHTS = True  # False: no weight loads before the PDL wait (gemm_triton PRE, attention + O)
-PREFETCH = 0  # experiment: 1-5 pull a layer's MLP weights into L2 during attention (kernels/prefetch.py)
-TRIGGER = False  # True: GEMMs let the next kernel launch once their weight stream is done (A/B)
+EARLY_WEIGHTS = True  # False: no weight loads before the PDL wait (kernels/pdl.py early(); A/B)
+TRIGGER = True  # False: no kernel lets the next one launch before it ends (kernels/pdl.py; A/B)
 from .attention import attention, attention_ref
 from .label_head import label_head, label_head_ref
 

@@ -20,19 +20,18 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _prefix_tile, _ranges
 from .gemm_triton import _counters
-from .pdl import launch_kwargs, trigger, wait
-from .prefetch import args as prefetch_args, prefetch
+from .pdl import early, launch_kwargs, trigger, wait
 
 
 @triton.jit
 def _attn_o_kernel(
-    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT, PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE,
+    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, TRIG: tl.constexpr,
-    GDC: tl.constexpr, PF_MODE: tl.constexpr, PF_LATE: tl.constexpr,
+    GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
@@ -48,12 +47,8 @@ def _attn_o_kernel(
         wo0 = tl.load(wo_rows + grp * D)
     kt0, v0 = _prefix_tile(PK + (grp // G) * spk_h, PV + (grp // G) * spv_h, spk_t, spv_t, P * PRE, 0,
                            D, BLOCK_P)
-    if PF_MODE != 0 and not PF_LATE:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
-        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + grp * tl.num_programs(0), PF_MODE)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    if PF_MODE != 0 and PF_LATE:
-        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + grp * tl.num_programs(0), PF_MODE)
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -108,14 +103,12 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
     """Column tiles x heads. H200 sweep (bench.kernels --only attn_o --sweep, Qwen2.5-0.5B, T = 8
     and 16): 64 columns and one head per program (196 programs) 6.2 / 7.7 us, 32 columns 6.6 / 8.0,
     two heads per program 7.4 / 9.5. Past ~3 programs per SM, wider tiles."""
-    from . import EARLY_WEIGHTS  # read at call time: bench/ switches it for the A/B row
-
     block_n = 64
     while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * _num_sms(device):
         block_n *= 2
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
                 BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=4, num_stages=2,
-                EARLY=bool(EARLY_WEIGHTS))
+                EARLY=early(N * Hq * D * (4 if dtype == torch.float32 else 2)))
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
@@ -146,14 +139,12 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         assert tiles <= cnt.numel()
     else:
         ws = cnt = out  # never touched
-    pf = prefetch_args("attn_o", wo, tiles * split)
     _attn_o_kernel[(tiles, split)](
         q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, wo, residual, out, ssq, ws, cnt,
-        pf.pop("PF1"), pf.pop("PF1_BYTES"), pf.pop("PF2"), pf.pop("PF2_BYTES"), pf.pop("PF_PIECE"),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, TRIG=trigger(q.device), **cfg, **launch_kwargs(q.device), **pf,
+        UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo), **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

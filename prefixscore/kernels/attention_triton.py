@@ -145,12 +145,9 @@ def _prefix_attn_kernel(
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
     T, P, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PRE_KV: tl.constexpr,
-    GDC: tl.constexpr,
+    BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
     kvh = tl.program_id(1)
-    # The pinned prefix does not depend on the kernel ahead: its first tile loads before the wait.
-    kt0, v0 = _prefix_tile(PK + kvh * spk_h, PV + kvh * spv_h, spk_t, spv_t, P * PRE_KV, 0, D, BLOCK_N)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -166,7 +163,7 @@ def _prefix_attn_kernel(
     bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)  # latency hides behind the prefix
     acc, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h, PV + kvh * spv_h,
                        spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t, P, qk_scale,
-                       kt0, v0, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST, PRE_KV)
+                       q, q, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST, False)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -194,8 +191,6 @@ def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
     q, acc and the score tile live in registers: BLOCK_M * D is capped so nothing spills on sm_90
     (fp32 IEEE dots run on FMA units and hold much more, so fp32 -- tests only -- uses 16 rows).
     """
-    from . import EARLY_WEIGHTS  # read at call time: bench/ switches it for the A/B row
-
     budget = 8192 if dtype != torch.float32 else 1024
     rows = T * G
     target = 2 * _num_sms(device)
@@ -210,7 +205,6 @@ def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
         BLOCK_NI=32,  # in-batch key tile
         num_warps=8 if block_m * D >= budget else 4,
         num_stages=2,
-        PRE_KV=bool(EARLY_WEIGHTS),  # the prefix's first tile loaded before the PDL wait
     )
 
 

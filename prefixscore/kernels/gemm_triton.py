@@ -40,15 +40,14 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import launch_kwargs, trigger, wait
-from .prefetch import args as prefetch_args, prefetch
+from .pdl import early, launch_kwargs, trigger, wait
 
 
 @triton.jit
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
-    SSQ_IN, R, SSQ_OUT, PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE,
+    SSQ_IN, R, SSQ_OUT,
     T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -58,7 +57,6 @@ def _skinny_kernel(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr,
-    PF_MODE: tl.constexpr, PF_LATE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -105,12 +103,8 @@ def _skinny_kernel(
             if TWO:
                 wpb = tl.load(wb_ptr + kp[None, :], mask=kp_ok[None, :], other=0.0,
                               eviction_policy="evict_first")
-    if PF_MODE != 0 and not PF_LATE:  # experiment: the MLP's weights into L2 (kernels/prefetch.py)
-        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + pid_k * tl.num_programs(0), PF_MODE)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    if PF_MODE != 0 and PF_LATE:
-        prefetch(PF1, PF1_BYTES, PF2, PF2_BYTES, PF_PIECE, pid_n + pid_k * tl.num_programs(0), PF_MODE)
 
     # The epilogue's inputs, loaded before the main loop so their latency hides under it (after
     # it, the last program of a split-K tile would wait on one more round trip to memory).
@@ -329,12 +323,11 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
 
-def _finish_config(cfg, K, dtype, epi=0):
+def _finish_config(cfg, K, dtype, epi=0, weight_bytes=0):
     """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem,
     and pick PRE: the leading K-steps whose weight tiles load before the PDL wait (a power of two:
-    they are one tile), all of them for the small layers (PRE_ALL_BYTES, PRE_BYTES)."""
-    from . import EARLY_WEIGHTS  # read at call time: bench/ switches it for the A/B row
-
+    they are one tile), all of them for the small layers (PRE_ALL_BYTES, PRE_BYTES), none where
+    pdl.early(weight_bytes) says no."""
     cfg = dict(cfg)
     kit = triton.cdiv(K, cfg["BLOCK_K"])
     split = max(1, min(int(cfg.get("SPLIT", 1)), kit))
@@ -347,7 +340,7 @@ def _finish_config(cfg, K, dtype, epi=0):
     if "PRE" not in cfg:
         step = (2 if epi else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] * (4 if dtype == torch.float32 else 2)
         pre = 0
-        if EARLY_WEIGHTS and cfg.get("DOT", True):
+        if early(weight_bytes) and cfg.get("DOT", True):
             pre = 1 << (iters.bit_length() - 1)  # the largest power of two <= iters
             while pre and pre * step > (PRE_ALL_BYTES if pre == iters else PRE_BYTES):
                 pre //= 2
@@ -360,7 +353,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
-    cfg = _finish_config(cfg, K, x.dtype, epi)
+    cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size())
     assert cfg["BLOCK_T"] >= T
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
     grid = (tiles, cfg["SPLIT"])
@@ -388,17 +381,16 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     if resid is not None:
         assert epi == 0 and r.shape == out.shape and r.stride() == out.stride()
         assert ssq_out.shape == (tiles, T) and ssq_out.dtype == torch.float32
-    pf = prefetch_args("qkv" if epi == 2 else "", w, grid[0] * grid[1])
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
-        ssq_in, r, ssq_out, pf.pop("PF1"), pf.pop("PF1_BYTES"), pf.pop("PF2"), pf.pop("PF2_BYTES"),
-        pf.pop("PF_PIECE"),
+        ssq_in, r, ssq_out,
         T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device), **cfg, **launch_kwargs(x.device), **pf,
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device, w), **cfg,
+        **launch_kwargs(x.device),
     )
 
 

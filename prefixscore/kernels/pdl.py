@@ -20,10 +20,25 @@ one run; bench/results/gpu_ab_pdl_*.json), ms:
     the same with the late trigger            0.619-0.621   4.878-4.895
   the *next* kernel's weights prefetched by the kernel ahead (sixth session, its own harness:
     0.617 without): at its start 0.686, after its main loop 0.677 (gpu_prefetch_next_session6.json)
-so only the wait is kept. --ab reads ~0.06 ms above the full bench's W1 row for the same graph
+so only the wait was kept then. --ab reads ~0.06 ms above the full bench's W1 row for the same graph
 in the same device call (0.613 vs 0.556: gpu_ab_pdl_bulk.json, gpu_quick_pdl_final.json), so
 compare its rows only with each other. (Not the GPU clock after a capture: a 0.3 s warm-up before
 timing changed nothing, and on the next session's machine both harnesses read ~0.595 ms.)
+
+Seventh session (bench.gpu --ab EARLY_WEIGHTS,TRIGGER, two device calls; bench/results/
+gpu_ab_early_trigger_*session7*.json): the skinny GEMMs load their first weight tiles (all of them
+where a split holds <= 32 KB), and attention + O its Wo tile and the pinned prefix's first K/V tile,
+*into registers* before the wait (early()); and each of those kernels triggers its successor once
+its main loop has read its weights (trigger()), so the successor's early loads overlap this
+kernel's split-K reduction and stores:
+                                              0.5B          7B
+  neither (the sixth session's)               0.582 (0.615) 3.679-3.732
+  trigger only                                0.586-0.588   3.702-3.703
+  early loads only                            0.658-0.660   3.900-3.921   (the wait seems to drain them)
+  early loads + trigger (kept for 0.5B-class) 0.572-0.573   3.825-3.839
+(0.615: the baseline's second capture in both calls.) At 7B both lose, so they apply only to
+kernels whose weight is at most EARLY_MAX_BYTES (every 0.5B layer; no 7B layer), and 7B runs as
+before.
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
 launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL off) compiles
@@ -50,11 +65,22 @@ def enabled(device) -> bool:
             and _hopper(device))
 
 
-def trigger(device) -> bool:
-    """TRIG for the kernels that can let the next one start early (kernels.TRIGGER)."""
+EARLY_MAX_BYTES = 18 << 20  # 0.5B gate/up is 17.4 MB; the smallest 7B weight (Wo) 25.7 MB
+
+
+def early(weight_bytes: int) -> bool:
+    """Whether a kernel reading this many weight bytes loads some before its wait (EARLY_WEIGHTS)."""
+    from . import EARLY_WEIGHTS
+
+    return bool(EARLY_WEIGHTS) and weight_bytes <= EARLY_MAX_BYTES
+
+
+def trigger(device, w) -> bool:
+    """TRIG: the kernel reading weight w lets the next one launch once its main loop is done
+    (kernels.TRIGGER; only where early() holds: the next kernel has early loads to overlap)."""
     from . import TRIGGER
 
-    return bool(TRIGGER) and enabled(device)
+    return bool(TRIGGER) and enabled(device) and early(w.numel() * w.element_size())
 
 
 def launch_kwargs(device) -> dict:
