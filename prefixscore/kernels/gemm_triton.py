@@ -26,6 +26,11 @@ row by rstd, summed from the ssq the producer left (no norm kernel, no extra pas
 (Normalising x inside the loop instead puts elementwise work between x's load and tl.dot, which
 Triton then stops pipelining: +11 us per 7B GEMM on the H200.)
 
+PRE (0.5B-class weights, pdl.early): the first PRE K-steps' weight tiles are loaded into registers
+before the PDL wait, as one tile multiplied in one dot, and the loop runs the rest; TRIG lets the
+next kernel launch once the loop is done, so its own early loads overlap this kernel's split-K
+reduction (kernels/pdl.py has the measurements).
+
 The inner product is tl.dot with T padded to BLOCK_T >= 16 (mma; tensor-core throughput is not
 the limit here) or, with DOT=False, an FMA broadcast-reduce for tiny T (BLOCK_T >= 1).
 
