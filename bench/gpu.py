@@ -3,8 +3,9 @@
     python -m bench.gpu [--quick] [--skip-7b]      (on a CUDA machine; writes $OUT or bench/results)
     python -m bench.latency [...]      the same, without the W2 batch sweep (--part latency)
     python -m bench.throughput [...]   correctness and the W2 batch sweep only (--part throughput)
-    python -m bench.gpu --ab [SWITCH[,SWITCH]] [--profile]   W1 replay with kernels/ switches
-                                       in every on/off combination (default PDL), twice each
+    python -m bench.gpu --ab [SWITCH[=V/V..][,...]] [--profile]   W1 replay with kernels/ switches
+                                       in every combination (on/off, or the values given; default
+                                       PDL), twice each
 
 Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), bf16, a 48-token
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
@@ -388,10 +389,11 @@ def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False):
         one = random_suffixes(1, seed=9)[0]
         names = [n for n, _ in switches]
         combos = list(itertools.product(*(v for _, v in switches)))
+        label = lambda combo: ",".join(f"{s.lower()}={m}" for s, m in zip(names, combo))  # noqa: E731
         rows, graphs = {}, []
         for again in ("", " again"):
             for combo in combos:
-                key = ",".join(f"{s.lower()}={m}" for s, m in zip(names, combo)) + again
+                key = label(combo) + again
                 rows[key] = variant_graph(ours, one, keep=None if again else graphs,
                                           **dict(zip(names, combo)))
                 print(f"{shape:5s} {key:40s} p50 {rows[key]['p50_ms']:.4f} p99 {rows[key]['p99_ms']:.4f}",
@@ -400,7 +402,7 @@ def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False):
             from .timeline import summarize, timeline
 
             for combo, g in zip(combos, graphs):
-                key = ",".join(f"{s.lower()}={m}" for s, m in zip(names, combo)) + " timeline"
+                key = label(combo) + " timeline"
                 rows[key] = summarize(timeline(g.replay, 20), 20)
                 print(shape, key, {k: round(v, 2) for k, v in rows[key].items() if isinstance(v, float)},
                       {k: round(v["median_us"], 2) for k, v in rows[key]["skinny_by_role"].items()},

@@ -243,7 +243,7 @@ def test_pre_config():
            for name, n, k, epi in (("down", 896, 4864, 0), ("gate_up", 4864, 896, 1),
                                    ("7b_o", 3584, 3584, 0), ("7b_gate_up", 18944, 3584, 1))}
     assert pre == {"down": 4, "gate_up": 1, "7b_o": 0, "7b_gate_up": 0}
-    assert _finish_config(gemm_config(16, 3584, 3584, 0, bf, dev), 3584, bf, 0)["PRE"] == 2  # ungated
+    assert _finish_config(gemm_config(16, 3584, 3584, 0, bf, dev), 3584, bf, 0, 0)["PRE"] == 2  # ungated
     from prefixscore.kernels.attention_o_triton import attn_o_config
 
     assert attn_o_config(16, 14, 896, 64, bf, dev)["EARLY"]  # 0.5B Wo: 1.6 MB

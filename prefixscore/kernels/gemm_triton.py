@@ -328,7 +328,7 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
 
-def _finish_config(cfg, K, dtype, epi=0, weight_bytes=0):
+def _finish_config(cfg, K, dtype, epi, weight_bytes):
     """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem,
     and pick PRE: the leading K-steps whose weight tiles load before the PDL wait (a power of two:
     they are one tile), all of them for the small layers (PRE_ALL_BYTES, PRE_BYTES), none where
