@@ -233,6 +233,8 @@ ATTN_O_CASES = [
     (5, 7, 4, 128, 96, torch.float32, lambda g: make_random_plan(40, g), {"BLOCK_N": 64}),  # 7B heads
     (73, 7, 2, 64, 896, torch.bfloat16, lambda g: _plain_plan([3, 9, 4]), {"BLOCK_N": 128, "HPP": 7}),
     (100, 7, 2, 64, 96, torch.float32, lambda g: _plain_plan([5]), {"EARLY": False}),  # Wo, prefix after the wait
+    (20, 7, 2, 64, 96, torch.bfloat16, lambda g: make_random_plan(50, g), {"IN_TILE": False}),  # range loops
+    (9, 2, 2, 64, 64, torch.float32, lambda g: make_multi_item_plan([(4, [6, 2, 5])], overlap=3), None),
 ]
 
 

@@ -8,7 +8,10 @@ that head's D columns of Wo for the program's output columns. Heads are the K-sp
 GEMM: partials go to an fp32 workspace, and the last program of a column tile to arrive sums them
 in head order (deterministic) and runs the RESID epilogue of gemm_triton (residual add, each row's
 sum of squares for the next RMSNorm). Every column tile recomputes its heads' attention; at these
-sizes that costs less than a launch.
+sizes that costs less than a launch. The program holds the whole batch (T <= BLOCK_T), so with
+IN_TILE its in-batch keys are one masked tile loaded together with q, not range loops whose loads
+wait on the ranges (H200, W1: attention + O 6.91 -> 6.56 us, the replay's span 580 -> 569 us;
+bench/results/gpu_ab_defer_intile_session8.json).
 
 Same math as attention_ref, then linear_residual; CUDA-graph safe like the kernels it fuses.
 """
@@ -23,6 +26,12 @@ from .gemm_triton import _counters
 from .pdl import early, launch_kwargs, trigger, wait
 
 
+def in_tile() -> bool:
+    from . import IN_TILE  # read at call time (bench/ A/B)
+
+    return bool(IN_TILE)
+
+
 @triton.jit
 def _attn_o_kernel(
     Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
@@ -30,8 +39,8 @@ def _attn_o_kernel(
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, TRIG: tl.constexpr,
-    GDC: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, IN_TILE: tl.constexpr,
+    TRIG: tl.constexpr, GDC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
@@ -67,10 +76,17 @@ def _attn_o_kernel(
             wo = wo0
         else:
             wo = tl.load(wo_rows + head * D)  # [BLOCK_N, D]: issued first, its latency hides below
-        q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head * sq_h + d[None, :])
+        tok64 = tok.to(tl.int64)
+        q = tl.load(Q + tok64[:, None] * sq_t + head * sq_h + d[None, :])
+        if IN_TILE:  # every in-batch key (the program holds the whole batch), with q
+            kin_t = tl.load(K + kvh * sk_h + tok64[None, :] * sk_t + d[:, None])
+            vin = tl.load(V + kvh * sv_h + tok64[:, None] * sv_t + d[None, :])
+        else:
+            kin_t, vin = q, q
         o, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h,
                          PV + kvh * spv_h, spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t,
-                         P, qk_scale, kt0, v0, BLOCK_T, D, BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST, PRE)
+                         P, qk_scale, kt0, v0, kin_t, vin, T, BLOCK_T, D, BLOCK_P, BLOCK_NI,
+                         DOT_PREC, UPCAST, PRE, IN_TILE)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
     if TRIG:  # Wo is read: let the next kernel's programs start their preloads
@@ -108,7 +124,7 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
         block_n *= 2
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
                 BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=4, num_stages=2,
-                EARLY=early(N * Hq * D * (4 if dtype == torch.float32 else 2)))
+                EARLY=early(N * Hq * D * (4 if dtype == torch.float32 else 2)), IN_TILE=in_tile())
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,

@@ -79,12 +79,16 @@ def _prefix_tile(pk_base, pv_base, spk_t, spv_t, P, start, D: tl.constexpr, BLOC
 
 @triton.jit
 def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t, spv_t,
-            k_base, v_base, sk_t, sv_t, P, qk_scale, kt0, v0,
+            k_base, v_base, sk_t, sv_t, P, qk_scale, kt0, v0, kin_t, vin, T,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NI: tl.constexpr,
-            DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PRE_KV: tl.constexpr):
+            DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PRE_KV: tl.constexpr,
+            IN_TILE: tl.constexpr):
     """Online softmax of q [M, D] (row i: token tok[i]) over one kv head's keys: the prefix, then
     the in-batch base and own ranges (see _ranges) -> (unnormalised output [M, D], row sums).
-    PRE_KV: kt0, v0 are the prefix's first tile (_prefix_tile at 0), loaded by the caller."""
+    PRE_KV: kt0, v0 are the prefix's first tile (_prefix_tile at 0), loaded by the caller.
+    IN_TILE: the rows are the whole batch (tok = 0..T-1, T <= M) and kin_t [D, M], vin [M, D] all
+    of its in-batch keys, loaded by the caller: one masked tile instead of the two range loops,
+    whose loads wait on the ranges (one dependent round trip to memory fewer)."""
     d = tl.arange(0, D)
     # Finite start for the running max: a row whose keys in a tile are all masked then gets
     # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
@@ -109,33 +113,40 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
         s = _dot(q, kt, tl.zeros([M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
-    # 2) in-batch keys, masked per row. A block spans only a few tokens plus their requests'
-    # look-back, so narrower tiles (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
-    # 2a) base range: key c is visible to a row iff bs <= c < be.
-    for start in range(b_lo, b_hi, BLOCK_NI):
-        cols = start + tl.arange(0, BLOCK_NI)
-        col_ok = cols < b_hi
-        cols64 = cols.to(tl.int64)
-        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
-        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = _dot(q, kt, tl.zeros([M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
-        c = cols[None, :]
-        vis = (c >= bs[:, None]) & (c < be[:, None]) & col_ok[None, :]
-        s = tl.where(vis, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
-    # 2b) own range: os <= c <= t, minus the keys 2a already counted for this row (bs <= c < be).
-    for start in range(o_lo, o_hi, BLOCK_NI):
-        cols = start + tl.arange(0, BLOCK_NI)
-        col_ok = cols < o_hi
-        cols64 = cols.to(tl.int64)
-        kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
-        v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
-        s = _dot(q, kt, tl.zeros([M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
-        c = cols[None, :]
-        in_base = (c >= bs[:, None]) & (c < be[:, None])
-        vis = (c >= os_[:, None]) & (c <= tok[:, None]) & ~in_base & col_ok[None, :]
-        s = tl.where(vis, s, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+    if IN_TILE:  # 2) in-batch key c is visible to a row iff bs <= c < be or os <= c <= t
+        s = _dot(q, kin_t, tl.zeros([M, M], tl.float32), DOT_PREC, UPCAST) * qk_scale
+        c = tl.arange(0, M)[None, :]
+        vis = ((c >= bs[:, None]) & (c < be[:, None])) | ((c >= os_[:, None]) & (c <= tok[:, None]))
+        s = tl.where(vis & (c < T), s, float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, vin, m_i, l_i, acc, DOT_PREC, UPCAST)
+    else:
+        # 2) in-batch keys, masked per row. A block spans only a few tokens plus their requests'
+        # look-back, so narrower tiles (BLOCK_NI) waste fewer exp/dot lanes on masked keys.
+        # 2a) base range: key c is visible to a row iff bs <= c < be.
+        for start in range(b_lo, b_hi, BLOCK_NI):
+            cols = start + tl.arange(0, BLOCK_NI)
+            col_ok = cols < b_hi
+            cols64 = cols.to(tl.int64)
+            kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+            v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+            s = _dot(q, kt, tl.zeros([M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+            c = cols[None, :]
+            vis = (c >= bs[:, None]) & (c < be[:, None]) & col_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
+        # 2b) own range: os <= c <= t, minus the keys 2a already counted for this row (bs <= c < be).
+        for start in range(o_lo, o_hi, BLOCK_NI):
+            cols = start + tl.arange(0, BLOCK_NI)
+            col_ok = cols < o_hi
+            cols64 = cols.to(tl.int64)
+            kt = tl.load(k_base + cols64[None, :] * sk_t + d[:, None], mask=col_ok[None, :], other=0.0)
+            v = tl.load(v_base + cols64[:, None] * sv_t + d[None, :], mask=col_ok[:, None], other=0.0)
+            s = _dot(q, kt, tl.zeros([M, BLOCK_NI], tl.float32), DOT_PREC, UPCAST) * qk_scale
+            c = cols[None, :]
+            in_base = (c >= bs[:, None]) & (c < be[:, None])
+            vis = (c >= os_[:, None]) & (c <= tok[:, None]) & ~in_base & col_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
     return acc, l_i
 
 
@@ -163,7 +174,7 @@ def _prefix_attn_kernel(
     bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)  # latency hides behind the prefix
     acc, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h, PV + kvh * spv_h,
                        spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t, P, qk_scale,
-                       q, q, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST, False)
+                       q, q, q, q, T, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST, False, False)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
