@@ -26,12 +26,6 @@ from .gemm_triton import _counters
 from .pdl import early, launch_kwargs, trigger, wait
 
 
-def in_tile() -> bool:
-    from . import IN_TILE  # read at call time (bench/ A/B)
-
-    return bool(IN_TILE)
-
-
 @triton.jit
 def _attn_o_kernel(
     Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
@@ -119,12 +113,14 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
     """Column tiles x heads. H200 sweep (bench.kernels --only attn_o --sweep, Qwen2.5-0.5B, T = 8
     and 16): 64 columns and one head per program (196 programs) 6.2 / 7.7 us, 32 columns 6.6 / 8.0,
     two heads per program 7.4 / 9.5. Past ~3 programs per SM, wider tiles."""
+    from . import IN_TILE  # read at call time (bench/ A/B)
+
     block_n = 64
     while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * _num_sms(device):
         block_n *= 2
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
                 BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=4, num_stages=2,
-                EARLY=early(N * Hq * D * (4 if dtype == torch.float32 else 2)), IN_TILE=in_tile())
+                EARLY=early(N * Hq * D * (4 if dtype == torch.float32 else 2)), IN_TILE=bool(IN_TILE))
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
