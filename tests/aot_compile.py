@@ -109,8 +109,8 @@ def main():
     compile_kernel(f"attention+O P=1 T=1 {cfg}", AO._attn_o_kernel, ao_types,
                    dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, **cfg), nw, ns)
 
-    for R in (1, 512):
-        cfg, nw, ns = split_launch(LH.head_config(R, 19, 896, CPU))
+    for R, N in ((1, 19), (512, 19), (1, 9)):  # (1, 9): W1's one tile (ONE)
+        cfg, nw, ns = split_launch(LH.head_config(R, N, 896, CPU))
         compile_kernel(f"label head R={R} {cfg}", LH._label_head_kernel,
                        {"X": "*bf16", "ROWS": "*i64", "NW": "*bf16", "W": "*bf16", "ALLOWED": "*u8",
                         "SCORES": "*fp32", "BEST": "*i64", "eps": "fp32"},

@@ -272,7 +272,22 @@ HEAD_CASES = [
     (64, 256, 300, 70, torch.bfloat16, False, None),  # N padded to 512
     (50, 128, 16, 100, torch.bfloat16, True, 64),
     (30, 192, 9, 40, torch.float32, True, 32),
+    (12, 300, 12, 16, torch.float32, True, None),  # one tile (ONE), ragged H, fp32
+    (20, 896, 9, 1, torch.bfloat16, True, None),  # one request of Qwen2.5-0.5B (ONE)
+    (20, 896, 9, 1, torch.bfloat16, False, "two passes"),  # the same through the looped passes
 ]
+
+
+def test_label_head_one_tile_config():
+    """ONE (everything in one tile, loads before the wait) for one small program only."""
+    from prefixscore.kernels.label_head_triton import head_config
+
+    cpu = torch.device("cpu")
+    assert head_config(1, 9, 896, cpu)["ONE"] and head_config(16, 9, 576, cpu)["ONE"]
+    assert not head_config(17, 9, 896, cpu)["ONE"]  # two programs
+    assert not head_config(1, 9, 3584, cpu)["ONE"]  # 7B hidden: 128 KB of label weights
+    assert not head_config(1, 9, 896, cpu, elem_bytes=4)["ONE"]  # fp32: 64 KB
+    assert [head_config(R, 9, 300, cpu, 4)["ONE"] for R in (1, 16)] == [True, True]
 
 
 @pytest.mark.parametrize("case", range(len(HEAD_CASES)))
@@ -300,7 +315,8 @@ def test_label_head(case):
     best = torch.full((R,), -1, dtype=torch.int64, device=DEVICE)
     s, b = label_head_triton(hidden, rows, norm_w, eps, weight, allowed, logprobs,
                              out_scores=scores, out_best=best,
-                             config=None if block_r is None else {"BLOCK_R": block_r})
+                             config=None if block_r is None else {"ONE": False, "BLOCK_K": 256}
+                             if block_r == "two passes" else {"BLOCK_R": block_r})
     assert s.data_ptr() == scores.data_ptr() and b.data_ptr() == best.data_ptr()
     assert not scores.isnan().any() and (best >= 0).all(), "output not fully written"
     assert torch.equal(torch.isneginf(scores), ~allowed)

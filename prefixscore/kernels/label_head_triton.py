@@ -6,6 +6,12 @@ reference, scale by the norm weight), project onto the N label-token rows of the
 while looping over H, then mask, argmax (first index on ties) and the restricted log-softmax, all
 in registers. N (<= 512) lives in one tile so the per-row softmax needs no second kernel.
 
+ONE (one program, H and the label rows in one tile each: the latency path, e.g. one request of
+Qwen2.5-0.5B, 9 labels): the label weights, the norm weight, the read-out rows and the allowed
+mask are loaded before the PDL wait, and the rows of hidden in one load after it, so the kernel's
+chain after the wait is that load, the math and the stores (the two passes' loops issue their
+loads one chunk at a time).
+
 CUDA-graph safe: grid and launch parameters depend only on shapes.
 """
 from __future__ import annotations
@@ -24,44 +30,59 @@ def _label_head_kernel(
     sx_t, sw_n, sa_r, ss_r,
     R, N, H, eps,
     LOGPROBS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
+    ONE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
 ):
-    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
-        wait()
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < R
-    src = tl.load(ROWS + r, mask=r_ok, other=0).to(tl.int64)
-    x_rows = X + src[:, None] * sx_t
     kk = tl.arange(0, BLOCK_K)
     n = tl.arange(0, BLOCK_N)
     n_ok = n < N
     ok = r_ok[:, None] & n_ok[None, :]
-    # Loaded first: its latency hides under the passes (at the end it is one more round trip).
+    if ONE:  # the weights (BLOCK_K covers H), before the wait: they never depend on a kernel
+        kk_ok = kk < H
+        wt1 = tl.load(W + n[None, :] * sw_n + kk[:, None], mask=n_ok[None, :] & kk_ok[:, None], other=0.0)
+        g1 = tl.load(NW + kk, mask=kk_ok, other=0.0).to(tl.float32)
+    # The read-out rows and the allowed mask are the call's inputs, written before the forward's
+    # first kernel; the kernel ahead has passed its own wait once this one runs (it launches this
+    # one from after it, or ends first), so everything before that kernel is complete.
+    src = tl.load(ROWS + r, mask=r_ok, other=0).to(tl.int64)
     allowed = tl.load(ALLOWED + r[:, None] * sa_r + n[None, :], mask=ok, other=0) != 0
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+        wait()
+    x_rows = X + src[:, None] * sx_t
 
-    # Pass 1: mean of squares in fp32.
-    ss = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + kk
-        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & (k < H)[None, :], other=0.0).to(tl.float32)
-        ss += tl.sum(x * x, 1)
-    rstd = tl.rsqrt(ss / H + eps)
-
-    # Pass 2 (the rows are now in L1/L2): normalise, project onto the label rows.
     acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < H
-        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        g = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
-        # Reference rounding: (x * rstd) -> input dtype, then * norm weight -> weight dtype.
-        h = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * g[None, :]
-        h = h.to(W.dtype.element_ty)
-        wt = tl.load(W + n[None, :] * sw_n + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    if ONE:  # one load of the rows, then the same math as the two passes below
+        x = tl.load(x_rows + kk[None, :], mask=r_ok[:, None] & kk_ok[None, :], other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / H + eps)
+        h = ((x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * g1[None, :]).to(W.dtype.element_ty)
         if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
             h = h.to(tl.float32)
-            wt = wt.to(tl.float32)
-        acc = tl.dot(h, wt, acc, input_precision=DOT_PREC)
+            wt1 = wt1.to(tl.float32)
+        acc = tl.dot(h, wt1, acc, input_precision=DOT_PREC)
+    else:
+        # Pass 1: mean of squares in fp32.
+        ss = tl.zeros([BLOCK_R], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + kk
+            x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & (k < H)[None, :], other=0.0).to(tl.float32)
+            ss += tl.sum(x * x, 1)
+        rstd = tl.rsqrt(ss / H + eps)
+
+        # Pass 2 (the rows are now in L1/L2): normalise, project onto the label rows.
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + kk
+            k_ok = k < H
+            x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            g = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
+            # Reference rounding: (x * rstd) -> input dtype, then * norm weight -> weight dtype.
+            h = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * g[None, :]
+            h = h.to(W.dtype.element_ty)
+            wt = tl.load(W + n[None, :] * sw_n + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
+                h = h.to(tl.float32)
+                wt = wt.to(tl.float32)
+            acc = tl.dot(h, wt, acc, input_precision=DOT_PREC)
 
     # The reference's matmul returns the weight dtype: round like it so argmax ties agree.
     logits = acc.to(W.dtype.element_ty).to(tl.float32)
@@ -81,15 +102,23 @@ def _label_head_kernel(
 _INTERPRETED = type(_label_head_kernel).__name__ == "InterpretedFunction"
 
 
-def head_config(R: int, N: int, H: int, device) -> dict:
+def head_config(R: int, N: int, H: int, device, elem_bytes: int = 2) -> dict:
     """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
 
     Every program streams all N x H label weights (from L2 after the first), so with many rows use
     bigger row blocks for reuse as long as about half the SMs still get a program; few rows get 16
-    (the smallest dot).
+    (the smallest dot). One program whose label weights fit in 32 KB and rows in 16K elements
+    runs ONE: everything in one tile (H200, W1: see BENCHMARKS.md).
     """
+    from . import HEAD_ONE_TILE  # read at call time (bench/ A/B)
+
     block_n = max(16, triton.next_power_of_2(N))
     assert block_n <= 512, "label head supports at most 512 label tokens"
+    block_h = triton.next_power_of_2(H)
+    if (HEAD_ONE_TILE and R <= 16 and block_n * block_h * elem_bytes <= 32768
+            and 16 * block_h <= 16384):
+        return dict(BLOCK_R=16, BLOCK_N=block_n, BLOCK_K=block_h, ONE=True, num_warps=8,
+                    num_stages=1)
     block_r = 16
     for br in (64, 32):
         if br * block_n <= 16384 and triton.cdiv(R, br) >= _num_sms(device) // 2:
@@ -98,7 +127,7 @@ def head_config(R: int, N: int, H: int, device) -> dict:
     # H chunk: x tile [BLOCK_R, BLOCK_K] and weight tile [BLOCK_K, BLOCK_N] small enough not to spill
     block_k = max(16, min(256, 16384 // block_n, 8192 // block_r, triton.next_power_of_2(H)))
     return dict(
-        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_K=block_k, ONE=False,
         num_warps=8 if block_k * (block_n + block_r) >= 16384 else 4,
         num_stages=2,
     )
@@ -129,8 +158,9 @@ def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=
     if allowed.dtype == torch.bool:
         allowed = allowed.view(torch.uint8)  # same bytes; plain integer loads
     rows, norm_weight = rows.contiguous(), norm_weight.contiguous()
-    cfg = head_config(R, N, H, hidden.device)
+    cfg = head_config(R, N, H, hidden.device, weight.element_size())
     cfg.update(config or {})
+    assert not cfg["ONE"] or (R <= cfg["BLOCK_R"] and H <= cfg["BLOCK_K"])
     _label_head_kernel[(triton.cdiv(R, cfg["BLOCK_R"]),)](
         hidden, rows, norm_weight, weight, allowed, out_scores, out_best,
         hidden.stride(0), weight.stride(0), allowed.stride(0), out_scores.stride(0),
