@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
 
+from prefixscore import kernels  # noqa: E402
 from prefixscore.kernels import attention_o_triton as AO  # noqa: E402
 from prefixscore.kernels import attention_triton as AT  # noqa: E402
 from prefixscore.kernels import fused_triton as F  # noqa: E402
@@ -55,9 +56,9 @@ def split_launch(cfg):
 
 
 def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           nt=28, trig=False):
+           nt=28, trig=False, cfg=None):
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled)."""
-    cfg = G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
+    cfg = cfg or G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     cfg = G._finish_config(cfg, K, BF16, epi, N * K * 2)
@@ -74,6 +75,11 @@ def main():
     # Qwen2.5-0.5B (hidden 896, I 4864, 14/2 heads of 64) and 7B (3584, 18944, 28/4 of 128), T = 16.
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14)  # after attention + O
+    kernels.GU_PRE_KB, was = 32, kernels.GU_PRE_KB  # the A/B's other value: two steps preloaded
+    cfg = G._finish_config(G.gemm_config(16, 4864, 896, 1, BF16, CPU), 896, BF16, 1, 9728 * 896 * 2)
+    kernels.GU_PRE_KB = was
+    skinny("0.5B gate/up+norm, 32 KB before the wait", 16, 4864, 896, 1, 9728, norm=True, nt=14,
+           trig=True, cfg=cfg)
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True)
     skinny("0.5B down+residual, trigger", 16, 896, 4864, 0, 896, resid=True, trig=True)
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True)

@@ -244,6 +244,14 @@ def test_pre_config():
                                    ("7b_o", 3584, 3584, 0), ("7b_gate_up", 18944, 3584, 1))}
     assert pre == {"down": 4, "gate_up": 1, "7b_o": 0, "7b_gate_up": 0}
     assert _finish_config(gemm_config(16, 3584, 3584, 0, bf, dev), 3584, bf, 0, 0)["PRE"] == 2  # ungated
+    from prefixscore import kernels
+
+    kernels.GU_PRE_KB, was = 32, kernels.GU_PRE_KB  # the gate/up budget of the A/B switch
+    try:
+        cfg = gemm_config(16, 4864, 896, 1, bf, dev)
+        assert _finish_config(cfg, 896, bf, 1, 9728 * 896 * 2)["PRE"] == 2
+    finally:
+        kernels.GU_PRE_KB = was
     from prefixscore.kernels.attention_o_triton import attn_o_config
 
     assert attn_o_config(16, 14, 896, 64, bf, dev)["EARLY"]  # 0.5B Wo: 1.6 MB

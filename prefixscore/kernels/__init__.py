@@ -4,6 +4,7 @@ FUSE_NORMS = True  # False: RMSNorm as its own kernel, not in the next GEMM's ep
 FUSE_ATTN_O = True  # False: attention and the O GEMM as two kernels at small T (bench/ A/B)
 PDL = True  # False: plain launches, no overlap of a kernel with the one before (kernels/pdl.py; A/B)
 EARLY_WEIGHTS = True  # False: no weight loads before the PDL wait (kernels/pdl.py early(); A/B)
+GU_PRE_KB = 16  # gate/up: weight KB per program loaded before the PDL wait (32: two steps; A/B)
 HEAD_ONE_TILE = True  # False: the label head's two looped passes even for one small program (A/B)
 IN_TILE = True  # False: attention + O scans the in-batch key ranges in loops, not one tile (A/B)
 TRIGGER = True  # False: no kernel lets the next one launch before it ends (kernels/pdl.py; A/B)

@@ -324,7 +324,8 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
 
 # Weight bytes per program loaded before the PDL wait, held in registers until the wait: a whole
 # split of up to 32 KB (no loop follows; 0.5B down 164 registers), else at most 16 KB so that the
-# pipelined loop after it does not spill (0.5B gate/up at 32 KB: 255 registers + 76 bytes spilled).
+# pipelined loop after it does not spill (0.5B gate/up at 32 KB: 255 registers + 76 bytes spilled;
+# kernels.GU_PRE_KB sets the gated GEMM's budget for an A/B: not measured on the GPU yet).
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
 
@@ -346,8 +347,11 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes):
         step = (2 if epi else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] * (4 if dtype == torch.float32 else 2)
         pre = 0
         if early(weight_bytes) and cfg.get("DOT", True):
+            from . import GU_PRE_KB
+
             pre = 1 << (iters.bit_length() - 1)  # the largest power of two <= iters
-            while pre and pre * step > (PRE_ALL_BYTES if pre == iters else PRE_BYTES):
+            part = (GU_PRE_KB << 10) if epi == 1 else PRE_BYTES
+            while pre and pre * step > (PRE_ALL_BYTES if pre == iters else part):
                 pre //= 2
         cfg["PRE"] = pre
     assert 0 <= cfg["PRE"] <= iters and cfg["PRE"] & (cfg["PRE"] - 1) == 0
