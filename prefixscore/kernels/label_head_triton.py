@@ -25,6 +25,21 @@ from .pdl import launch_kwargs, wait
 
 
 @triton.jit
+def _normed(x, rstd, g, XDT: tl.constexpr, WDT: tl.constexpr):
+    """rms_norm of an fp32 chunk of rows with the reference's roundings: (x * rstd) to the input
+    dtype, then * norm weight g to the weight dtype."""
+    return ((x * rstd[:, None]).to(XDT).to(tl.float32) * g[None, :]).to(WDT)
+
+
+@triton.jit
+def _dot(h, wt, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
+        h = h.to(tl.float32)
+        wt = wt.to(tl.float32)
+    return tl.dot(h, wt, acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _label_head_kernel(
     X, ROWS, NW, W, ALLOWED, SCORES, BEST,
     sx_t, sw_n, sa_r, ss_r,
@@ -55,11 +70,8 @@ def _label_head_kernel(
     if ONE:  # one load of the rows, then the same math as the two passes below
         x = tl.load(x_rows + kk[None, :], mask=r_ok[:, None] & kk_ok[None, :], other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, 1) / H + eps)
-        h = ((x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * g1[None, :]).to(W.dtype.element_ty)
-        if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
-            h = h.to(tl.float32)
-            wt1 = wt1.to(tl.float32)
-        acc = tl.dot(h, wt1, acc, input_precision=DOT_PREC)
+        h = _normed(x, rstd, g1, X.dtype.element_ty, W.dtype.element_ty)
+        acc = _dot(h, wt1, acc, DOT_PREC, UPCAST)
     else:
         # Pass 1: mean of squares in fp32.
         ss = tl.zeros([BLOCK_R], tl.float32)
@@ -75,14 +87,9 @@ def _label_head_kernel(
             k_ok = k < H
             x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             g = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
-            # Reference rounding: (x * rstd) -> input dtype, then * norm weight -> weight dtype.
-            h = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * g[None, :]
-            h = h.to(W.dtype.element_ty)
+            h = _normed(x, rstd, g, X.dtype.element_ty, W.dtype.element_ty)
             wt = tl.load(W + n[None, :] * sw_n + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
-                h = h.to(tl.float32)
-                wt = wt.to(tl.float32)
-            acc = tl.dot(h, wt, acc, input_precision=DOT_PREC)
+            acc = _dot(h, wt, acc, DOT_PREC, UPCAST)
 
     # The reference's matmul returns the weight dtype: round like it so argmax ties agree.
     logits = acc.to(W.dtype.element_ty).to(tl.float32)
