@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _num_sms
+from .attention_triton import _dot, _num_sms
 from .pdl import launch_kwargs, wait
 
 
@@ -29,14 +29,6 @@ def _normed(x, rstd, g, XDT: tl.constexpr, WDT: tl.constexpr):
     """rms_norm of an fp32 chunk of rows with the reference's roundings: (x * rstd) to the input
     dtype, then * norm weight g to the weight dtype."""
     return ((x * rstd[:, None]).to(XDT).to(tl.float32) * g[None, :]).to(WDT)
-
-
-@triton.jit
-def _dot(h, wt, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
-        h = h.to(tl.float32)
-        wt = wt.to(tl.float32)
-    return tl.dot(h, wt, acc, input_precision=DOT_PREC)
 
 
 @triton.jit
