@@ -3,9 +3,10 @@
     python -m bench.gpu [--quick] [--skip-7b]      (on a CUDA machine; writes $OUT or bench/results)
     python -m bench.latency [...]      the same, without the W2 batch sweep (--part latency)
     python -m bench.throughput [...]   correctness and the W2 batch sweep only (--part throughput)
-    python -m bench.gpu --ab [SWITCH[=V/V..][,...]] [--profile]   W1 replay with kernels/ switches
-                                       in every combination (on/off, or the values given; default
-                                       PDL), twice each
+    python -m bench.gpu --ab [SWITCH[=V/V..][,...][;...]] [--profile]   W1 replay with kernels/
+                                       switches in every combination (on/off, or the values given;
+                                       default PDL), twice each; role.key=V/V: a launch-config
+                                       override (kernels.TUNE); ';' separates groups
 
 Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), bf16, a 48-token
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
@@ -251,9 +252,13 @@ def w1_graph(ours, weight):
 def variant_graph(ours, suffix, keep=None, **switches):
     """W1 replay of the same engine captured with kernels/ switches changed (USE_TRITON=False: torch
     reference kernels, the plain graph). keep: a list that gets the graph (to profile it later)."""
-    saved = {k: getattr(K, k) for k in switches}
+    saved_tune = dict(K.TUNE)
+    saved = {k: getattr(K, k) for k in switches if "." not in k}
     for k, v in switches.items():
-        setattr(K, k, v)
+        if "." in k:  # role.key: a launch-config override (kernels.TUNE)
+            K.TUNE[k] = v
+        else:
+            setattr(K, k, v)
     try:
         w = ours.weight.clone()  # a distinct key for the engine's graph table
         ours.engine.capture(ours.prefix, w, True, 16)
@@ -266,6 +271,8 @@ def variant_graph(ours, suffix, keep=None, **switches):
     finally:
         for k, v in saved.items():
             setattr(K, k, v)
+        K.TUNE.clear()
+        K.TUNE.update(saved_tune)
 
 
 def copies_ab(ours, suffixes, calls=600):
@@ -374,35 +381,31 @@ def sweep(ours, floors, floor_ms, shape, batches):
     return out
 
 
-def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False):
+def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False, groups=None):
     """--ab: W1 graph replay of each shape with every combination of kernels/ switch values
-    ((name, values) pairs), each captured and timed twice (in turn); profile: then each first
-    capture's kernel timeline
-    (bench.timeline; profiling slows what is timed after it, so it comes last). (Its run on commit
-    de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
-    import itertools
-
+    ((name, values) pairs; a name role.key is a kernels.TUNE launch-config override), each
+    captured and timed twice (in turn); profile: then each first capture's kernel timeline
+    (bench.timeline; profiling slows what is timed after it, so it comes last). groups: several
+    such switch lists, each its own set of combinations, on one loaded model. The first capture
+    of a process has read 0.01-0.02 ms below every later one, variants and their repeats alike
+    (BENCHMARKS.md, eighth session), so an unchanged capture goes first and is reported apart.
+    (Its run on commit de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
     out = {}
     for shape in shapes:
         hf = hf_model(shape)
         ours = Synthetic(hf, max_tokens=16)
         one = random_suffixes(1, seed=9)[0]
-        names = [n for n, _ in switches]
-        combos = list(itertools.product(*(v for _, v in switches)))
-        label = lambda combo: ",".join(f"{s.lower()}={m}" for s, m in zip(names, combo))  # noqa: E731
-        rows, graphs = {}, []
-        for again in ("", " again"):
-            for combo in combos:
-                key = label(combo) + again
-                rows[key] = variant_graph(ours, one, keep=None if again else graphs,
-                                          **dict(zip(names, combo)))
-                print(f"{shape:5s} {key:40s} p50 {rows[key]['p50_ms']:.4f} p99 {rows[key]['p99_ms']:.4f}",
-                      flush=True)
+        rows = {"first capture, defaults": variant_graph(ours, one)}
+        print(f"{shape:5s} {'first capture, defaults':40s} p50 {rows['first capture, defaults']['p50_ms']:.4f}",
+              flush=True)
+        graphs = []
+        for sw in groups or [switches]:
+            rows.update(_ab_group(shape, ours, one, sw, graphs))
         if profile:
             from .timeline import summarize, timeline
 
-            for combo, g in zip(combos, graphs):
-                key = label(combo) + " timeline"
+            for key, g in graphs:
+                key += " timeline"
                 rows[key] = summarize(timeline(g.replay, 20), 20)
                 print(shape, key, {k: round(v, 2) for k, v in rows[key].items() if isinstance(v, float)},
                       {k: round(v["median_us"], 2) for k, v in rows[key]["skinny_by_role"].items()},
@@ -411,6 +414,31 @@ def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False):
         del hf, ours, graphs
         torch.cuda.empty_cache()
     return out
+
+
+def _ab_group(shape, ours, one, switches, graphs):
+    """One group's combinations, twice each in turn; graphs gets (key, first capture's graph)."""
+    import itertools
+
+    names = [n for n, _ in switches]
+    combos = list(itertools.product(*(v for _, v in switches)))
+    label = lambda combo: ",".join(f"{s.lower()}={m}" for s, m in zip(names, combo))  # noqa: E731
+    rows = {}
+    for again in ("", " again"):
+        for combo in combos:
+            key = label(combo) + again
+            keep = None if again else []
+            try:
+                rows[key] = variant_graph(ours, one, keep=keep, **dict(zip(names, combo)))
+            except Exception as e:  # e.g. a launch config the kernel refuses: note it, go on
+                rows[key] = {"error": repr(e)[:300]}
+                print(f"{shape:5s} {key:40s} failed: {rows[key]['error']}", flush=True)
+                continue
+            if keep:
+                graphs.append((key, keep[0]))
+            print(f"{shape:5s} {key:40s} p50 {rows[key]['p50_ms']:.4f} p99 {rows[key]['p99_ms']:.4f}",
+                  flush=True)
+    return rows
 
 
 def real_form_model(folder=Path("/tmp/q05"), carry=Path(".carry")):
@@ -481,16 +509,40 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
+TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear")
+
+
+def _ab_switches(ap, group):
+    """One --ab group: NAME (a bool: off, on) or NAME=v1/v2/... (ints), comma-separated; NAME is a
+    kernels switch or role.key (a kernels.TUNE override, e.g. gu.num_stages=0/4: 0 = the config's)."""
+    switches = []
+    for spec in group.split(","):
+        name, _, vals = spec.partition("=")
+        role, dot, key = name.partition(".")
+        if dot:
+            if role not in TUNE_ROLES or not key or not vals:
+                ap.error(f"--ab: {name!r}: role.key=V/V.. with role one of {', '.join(TUNE_ROLES)}")
+        elif not isinstance(getattr(K, name, None), (bool, int)):
+            ap.error(f"--ab: no kernels switch {name!r}")
+        try:
+            values = [int(v) for v in vals.split("/")] if vals else [False, True]
+        except ValueError:
+            ap.error(f"--ab: {spec!r}: values are integers separated by /")
+        switches.append((name, values))
+    return switches
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
                     help="latency: W1/W4 rows, peers, profile; throughput: the W2 batch sweep")
-    ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH[=V/V..][,...]",
+    ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH[=V/V..][,...][;...]",
                     help="only the W1 A/B rows: kernels/ switches (PDL, FUSE_NORMS, EARLY_WEIGHTS, "
-                         "...) in every on/off combination, or COPIES: the engine call with the "
-                         "graph copies inside and around")
+                         "...) or launch-config overrides (gu.num_stages=0/4) in every combination; "
+                         "';' separates groups run one after another on one model; or COPIES: the "
+                         "engine call with the graph copies inside and around")
     ap.add_argument("--profile", action="store_true", help="with --ab: each variant's kernel timeline")
     ap.add_argument("--ab-shapes", nargs="*", default=None, help="with --ab: these shapes (default "
                     "0.5B and, without --skip-7b, 7B)")
@@ -506,13 +558,9 @@ def main(argv=None):
         (OUT / "gpu_ab_copies.json").write_text(json.dumps(res, indent=1))
         return
     if a.ab:
-        switches = []
-        for spec in a.ab.split(","):  # NAME (a bool: off, on) or NAME=v1/v2/... (ints)
-            name, _, vals = spec.partition("=")
-            if not isinstance(getattr(K, name, None), (bool, int)):
-                ap.error(f"--ab: no kernels switch {name!r}")
-            switches.append((name, [int(v) for v in vals.split("/")] if vals else [False, True]))
-        res = ab_rows(a.ab_shapes or ["0.5B"] + ([] if a.skip_7b else ["7B"]), switches, a.profile)
+        groups = [_ab_switches(ap, g) for g in a.ab.split(";")]
+        res = ab_rows(a.ab_shapes or ["0.5B"] + ([] if a.skip_7b else ["7B"]), profile=a.profile,
+                      groups=groups)
         (OUT / "gpu_ab.json").write_text(json.dumps(res, indent=1))
         return
     latency, throughput = a.part in ("all", "latency"), a.part in ("all", "throughput")

@@ -42,7 +42,14 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     if "TRIG" in params:
         consts.setdefault("TRIG", False)
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+    # As a launch specializes them: pointers (torch allocations) and strides 16-aligned. Without
+    # this, loads are not vectorized and no loop is pipelined, so registers and shared memory
+    # would not be the GPU build's.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if sig[p].startswith("*") or p.startswith("stride") or p.startswith("s") and p[1:2] in "qkvp"
+             and "_" in p}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages,
                                                     "launch_pdl": True})
     assert k.asm.get("cubin"), f"{name}: no cubin"

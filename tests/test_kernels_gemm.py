@@ -258,6 +258,32 @@ def test_pre_config():
     assert not attn_o_config(16, 28, 3584, 128, bf, dev)["EARLY"]  # 7B Wo: 25.7 MB
 
 
+def test_tune_overrides_by_role():
+    """kernels.TUNE (bench/ A/B of launch configs) overrides only its role's keys, 0 keeps the
+    config's value, and an overridden launch still computes the reference."""
+    from prefixscore import kernels
+    from prefixscore.kernels.gemm_triton import tuned
+
+    was = dict(kernels.TUNE)
+    try:
+        kernels.TUNE.update({"down.SPLIT": 5, "down.num_warps": 0, "gu.num_warps": 8})
+        assert tuned({"SPLIT": 2, "num_warps": 4}, "down") == {"SPLIT": 5, "num_warps": 4}
+        assert tuned({"SPLIT": 2, "num_warps": 4}, "qkv") == {"SPLIT": 2, "num_warps": 4}
+        kernels.TUNE.clear()
+        kernels.TUNE["down.SPLIT"] = 3
+        gen = torch.Generator().manual_seed(11)
+        x, w, _ = _inputs(4, 64, 192, torch.float32, gen, bias=False)
+        r = torch.randn(4, 64, generator=gen).to(DEVICE)
+        out, _ = linear_residual_small(x, w, None, r, config={"BLOCK_N": 64, "BLOCK_K": 32})
+        _close(out, r + linear_ref(x, w), torch.float32)
+        kernels.TUNE["down.BLOCK_T"] = 2  # reaches the launch: fewer rows than tokens is refused
+        with pytest.raises(AssertionError):
+            linear_residual_small(x, w, None, r, config={"BLOCK_N": 64, "BLOCK_K": 32})
+    finally:
+        kernels.TUNE.clear()
+        kernels.TUNE.update(was)
+
+
 def test_split_counters_reset():
     """Split-K arrival counters are left zeroed: repeated launches (graph replays) stay right."""
     gen = torch.Generator().manual_seed(5)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _prefix_tile, _ranges
-from .gemm_triton import _counters
+from .gemm_triton import _counters, tuned
 from .pdl import early, launch_kwargs, trigger, wait
 
 
@@ -135,6 +135,7 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
     assert D >= 16 and D & (D - 1) == 0
     cfg = attn_o_config(T, Hq, N, D, q.dtype, q.device)
     cfg.update(config or {})
+    tuned(cfg, "attn_o")
     assert cfg["BLOCK_T"] >= T and Hq % cfg["HPP"] == 0
     q, k, v, prefix_k, prefix_v = (x if x.stride(-1) == 1 else x.contiguous()
                                    for x in (q, k, v, prefix_k, prefix_v))

@@ -329,6 +329,17 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
 
+def tuned(cfg: dict, role: str) -> dict:
+    """cfg with kernels.TUNE's overrides for this role (bench/ A/B of launch configs in place)."""
+    from . import TUNE
+
+    for key, v in TUNE.items():
+        r, _, name = key.partition(".")
+        if r == role and v:
+            cfg[name] = v
+    return cfg
+
+
 def _finish_config(cfg, K, dtype, epi, weight_bytes):
     """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem,
     and pick PRE: the leading K-steps whose weight tiles load before the PDL wait (a power of two:
@@ -443,6 +454,7 @@ def _plain_or_gated(x, w, bias, out, config, epi, norm=None, residual=None):
     assert out.shape == (T, cols) and out.stride(-1) == 1
     cfg = gemm_config(T, cols, K, epi, x.dtype, x.device)
     cfg.update(config or {})
+    tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear")
     resid = None
     if residual is not None:
         tiles = triton.cdiv(cols, cfg["BLOCK_N"])
@@ -480,6 +492,7 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
         q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
     cfg = gemm_config(T, H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2)
     cfg.update(config or {})
+    tuned(cfg, "qkv")
     cfg["BLOCK_N"] = D // 2
     _launch(x, w_qkv, bias, 2, H * (D // 2), cfg,
             rope=(cos, sin, q_norm, k_norm, q, k, v, Hq, Hkv, D, eps), norm=_norm_args(norm))
