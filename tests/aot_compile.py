@@ -82,11 +82,13 @@ def main():
     # Qwen2.5-0.5B (hidden 896, I 4864, 14/2 heads of 64) and 7B (3584, 18944, 28/4 of 128), T = 16.
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14)  # after attention + O
-    kernels.GU_PRE_KB, was = 32, kernels.GU_PRE_KB  # the A/B's other value: two steps preloaded
+    kernels.GU_PRE_KB, was = 16, kernels.GU_PRE_KB  # the A/B's other value: one step preloaded
     cfg = G._finish_config(G.gemm_config(16, 4864, 896, 1, BF16, CPU), 896, BF16, 1, 9728 * 896 * 2)
     kernels.GU_PRE_KB = was
-    skinny("0.5B gate/up+norm, 32 KB before the wait", 16, 4864, 896, 1, 9728, norm=True, nt=14,
+    skinny("0.5B gate/up+norm, 16 KB before the wait", 16, 4864, 896, 1, 9728, norm=True, nt=14,
            trig=True, cfg=cfg)
+    skinny("0.5B gate/up+norm (T=64)", 64, 4864, 896, 1, 9728, norm=True, nt=14, trig=True)
+    skinny("0.5B gate/up+norm, trigger after the wait", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=2)
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True)
     skinny("0.5B down+residual, trigger", 16, 896, 4864, 0, 896, resid=True, trig=True)
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True)

@@ -110,6 +110,8 @@ def _skinny_kernel(
                               eviction_policy="evict_first")
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
+    if TRIG == 2:  # the next kernel may launch now (kernels.GU_EARLY_TRIGGER: see _launch)
+        tl.extra.cuda.gdc_launch_dependents()
 
     # The epilogue's inputs, loaded before the main loop so their latency hides under it (after
     # it, the last program of a split-K tile would wait on one more round trip to memory).
@@ -177,7 +179,7 @@ def _skinny_kernel(
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
-    if TRIG:  # the weight stream is done: let the next kernel's programs start their preloads
+    if TRIG == 1:  # the weight stream is done: let the next kernel's programs start their preloads
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT > 1:
         # Partials to the workspace [SPLIT, BLOCK_T, N] (fp32), then count arrivals.
@@ -313,9 +315,14 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
     tiles = triton.cdiv(ncols, block_n)
     kit = triton.cdiv(K, block_k)
     # Split K until about 2 programs per SM (none once the tiles alone fill the SMs: the sweep had
-    # gate/up at SPLIT 1 7.6 us vs 8.4 at SPLIT 2). Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4
+    # gate/up at SPLIT 1 7.6 us vs 8.4 at SPLIT 2), 4 at T <= 16 where the weights load before the
+    # PDL wait: smaller splits finish their early loads sooner (H200, W1 in place: 0.5B down at 19
+    # splits instead of 10, 532 programs of 16 KB, -10 us per forward; 38 splits +43 us;
+    # bench/results/gpu_ab_tune*_session9.json). Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4
     # bytes of (L2) traffic: keep that under twice the weight bytes (N * K * 2) at large T.
-    split = 1 if tiles >= sms else max(1, min(kit, triton.cdiv(2 * sms, tiles), max(2, K // (2 * bt))))
+    w_bytes = (2 if epi else 1) * ncols * K * (4 if dtype == torch.float32 else 2)
+    per_sm = 4 if bt == 16 and early(w_bytes) else 2
+    split = 1 if tiles >= sms else max(1, min(kit, triton.cdiv(per_sm * sms, tiles), max(2, K // (2 * bt))))
     iters = triton.cdiv(kit, split)
     split = triton.cdiv(kit, iters)
     return dict(BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT=True,
@@ -323,9 +330,11 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
 
 
 # Weight bytes per program loaded before the PDL wait, held in registers until the wait: a whole
-# split of up to 32 KB (no loop follows; 0.5B down 164 registers), else at most 16 KB so that the
-# pipelined loop after it does not spill (0.5B gate/up at 32 KB: 255 registers + 76 bytes spilled;
-# kernels.GU_PRE_KB sets the gated GEMM's budget for an A/B: not measured on the GPU yet).
+# split of up to 32 KB (no loop follows), else at most 16 KB ahead of the pipelined loop; the gated
+# GEMM (gate/up, the most bytes per program) takes kernels.GU_PRE_KB in either case. H200, W1 in
+# place (bench/results/gpu_ab_tune*_session9.json): 0.5B gate/up with 16 / 32 / 64 KB before the
+# wait, span 567.8 / 564.5 / 553.3 us (gate/up 9.60 / 9.54 / 8.83 us); at 64 KB, 4 of its 7 steps,
+# sm_90 ptxas gives 222 registers and no spills (two programs per SM).
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
 
@@ -361,12 +370,28 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes):
             from . import GU_PRE_KB
 
             pre = 1 << (iters.bit_length() - 1)  # the largest power of two <= iters
-            part = (GU_PRE_KB << 10) if epi == 1 else PRE_BYTES
-            while pre and pre * step > (PRE_ALL_BYTES if pre == iters else part):
+            def budget(p):
+                if epi == 1 and cfg["BLOCK_T"] <= 16:  # (T = 32 at 32 KB already spills)
+                    return GU_PRE_KB << 10
+                return PRE_ALL_BYTES if p == iters else PRE_BYTES
+
+            while pre and pre * step > budget(pre):
                 pre //= 2
         cfg["PRE"] = pre
     assert 0 <= cfg["PRE"] <= iters and cfg["PRE"] & (cfg["PRE"] - 1) == 0
     return cfg
+
+
+def _trig(device, w, epi) -> int:
+    """TRIG: 0 no early trigger, 1 once the main loop is done (pdl.trigger), 2 right after the
+    wait. Gate/up has no split-K tail to overlap, and with 152 programs on 132 SMs the last to end
+    its loop is the last to end: down launched only as gate/up ended (W1 timeline: gap -0.03 us,
+    the other kernels -1.4 to -2.6), so its early loads overlapped nothing (kernels.GU_EARLY_TRIGGER)."""
+    from . import GU_EARLY_TRIGGER
+
+    if not trigger(device, w):
+        return 0
+    return 2 if epi == 1 and GU_EARLY_TRIGGER else 1
 
 
 def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None):
@@ -409,7 +434,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device, w), **cfg,
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=_trig(x.device, w, epi), **cfg,
         **launch_kwargs(x.device),
     )
 
