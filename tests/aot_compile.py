@@ -113,7 +113,8 @@ def main():
     ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
     ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "CNT")}, SSQ="*fp32", WS="*fp32",
                     qk_scale="fp32")
-    for T, trig, in_tile in ((16, False, True), (64, False, True), (16, True, True), (16, True, False)):
+    for T, trig, in_tile in ((16, False, True), (64, False, True), (16, True, True), (16, True, False),
+                             (16, 2, True)):
         cfg, nw, ns = split_launch(AO.attn_o_config(T, 14, 896, 64, BF16, CPU))
         cfg["IN_TILE"] = in_tile
         compile_kernel(f"attention+O T={T} trigger={trig} {cfg}", AO._attn_o_kernel, ao_types,

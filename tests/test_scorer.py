@@ -477,6 +477,7 @@ def test_gpu_early_weights_and_trigger(tiny_model, monkeypatch):
         monkeypatch.setattr(kernels, "EARLY_WEIGHTS", early)
         monkeypatch.setattr(kernels, "TRIGGER", trig)
         monkeypatch.setattr(kernels, "GU_EARLY_TRIGGER", gu_first)  # gate/up's trigger at its start
+        monkeypatch.setattr(kernels, "ATTN_EARLY_TRIGGER", not gu_first)  # and attention + O's
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
         res = [torch.tensor([list(r.scores.values()) for r in res]) for res in sc.score_batch(requests)]
         out[early, trig] = out.get((early, trig)) or res

@@ -52,6 +52,8 @@ def _attn_o_kernel(
                            D, BLOCK_P)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
+    if TRIG == 2:  # the next kernel may launch now (kernels.ATTN_EARLY_TRIGGER; A/B)
+        tl.extra.cuda.gdc_launch_dependents()
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
     t_ok = t < T
@@ -83,7 +85,7 @@ def _attn_o_kernel(
                          DOT_PREC, UPCAST, PRE, IN_TILE)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
-    if TRIG:  # Wo is read: let the next kernel's programs start their preloads
+    if TRIG == 1:  # Wo is read: let the next kernel's programs start their preloads
         tl.extra.cuda.gdc_launch_dependents()
 
     if SPLIT > 1:  # as gemm_triton's split-K: partials, an arrival count, the last one sums
@@ -118,9 +120,19 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
     block_n = 64
     while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * _num_sms(device):
         block_n *= 2
+    pre = early(N * Hq * D * (4 if dtype == torch.float32 else 2))
+    # 8 warps where Wo loads early (H200, W1 in place: attention + O 7.65 -> 6.78 us, span 524.2 ->
+    # 520.4 us, bench/results/gpu_ab_gu_trigger_session9.json; 2 warps: +50 us)
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
-                BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=4, num_stages=2,
-                EARLY=early(N * Hq * D * (4 if dtype == torch.float32 else 2)), IN_TILE=bool(IN_TILE))
+                BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=8 if pre else 4, num_stages=2,
+                EARLY=pre, IN_TILE=bool(IN_TILE))
+
+
+def _trig(device, wo) -> int:
+    """TRIG: 0 none, 1 once Wo is read (pdl.trigger), 2 right after the wait (ATTN_EARLY_TRIGGER)."""
+    from . import ATTN_EARLY_TRIGGER
+
+    return (2 if ATTN_EARLY_TRIGGER else 1) if trigger(device, wo) else 0
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
@@ -158,6 +170,6 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo), **cfg, **launch_kwargs(q.device),
+        UPCAST=_INTERPRETED, TRIG=_trig(q.device, wo), **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

@@ -384,9 +384,12 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes):
 
 def _trig(device, w, epi) -> int:
     """TRIG: 0 no early trigger, 1 once the main loop is done (pdl.trigger), 2 right after the
-    wait. Gate/up has no split-K tail to overlap, and with 152 programs on 132 SMs the last to end
-    its loop is the last to end: down launched only as gate/up ended (W1 timeline: gap -0.03 us,
-    the other kernels -1.4 to -2.6), so its early loads overlapped nothing (kernels.GU_EARLY_TRIGGER)."""
+    wait, for gate/up (kernels.GU_EARLY_TRIGGER). Gate/up has no split-K tail to overlap, and with
+    152 programs on 132 SMs the last to end its loop is about the last to end: down launched only
+    as gate/up ended (W1 timeline: gap -0.03 us, the other kernels -1.4 to -2.6), so its early
+    loads overlapped nothing. Triggered after the wait, down's programs launch, take the SM room
+    gate/up's leave and load their weights during gate/up's loop: H200 W1 0.539 -> 0.518 ms, span
+    548 -> 524 us (bench/results/gpu_ab_gu_trigger_session9.json); scores bitwise the same."""
     from . import GU_EARLY_TRIGGER
 
     if not trigger(device, w):
