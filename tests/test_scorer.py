@@ -472,18 +472,16 @@ def test_gpu_early_weights_and_trigger(tiny_model, monkeypatch):
     template, chat = TEMPLATES["query_first"]
     requests = random_requests(48, seed=12)
     out = {}
-    for early, trig, gu_first in ((True, True, False), (True, True, True), (True, False, False),
-                                  (False, False, False)):
+    for early, trig, at_wait in ((True, True, 0), (True, True, 1), (True, True, 2), (True, True, 3),
+                                 (True, False, 0), (False, False, 0)):
         monkeypatch.setattr(kernels, "EARLY_WEIGHTS", early)
         monkeypatch.setattr(kernels, "TRIGGER", trig)
-        monkeypatch.setattr(kernels, "GU_EARLY_TRIGGER", gu_first)  # gate/up's trigger at its start
-        monkeypatch.setattr(kernels, "ATTN_EARLY_TRIGGER", not gu_first)  # and attention + O's
+        monkeypatch.setattr(kernels, "TRIGGER_AT_WAIT", at_wait)  # which kernels trigger at their wait
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
         res = [torch.tensor([list(r.scores.values()) for r in res]) for res in sc.score_batch(requests)]
         out[early, trig] = out.get((early, trig)) or res
-        if gu_first:
-            for a, b in zip(out[True, True], res):
-                assert torch.equal(a, b)
+        for a, b in zip(out[early, trig], res):
+            assert torch.equal(a, b)
     for a, b in zip(out[True, True], out[True, False]):
         assert torch.equal(a, b)
     for a, b in zip(out[True, True], out[False, False]):

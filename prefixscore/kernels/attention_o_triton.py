@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _prefix_tile, _ranges
 from .gemm_triton import _counters, tuned
-from .pdl import early, launch_kwargs, trigger, wait
+from .pdl import early, launch_kwargs, trigger, trigger_at_wait, wait
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _attn_o_kernel(
                            D, BLOCK_P)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    if TRIG == 2:  # the next kernel may launch now (kernels.ATTN_EARLY_TRIGGER; A/B)
+    if TRIG == 2:  # the next kernel may launch now (pdl.trigger_at_wait)
         tl.extra.cuda.gdc_launch_dependents()
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
@@ -129,10 +129,8 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
 
 
 def _trig(device, wo) -> int:
-    """TRIG: 0 none, 1 once Wo is read (pdl.trigger), 2 right after the wait (ATTN_EARLY_TRIGGER)."""
-    from . import ATTN_EARLY_TRIGGER
-
-    return (2 if ATTN_EARLY_TRIGGER else 1) if trigger(device, wo) else 0
+    """TRIG: 0 none, 1 once Wo is read (pdl.trigger), 2 right after the wait (pdl.trigger_at_wait)."""
+    return (2 if trigger_at_wait("attn_o") else 1) if trigger(device, wo) else 0
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import early, launch_kwargs, trigger, wait
+from .pdl import early, launch_kwargs, trigger, trigger_at_wait, wait
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _skinny_kernel(
                               eviction_policy="evict_first")
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    if TRIG == 2:  # the next kernel may launch now (kernels.GU_EARLY_TRIGGER: see _launch)
+    if TRIG == 2:  # the next kernel may launch now (pdl.trigger_at_wait)
         tl.extra.cuda.gdc_launch_dependents()
 
     # The epilogue's inputs, loaded before the main loop so their latency hides under it (after
@@ -384,17 +384,10 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes):
 
 def _trig(device, w, epi) -> int:
     """TRIG: 0 no early trigger, 1 once the main loop is done (pdl.trigger), 2 right after the
-    wait, for gate/up (kernels.GU_EARLY_TRIGGER). Gate/up has no split-K tail to overlap, and with
-    152 programs on 132 SMs the last to end its loop is about the last to end: down launched only
-    as gate/up ended (W1 timeline: gap -0.03 us, the other kernels -1.4 to -2.6), so its early
-    loads overlapped nothing. Triggered after the wait, down's programs launch, take the SM room
-    gate/up's leave and load their weights during gate/up's loop: H200 W1 0.539 -> 0.518 ms, span
-    548 -> 524 us (bench/results/gpu_ab_gu_trigger_session9.json); scores bitwise the same."""
-    from . import GU_EARLY_TRIGGER
-
+    wait (pdl.trigger_at_wait)."""
     if not trigger(device, w):
         return 0
-    return 2 if epi == 1 and GU_EARLY_TRIGGER else 1
+    return 2 if trigger_at_wait("gate_up" if epi == 1 else "qkv" if epi == 2 else "linear") else 1
 
 
 def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None):

@@ -83,6 +83,22 @@ def trigger(device, w) -> bool:
     return bool(TRIGGER) and enabled(device) and early(w.numel() * w.element_size())
 
 
+def trigger_at_wait(role: str) -> bool:
+    """Whether a kernel that triggers (trigger()) does so right after its wait, not after its main
+    loop (kernels.TRIGGER_AT_WAIT: 1 gate/up, 2 + attention + O, 3 + QKV and down). At its wait,
+    every kernel ahead is done, so the next kernel's programs launch into the SM room this one's
+    leave and start their early loads while it runs. Gate/up has no split-K tail, and with 152
+    programs on 132 SMs its last loop to end is about its last program to end: triggered after the
+    loop, down launched as gate/up ended (W1 timeline gap -0.03 us, the other kernels -1.4 to -2.6).
+    H200, W1 graph replay in place, scores bitwise the same (bench/results/
+    gpu_ab_gu_trigger_session9.json, gpu_ab_round5_session9.json):
+        none 0.539 ms (span 548 us); gate/up 0.518 (524); + attention + O 0.492 (494)"""
+    from . import TRIGGER_AT_WAIT
+
+    level = {"gate_up": 1, "attn_o": 2}.get(role, 3)
+    return TRIGGER_AT_WAIT >= level
+
+
 def launch_kwargs(device) -> dict:
     """GDC for the kernel, launch_pdl for Triton's launcher."""
     return dict(GDC=True, launch_pdl=True) if enabled(device) else dict(GDC=False)
