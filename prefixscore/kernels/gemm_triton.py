@@ -315,14 +315,11 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
     tiles = triton.cdiv(ncols, block_n)
     kit = triton.cdiv(K, block_k)
     # Split K until about 2 programs per SM (none once the tiles alone fill the SMs: the sweep had
-    # gate/up at SPLIT 1 7.6 us vs 8.4 at SPLIT 2), 4 at T <= 16 where the weights load before the
-    # PDL wait: smaller splits finish their early loads sooner (H200, W1 in place: 0.5B down at 19
-    # splits instead of 10, 532 programs of 16 KB, -10 us per forward; 38 splits +43 us;
-    # bench/results/gpu_ab_tune*_session9.json). Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4
+    # gate/up at SPLIT 1 7.6 us vs 8.4 at SPLIT 2). Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4
     # bytes of (L2) traffic: keep that under twice the weight bytes (N * K * 2) at large T.
-    w_bytes = (2 if epi else 1) * ncols * K * (4 if dtype == torch.float32 else 2)
-    per_sm = 4 if bt == 16 and early(w_bytes) else 2
-    split = 1 if tiles >= sms else max(1, min(kit, triton.cdiv(per_sm * sms, tiles), max(2, K // (2 * bt))))
+    # (0.5B down, W1 in place: 19 splits beat 10 by 10 us while down launched as gate/up ended; with
+    # every kernel triggering at its wait, 10 beat 19 by 15 us: bench/results/gpu_ab_*_session9.json.)
+    split = 1 if tiles >= sms else max(1, min(kit, triton.cdiv(2 * sms, tiles), max(2, K // (2 * bt))))
     iters = triton.cdiv(kit, split)
     split = triton.cdiv(kit, iters)
     return dict(BLOCK_T=bt, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT=True,
