@@ -28,8 +28,8 @@ Triton then stops pipelining: +11 us per 7B GEMM on the H200.)
 
 PRE (0.5B-class weights, pdl.early): the first PRE K-steps' weight tiles are loaded into registers
 before the PDL wait, as one tile multiplied in one dot, and the loop runs the rest; TRIG lets the
-next kernel launch once the loop is done, so its own early loads overlap this kernel's split-K
-reduction (kernels/pdl.py has the measurements).
+next kernel launch right after the wait (2) or once the loop is done (1), so its own early loads
+overlap this kernel's work (kernels/pdl.py has the measurements).
 
 The inner product is tl.dot with T padded to BLOCK_T >= 16 (mma; tensor-core throughput is not
 the limit here) or, with DOT=False, an FMA broadcast-reduce for tiny T (BLOCK_T >= 1).
@@ -330,8 +330,9 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
 # split of up to 32 KB (no loop follows), else at most 16 KB ahead of the pipelined loop; the gated
 # GEMM (gate/up, the most bytes per program) takes kernels.GU_PRE_KB in either case. H200, W1 in
 # place (bench/results/gpu_ab_tune*_session9.json): 0.5B gate/up with 16 / 32 / 64 KB before the
-# wait, span 567.8 / 564.5 / 553.3 us (gate/up 9.60 / 9.54 / 8.83 us); at 64 KB, 4 of its 7 steps,
-# sm_90 ptxas gives 222 registers and no spills (two programs per SM).
+# wait, span 567.8 / 564.5 / 553.3 us (gate/up 9.60 / 9.54 / 8.83 us), and with the trigger at
+# the wait (pdl.trigger_at_wait) 32 KB read +38 us against 64; at 64 KB, 4 of its 7 steps, sm_90
+# ptxas gives 222 registers and no spills (two programs per SM).
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
 

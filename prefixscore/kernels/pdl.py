@@ -4,8 +4,9 @@ ahead of it has finished.
 A small-batch forward is ~100 short kernels in one CUDA graph, and between two of them the SMs sit
 idle while the next launch is processed. Launched with PDL, a kernel's launch overlaps the end of
 its predecessor; its first instruction waits (griddepcontrol.wait: every earlier kernel complete
-and its writes visible), so it reads and writes exactly what a serial launch would. Nothing
-triggers early: the predecessor's exit lets it run.
+and its writes visible), so it reads and writes exactly what a serial launch would. Where the
+kernel ahead triggers (gdc_launch_dependents: trigger() and trigger_at_wait() below, 0.5B-class
+layers), its successor launches then; otherwise the predecessor's exit lets it run.
 
 Measured on the H200 (bench.gpu --ab: W1 graph replay, each variant captured and timed twice in
 one run; bench/results/gpu_ab_pdl_*.json), ms:
@@ -39,6 +40,10 @@ kernel's split-K reduction and stores:
 (0.615: the baseline's second capture in both calls.) At 7B both lose, so they apply only to
 kernels whose weight is at most EARLY_MAX_BYTES (every 0.5B layer; no 7B layer), and 7B runs as
 before.
+
+Ninth session: with early loads, the trigger pays most right after the wait (trigger_at_wait has
+the rows: W1 0.539 -> 0.480 ms). The second session's "trigger right after the wait" above lost
+because nothing was loaded early then: the next kernel's programs only sat on the SMs.
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
 launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL off) compiles
