@@ -12,7 +12,7 @@ HEAD_ONE_TILE = True  # False: the label head's two looped passes even for one s
 IN_TILE = True  # False: attention + O scans the in-batch key ranges in loops, not one tile (A/B)
 TRIGGER = True  # False: no kernel lets the next one launch before it ends (kernels/pdl.py; A/B)
 # bench/ A/B only: launch-config overrides by kernel role, {"gu.num_stages": 4, ...}; roles qkv,
-# gu (gate/up), down (the residual GEMM), attn_o; a value of 0 leaves the config's own.
+# gu (gate/up), down (the residual GEMM), linear (plain), attn_o; 0 leaves the config's own value.
 TUNE: dict = {}
 from .attention import attention, attention_ref
 from .label_head import label_head, label_head_ref

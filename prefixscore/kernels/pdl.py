@@ -96,7 +96,7 @@ def trigger_at_wait(role: str) -> bool:
     programs on 132 SMs its last loop to end is about its last program to end: triggered after the
     loop, down launched as gate/up ended (W1 timeline gap -0.03 us, the other kernels -1.4 to -2.6).
     H200, W1 graph replay in place, scores bitwise the same (bench/results/
-    gpu_ab_gu_trigger_session9.json, gpu_ab_round5_session9.json):
+    gpu_ab_gu_trigger_session9.json, gpu_ab_round5_session9.json, gpu_ab_round6_session9.json):
         none 0.539 ms (span 548 us); gate/up 0.518 (524); + attention + O 0.492 (494);
         + QKV and down 0.480 (483; with down split 10 ways, gemm_config: 0.493 / 0.496 at 19)"""
     from . import TRIGGER_AT_WAIT
