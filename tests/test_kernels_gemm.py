@@ -259,6 +259,25 @@ def test_pre_config():
     assert not attn_o_config(16, 28, 3584, 128, bf, dev)["EARLY"]  # 7B Wo: 25.7 MB
 
 
+def test_trigger_levels(monkeypatch):
+    """pdl.trigger: where each kernel lets the next one launch, by kernels.TRIGGER_AT_WAIT level
+    (2 at its wait, 1 after its main loop) for early-loading weights; 0 for 7B-class weights or
+    with kernels.TRIGGER off. (On the GPU the scorer's test checks every level scores bitwise.)"""
+    from prefixscore import kernels
+    from prefixscore.kernels import pdl
+
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    small, big = torch.empty(896, 896, dtype=torch.bfloat16), torch.empty(3584, 3584, dtype=torch.bfloat16)
+    roles = ("gate_up", "attn_o", "qkv", "linear")
+    want = {0: (1, 1, 1, 1), 1: (2, 1, 1, 1), 2: (2, 2, 1, 1), 3: (2, 2, 2, 2)}
+    for level, modes in want.items():
+        monkeypatch.setattr(kernels, "TRIGGER_AT_WAIT", level)
+        assert tuple(pdl.trigger(torch.device("cuda"), small, r) for r in roles) == modes
+        assert all(pdl.trigger(torch.device("cuda"), big, r) == 0 for r in roles)
+    monkeypatch.setattr(kernels, "TRIGGER", False)
+    assert pdl.trigger(torch.device("cuda"), small, "gate_up") == 0
+
+
 def test_tune_overrides_by_role():
     """kernels.TUNE (bench/ A/B of launch configs) overrides only its role's keys, 0 keeps the
     config's value, and an overridden launch still computes the reference."""

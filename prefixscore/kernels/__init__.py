@@ -5,7 +5,7 @@ FUSE_ATTN_O = True  # False: attention and the O GEMM as two kernels at small T 
 PDL = True  # False: plain launches, no overlap of a kernel with the one before (kernels/pdl.py; A/B)
 EARLY_WEIGHTS = True  # False: no weight loads before the PDL wait (kernels/pdl.py early(); A/B)
 # Which kernels let the next one launch right after their PDL wait instead of after their main
-# loop (kernels/pdl.py trigger_at_wait): 0 none, 1 gate/up, 2 + attention + O, 3 + QKV and down.
+# loop (kernels/pdl.py trigger): 0 none, 1 gate/up, 2 + attention + O, 3 + QKV and down.
 TRIGGER_AT_WAIT = 3
 GU_PRE_KB = 64  # gate/up: weight KB per program loaded before the PDL wait (kernels/gemm_triton.py)
 HEAD_ONE_TILE = True  # False: the label head's two looped passes even for one small program (A/B)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _prefix_tile, _ranges
 from .gemm_triton import _counters, tuned
-from .pdl import early, launch_kwargs, trigger, trigger_at_wait, wait
+from .pdl import early, launch_kwargs, trigger, wait
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def _attn_o_kernel(
                            D, BLOCK_P)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    if TRIG == 2:  # the next kernel may launch now (pdl.trigger_at_wait)
+    if TRIG == 2:  # the next kernel may launch now (pdl.trigger)
         tl.extra.cuda.gdc_launch_dependents()
     dt = Q.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
@@ -128,11 +128,6 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
                 EARLY=pre, IN_TILE=bool(IN_TILE))
 
 
-def _trig(device, wo) -> int:
-    """TRIG: 0 none, 1 once Wo is read (pdl.trigger), 2 right after the wait (pdl.trigger_at_wait)."""
-    return (2 if trigger_at_wait("attn_o") else 1) if trigger(device, wo) else 0
-
-
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
                                wo, residual, config=None):
     """residual + attention(q, k, v | prefix, ranges) @ wo^T -> (out [T, N], ssq [tiles, T] fp32),
@@ -168,6 +163,6 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, TRIG=_trig(q.device, wo), **cfg, **launch_kwargs(q.device),
+        UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o"), **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

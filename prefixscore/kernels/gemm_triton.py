@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
-from .pdl import early, launch_kwargs, trigger, trigger_at_wait, wait
+from .pdl import early, launch_kwargs, trigger, wait
 
 
 @triton.jit
@@ -110,7 +110,7 @@ def _skinny_kernel(
                               eviction_policy="evict_first")
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    if TRIG == 2:  # the next kernel may launch now (pdl.trigger_at_wait)
+    if TRIG == 2:  # the next kernel may launch now (pdl.trigger)
         tl.extra.cuda.gdc_launch_dependents()
 
     # The epilogue's inputs, loaded before the main loop so their latency hides under it (after
@@ -331,7 +331,7 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
 # GEMM (gate/up, the most bytes per program) takes kernels.GU_PRE_KB in either case. H200, W1 in
 # place (bench/results/gpu_ab_tune*_session9.json): 0.5B gate/up with 16 / 32 / 64 KB before the
 # wait, span 567.8 / 564.5 / 553.3 us (gate/up 9.60 / 9.54 / 8.83 us), and with the trigger at
-# the wait (pdl.trigger_at_wait) 32 KB read +38 us against 64; at 64 KB, 4 of its 7 steps, sm_90
+# the wait (pdl.trigger) 32 KB read +38 us against 64; at 64 KB, 4 of its 7 steps, sm_90
 # ptxas gives 222 registers and no spills (two programs per SM).
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
@@ -380,14 +380,6 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes):
     return cfg
 
 
-def _trig(device, w, epi) -> int:
-    """TRIG: 0 no early trigger, 1 once the main loop is done (pdl.trigger), 2 right after the
-    wait (pdl.trigger_at_wait)."""
-    if not trigger(device, w):
-        return 0
-    return 2 if trigger_at_wait("gate_up" if epi == 1 else "qkv" if epi == 2 else "linear") else 1
-
-
 def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None):
     """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
@@ -428,8 +420,8 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=_trig(x.device, w, epi), **cfg,
-        **launch_kwargs(x.device),
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi]),
+        **cfg, **launch_kwargs(x.device),
     )
 
 

@@ -5,8 +5,8 @@ A small-batch forward is ~100 short kernels in one CUDA graph, and between two o
 idle while the next launch is processed. Launched with PDL, a kernel's launch overlaps the end of
 its predecessor; its first instruction waits (griddepcontrol.wait: every earlier kernel complete
 and its writes visible), so it reads and writes exactly what a serial launch would. Where the
-kernel ahead triggers (gdc_launch_dependents: trigger() and trigger_at_wait() below, 0.5B-class
-layers), its successor launches then; otherwise the predecessor's exit lets it run.
+kernel ahead triggers (gdc_launch_dependents: trigger() below, 0.5B-class layers), its successor
+launches then; otherwise the predecessor's exit lets it run.
 
 Measured on the H200 (bench.gpu --ab: W1 graph replay, each variant captured and timed twice in
 one run; bench/results/gpu_ab_pdl_*.json), ms:
@@ -41,8 +41,8 @@ kernel's split-K reduction and stores:
 kernels whose weight is at most EARLY_MAX_BYTES (every 0.5B layer; no 7B layer), and 7B runs as
 before.
 
-Ninth session: with early loads, the trigger pays most right after the wait (trigger_at_wait has
-the rows: W1 0.539 -> 0.480 ms). The second session's "trigger right after the wait" above lost
+Ninth session: with early loads, the trigger pays most right after the wait (trigger() has the
+rows: W1 0.539 -> 0.480 ms). The second session's "trigger right after the wait" above lost
 because nothing was loaded early then: the next kernel's programs only sat on the SMs.
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
@@ -80,29 +80,25 @@ def early(weight_bytes: int) -> bool:
     return bool(EARLY_WEIGHTS) and weight_bytes <= EARLY_MAX_BYTES
 
 
-def trigger(device, w) -> bool:
-    """TRIG: the kernel reading weight w lets the next one launch once its main loop is done
-    (kernels.TRIGGER; only where early() holds: the next kernel has early loads to overlap)."""
-    from . import TRIGGER
+def trigger(device, w, role: str) -> int:
+    """TRIG of the kernel reading weight w: 0 it lets the next kernel launch only by ending, 1 once
+    its main loop is done, 2 right after its wait. Only where early() holds (kernels.TRIGGER): the
+    next kernel has early loads to overlap. 2 for the roles kernels.TRIGGER_AT_WAIT names (1
+    gate_up, 2 + attn_o, 3 + the rest: qkv and the plain linears, down among them).
 
-    return bool(TRIGGER) and enabled(device) and early(w.numel() * w.element_size())
-
-
-def trigger_at_wait(role: str) -> bool:
-    """Whether a kernel that triggers (trigger()) does so right after its wait, not after its main
-    loop (kernels.TRIGGER_AT_WAIT: 1 gate/up, 2 + attention + O, 3 + QKV and down). At its wait,
-    every kernel ahead is done, so the next kernel's programs launch into the SM room this one's
-    leave and start their early loads while it runs. Gate/up has no split-K tail, and with 152
-    programs on 132 SMs its last loop to end is about its last program to end: triggered after the
-    loop, down launched as gate/up ended (W1 timeline gap -0.03 us, the other kernels -1.4 to -2.6).
-    H200, W1 graph replay in place, scores bitwise the same (bench/results/
+    At its wait, every kernel ahead is done, so the next kernel's programs launch into the SM room
+    this one's leave and start their early loads while it runs. Gate/up has no split-K tail, and
+    with 152 programs on 132 SMs its last loop to end is about its last program to end: triggered
+    after the loop, down launched as gate/up ended (W1 timeline gap -0.03 us, the other kernels
+    -1.4 to -2.6). H200, W1 graph replay in place, scores bitwise the same (bench/results/
     gpu_ab_gu_trigger_session9.json, gpu_ab_round5_session9.json, gpu_ab_round6_session9.json):
         none 0.539 ms (span 548 us); gate/up 0.518 (524); + attention + O 0.492 (494);
         + QKV and down 0.480 (483; with down split 10 ways, gemm_config: 0.493 / 0.496 at 19)"""
-    from . import TRIGGER_AT_WAIT
+    from . import TRIGGER, TRIGGER_AT_WAIT
 
-    level = {"gate_up": 1, "attn_o": 2}.get(role, 3)
-    return TRIGGER_AT_WAIT >= level
+    if not (TRIGGER and enabled(device) and early(w.numel() * w.element_size())):
+        return 0
+    return 2 if TRIGGER_AT_WAIT >= {"gate_up": 1, "attn_o": 2}.get(role, 3) else 1
 
 
 def launch_kwargs(device) -> dict:
