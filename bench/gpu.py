@@ -243,15 +243,17 @@ def host_profile(fn, n=300):
     return s.getvalue()[-3500:]
 
 
-def w1_graph(ours, weight):
-    """The graph a W1 request (one SUFFIX-token suffix) replays, in the runner captured for weight."""
+def w1_graph(ours, weight, tokens=SUFFIX):
+    """The graph a W1 request (one SUFFIX-token suffix; or `tokens` in all) replays, in the runner
+    captured for weight."""
     runner = ours.engine.graphs[(id(ours.prefix), id(weight), True)]
-    return runner.graphs[next(b for b in runner.buckets if b >= SUFFIX)]
+    return runner.graphs[next(b for b in runner.buckets if b >= tokens)]
 
 
-def variant_graph(ours, suffix, keep=None, **switches):
+def variant_graph(ours, suffix, keep=None, batch=1, **switches):
     """W1 replay of the same engine captured with kernels/ switches changed (USE_TRITON=False: torch
-    reference kernels, the plain graph). keep: a list that gets the graph (to profile it later)."""
+    reference kernels, the plain graph). keep: a list that gets the graph (to profile it later).
+    batch: that many copies of the request in one replay (another token bucket)."""
     saved_tune = dict(K.TUNE)
     saved = {k: getattr(K, k) for k in switches if "." not in k}
     for k, v in switches.items():
@@ -261,10 +263,10 @@ def variant_graph(ours, suffix, keep=None, **switches):
             setattr(K, k, v)
     try:
         w = ours.weight.clone()  # a distinct key for the engine's graph table
-        ours.engine.capture(ours.prefix, w, True, 16)
-        plan = plan_classify([suffix], [PREFIX], ours.trie)
+        ours.engine.capture(ours.prefix, w, True, max(16, batch * SUFFIX))
+        plan = plan_classify([suffix] * batch, [PREFIX] * batch, ours.trie)
         ours.engine.run(plan, ours.prefix, w, True)
-        g = w1_graph(ours, w)
+        g = w1_graph(ours, w, batch * SUFFIX)
         if keep is not None:
             keep.append(g)
         return stats(gpu_times(g.replay))
@@ -381,26 +383,27 @@ def sweep(ours, floors, floor_ms, shape, batches):
     return out
 
 
-def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False, groups=None):
+def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False, groups=None, batch=1):
     """--ab: W1 graph replay of each shape with every combination of kernels/ switch values
     ((name, values) pairs; a name role.key is a kernels.TUNE launch-config override), each
     captured and timed twice (in turn); profile: then each first capture's kernel timeline
     (bench.timeline; profiling slows what is timed after it, so it comes last). groups: several
-    such switch lists, each its own set of combinations, on one loaded model. The first capture
+    such switch lists, each its own set of combinations, on one loaded model; batch: requests per
+    replay (1: W1; 4: the 32-token bucket). The first capture
     of a process has read 0.01-0.02 ms below every later one, variants and their repeats alike
     (BENCHMARKS.md, eighth session), so an unchanged capture goes first and is reported apart.
     (Its run on commit de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
     out = {}
     for shape in shapes:
         hf = hf_model(shape)
-        ours = Synthetic(hf, max_tokens=16)
+        ours = Synthetic(hf, max_tokens=max(16, batch * SUFFIX))
         one = random_suffixes(1, seed=9)[0]
-        rows = {"first capture, defaults": variant_graph(ours, one)}
+        rows = {"first capture, defaults": variant_graph(ours, one, batch=batch)}
         print(f"{shape:5s} {'first capture, defaults':40s} p50 {rows['first capture, defaults']['p50_ms']:.4f}",
               flush=True)
         graphs = []
         for sw in groups or [switches]:
-            rows.update(_ab_group(shape, ours, one, sw, graphs))
+            rows.update(_ab_group(shape, ours, one, sw, graphs, batch))
         if profile:
             from .timeline import summarize, timeline
 
@@ -416,7 +419,7 @@ def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False, groups=No
     return out
 
 
-def _ab_group(shape, ours, one, switches, graphs):
+def _ab_group(shape, ours, one, switches, graphs, batch):
     """One group's combinations, twice each in turn; graphs gets (key, first capture's graph)."""
     import itertools
 
@@ -429,7 +432,7 @@ def _ab_group(shape, ours, one, switches, graphs):
             key = label(combo) + again
             keep = None if again else []
             try:
-                rows[key] = variant_graph(ours, one, keep=keep, **dict(zip(names, combo)))
+                rows[key] = variant_graph(ours, one, keep=keep, batch=batch, **dict(zip(names, combo)))
             except Exception as e:  # e.g. a launch config the kernel refuses: note it, go on
                 rows[key] = {"error": repr(e)[:300]}
                 print(f"{shape:5s} {key:40s} failed: {rows[key]['error']}", flush=True)
@@ -546,6 +549,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="with --ab: each variant's kernel timeline")
     ap.add_argument("--ab-shapes", nargs="*", default=None, help="with --ab: these shapes (default "
                     "0.5B and, without --skip-7b, 7B)")
+    ap.add_argument("--ab-batch", type=int, default=1, metavar="N",
+                    help="with --ab: N copies of the W1 request per replay (4: the 32-token bucket)")
     a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     if a.ab == "COPIES":
@@ -560,7 +565,7 @@ def main(argv=None):
     if a.ab:
         groups = [_ab_switches(ap, g) for g in a.ab.split(";")]
         res = ab_rows(a.ab_shapes or ["0.5B"] + ([] if a.skip_7b else ["7B"]), profile=a.profile,
-                      groups=groups)
+                      groups=groups, batch=a.ab_batch)
         (OUT / "gpu_ab.json").write_text(json.dumps(res, indent=1))
         return
     latency, throughput = a.part in ("all", "latency"), a.part in ("all", "throughput")
