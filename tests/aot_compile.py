@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 
 import torch
@@ -46,8 +47,7 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     # this, loads are not vectorized and no loop is pipelined, so registers and shared memory
     # would not be the GPU build's.
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-             if sig[p].startswith("*") or p.startswith("stride") or p.startswith("s") and p[1:2] in "qkvp"
-             and "_" in p}
+             if sig[p].startswith("*") or re.fullmatch(r"stride_\w+|s(q|k|v|pk|pv)_[th]", p)}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
                     attrs=attrs)
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages,
