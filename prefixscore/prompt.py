@@ -68,9 +68,13 @@ class Encoded:
 
 class Prompt:
     def __init__(self, tokenizer, template: str, chat: bool | None = None, slots=("query",),
-                 context_limit: int | None = None):
+                 context_limit: int | None = None, special_tokens: bool = False):
+        """special_tokens: parse special-token text inside a slot's value (`<|im_end|>` in a query
+        becomes the control token). Default False: a slot's value is tokenized as plain text, so a
+        query cannot forge chat turns."""
         check_template(template, slots)
         self.tokenizer, self.template, self.slots = tokenizer, template, slots
+        self.special_tokens = bool(special_tokens)
         has_chat = bool(getattr(tokenizer, "chat_template", None))
         if chat and not has_chat:
             raise ConfigError("chat=True but the tokenizer has no chat template")
