@@ -190,3 +190,14 @@ class ResultWriter(Output):
         else:
             self._rows([r.query, r.label] + [f"{r.scores[l]:.6g}" for l in self.labels]
                        for r in results)
+
+
+def read_text(path: str, what: str) -> str:
+    """A whole UTF-8 text file (a template, a label list), or an InputError naming it."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
+            return f.read()
+    except OSError as e:
+        raise InputError(f"cannot read {what} file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputError(f"{what} file {path}: not valid UTF-8") from None

@@ -1,0 +1,43 @@
+"""The server (`prefixscore serve`), as a package (DESIGN.md §7):
+
+    protocol.py     the wire between front ends and an engine (msgspec structs)
+    config.py       FrontendConfig, EngineConfig: built once from flags + TOML, checked there
+    engine_loop.py  the engine loop: everything queued -> one flat batch -> answers
+    engine_proc.py  the engine process: the model, the loop, a ZeroMQ ROUTER socket
+    client.py       front end -> engine: InprocClient (a thread) and ZmqClient (a process)
+    frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit
+    http.py         the FastAPI app, its ASGI guard and the bounded uvicorn protocol
+    metrics.py      Prometheus series, summed over processes
+    launch.py       --workers 1 (one process) or launcher + front ends + engine process
+    cli.py          the `serve` command
+
+Data flows one way: cli -> launch -> (http -> frontend -> client) | (engine_proc -> engine_loop)
+-> the Classifier.
+"""
+from __future__ import annotations
+
+
+def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_window_ms: float = 0.0,
+               engine_spin_ms: float = 0.0, model_name: str | None = None, **limits):
+    """An ASGI app serving `classifier` (and `scorer` for /v1/score) in this process: the engine
+    loop on a thread, as `prefixscore serve --workers 1` runs it. limits: FrontendConfig fields
+    (max_queue, max_queries, max_tokens, api_key, cache_size, ...)."""
+    import os
+
+    from .client import InprocClient
+    from .config import FrontendConfig
+    from .frontend import Frontend
+    from .http import create_app as http_app
+    from .metrics import Metrics
+
+    cfg = FrontendConfig(restart_engine=restart_engine, **limits)
+    metrics = Metrics()
+    model = model_name or os.path.basename(str(getattr(getattr(classifier, "loaded", None), "name",
+                                                      "prefixscore")))
+    client = InprocClient(classifier, scorer, window=batch_window_ms / 1e3,
+                          spin=engine_spin_ms / 1e3, metrics=metrics, restart=restart_engine,
+                          model=model)
+    fe = Frontend(cfg, client, metrics, lambda info: classifier.prompt)
+    app = http_app(fe, on_startup=client.start, on_shutdown=client.stop)
+    app.state.client = client
+    return app

@@ -1,0 +1,183 @@
+"""`prefixscore serve`: flags (and a TOML file) -> FrontendConfig + EngineConfig -> launch.serve."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+from ..errors import ConfigError
+from .config import EngineConfig, FrontendConfig, api_key_from, default_workers
+
+
+def add_command(subparsers, model_args) -> None:
+    p = subparsers.add_parser(
+        "serve", help="HTTP service: POST /v1/classify, /v1/score; GET /healthz, /metrics, /docs",
+        description="Serve one classifier over HTTP: front-end processes (HTTP, tokenization) and one "
+                    "engine process (the model). Options can also come from a TOML file (--config); "
+                    "flags given on the command line win.")
+    g = p.add_argument_group("server")
+    g.add_argument("--config", default=None,
+                   help="TOML file of options: keys are the long flags without '--' (port = 8000, "
+                        "labels = [\"yes\", \"no\"], ...)")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--workers", type=int, default=None,
+                   help="front-end processes (HTTP, validation, tokenization) in front of one engine "
+                        "process; 1: one process, the engine on a thread (default: half the CPUs, at "
+                        "most 8; 1 on 2 CPUs or fewer)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSCORE_API_KEY; "
+                        "a blank key is refused)")
+    g.add_argument("--max-queue", type=int, default=1024,
+                   help="queries in flight per front-end process; beyond it requests get 429 with "
+                        "Retry-After")
+    g.add_argument("--max-queue-ms", type=float, default=2000.0,
+                   help="a query the engine has not started within this is dropped unrun and answered "
+                        "503 with Retry-After (default 2000)")
+    g.add_argument("--batch-window-ms", type=float, default=0.0,
+                   help="how long a batch may wait for more requests (default 0: run when the engine is free)")
+    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")
+    g.add_argument("--max-queries", type=int, default=256, help="queries (or items) per request (413)")
+    g.add_argument("--max-tokens", type=int, default=512,
+                   help="tokens per query after the cached prefix (422)")
+    g.add_argument("--max-score-tokens", type=int, default=8192,
+                   help="tokens of query + items per /v1/score request (413)")
+    g.add_argument("--max-label-ids", type=int, default=64,
+                   help="labels or label_token_ids per /v1/score request (413)")
+    g.add_argument("--cache-size", type=int, default=0, help="result cache entries per front end (default 0: off)")
+    g.add_argument("--cache-ttl", type=float, default=0.0, help="result cache TTL in seconds (0: none)")
+    g.add_argument("--score-template", default=None,
+                   help="template with {query} and {item} slots: enables /v1/score")
+    g.add_argument("--score-labels", default=None,
+                   help="comma-separated labels of /v1/score when a request names none (default: yes,no)")
+    g.add_argument("--max-connections", type=int, default=4096,
+                   help="open connections per front-end process (must exceed its --max-queue share)")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds for a request's headers to arrive (408 and close; idle sockets too)")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds for a request's body to arrive after its headers (408)")
+    g.add_argument("--max-header-bytes", type=int, default=16384, help="request line + headers (431)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds to finish accepted requests; the rest get 503")
+    g.add_argument("--restart-engine", action="store_true",
+                   help="restart the engine when it dies (requests meanwhile get 503)")
+    g.add_argument("--engine-cpu", default="none",
+                   help="--workers 1 only: pin the engine thread to this CPU number; 'auto': the last "
+                        "CPU, on a GPU with 4+ CPUs; 'none' (default)")
+    g.add_argument("--engine-spin-ms", default="auto",
+                   help="after each batch the engine polls this long for the next one, busy on its "
+                        "CPU, before it sleeps; 'auto' (default): 2 on a GPU, 0 on CPU inference")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model's name in /healthz and /v1/score answers (default: its file or "
+                        "folder name)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+    model_args(p)
+    p.set_defaults(func=lambda a: cmd_serve(a, p))
+
+
+def apply_config(a, parser) -> None:
+    """Options from a TOML file, under the command line: the file's values go through the same
+    parser as flags (typed and checked the same way) and become its defaults, then the command
+    line is parsed again on top, so a flag given there wins even where it equals the default."""
+    import tomllib
+
+    try:
+        with open(a.config, "rb") as f:
+            cfg = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {a.config}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {a.config}: {e}") from None
+    actions = {act.dest: act for act in parser._actions if act.dest not in ("help", "config")}
+    argv = []
+    for key, value in cfg.items():
+        dest = key.replace("-", "_")
+        act = actions.get(dest)
+        if act is None:
+            raise ConfigError(f"config file {a.config}: unknown option {key!r}; known: "
+                              f"{', '.join(sorted(k.replace('_', '-') for k in actions))}")
+        flag = act.option_strings[0]
+        if act.nargs == 0:  # a switch: --truncate, --access-log, --chat / --no-chat
+            if not isinstance(value, bool):
+                raise ConfigError(f"config file {a.config}: {key} is a switch: true or false")
+            if value:
+                argv.append(flag)
+            elif len(act.option_strings) > 1:  # the "--no-" form
+                argv.append(act.option_strings[1])
+            continue
+        if isinstance(value, bool):
+            raise ConfigError(f"config file {a.config}: {key} takes a value, not {str(value).lower()}")
+        if isinstance(value, list):  # labels = ["yes", "no"]: the flag's comma-separated form
+            if any("," in str(v) for v in value):
+                raise ConfigError(f"config file {a.config}: {key}: an element contains a comma, "
+                                  f"which would split it; put such labels in a labels-file")
+            value = ",".join(map(str, value))
+        argv.append(f"{flag}={value}")  # one word: a value may start with '-'
+    parser.exit_on_error = False  # a bad value raises, to be reported as the config file's
+    try:
+        from_file = parser.parse_args(argv)
+        parser.set_defaults(**{k.replace("-", "_"): getattr(from_file, k.replace("-", "_")) for k in cfg})
+        merged = parser.parse_args(a.argv)
+    except argparse.ArgumentError as e:
+        raise ConfigError(f"config file {a.config}: {e}") from None
+    finally:
+        parser.exit_on_error = True
+    for dest in actions:
+        setattr(a, dest, getattr(merged, dest))
+
+
+def configs(a) -> tuple[FrontendConfig, EngineConfig]:
+    """The flags as the two processes' configs (every value checked here, before any model loads)."""
+    from ..classifier import classifier_labels
+    from ..io import read_text
+    from ..prompt import check_template
+
+    template = read_text(a.template_file, "template").rstrip("\n") if a.template_file else a.template
+    if a.labels_file:
+        labels = [l.strip() for l in read_text(a.labels_file, "labels").splitlines() if l.strip()]
+    else:
+        labels = None if a.labels is None else [l.strip() for l in a.labels.split(",")]
+    if template is not None:
+        check_template(template, ("query",))
+    if labels is not None:
+        labels = classifier_labels(labels)
+    score_labels = None if a.score_labels is None else [l.strip() for l in a.score_labels.split(",")]
+    engine = EngineConfig(
+        model=a.model, template=template, labels=tuple(labels) if labels else None, device=a.device,
+        dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate, batch_tokens=a.batch_tokens,
+        head=getattr(a, "head", None), allow_special_tokens=getattr(a, "allow_special_tokens", False),
+        score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
+        batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
+        served_model_name=a.served_model_name)
+    workers = default_workers() if a.workers is None else a.workers
+    front = FrontendConfig(
+        host=a.host, port=a.port, workers=workers, api_key=api_key_from(a.api_key),
+        max_queue=a.max_queue, max_queue_ms=a.max_queue_ms, max_body_bytes=a.max_body_bytes,
+        max_queries=a.max_queries, max_tokens=a.max_tokens, max_score_tokens=a.max_score_tokens,
+        max_label_ids=a.max_label_ids, cache_size=a.cache_size, cache_ttl=a.cache_ttl,
+        max_connections=a.max_connections, header_timeout=a.header_timeout,
+        body_timeout=a.body_timeout, max_header_bytes=a.max_header_bytes,
+        shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
+        log_level=a.log_level, access_log=a.access_log)
+    if workers > 1 and a.engine_cpu != "none":
+        raise ConfigError("--engine-cpu pins the engine thread of a single process: use it with "
+                          "--workers 1")
+    return front, engine
+
+
+def cmd_serve(a, parser) -> int:
+    from .launch import serve
+
+    if a.config:
+        apply_config(a, parser)
+    front, engine = configs(a)
+    try:
+        loopback = ipaddress.ip_address(front.host).is_loopback
+    except ValueError:
+        loopback = front.host == "localhost"
+    if not loopback and not front.api_key:
+        print(f"prefixscore: warning: listening on {front.host} without an API key: anyone who can "
+              f"reach this port can use the model (set --api-key or PREFIXSCORE_API_KEY)",
+              file=sys.stderr)
+    return serve(front, engine)

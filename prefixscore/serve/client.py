@@ -1,0 +1,283 @@
+"""Front end -> engine clients, one interface over two transports (vLLM's EngineCoreClient shape).
+
+- InprocClient: the engine loop on a thread of this process (`--workers 1`; the tests' seam).
+- ZmqClient: an engine process over a ZeroMQ DEALER socket (several front-end processes).
+
+Both batch: every request submitted during one event-loop pass leaves in one message, and each
+engine batch comes back as one message per front end. Both watch the engine: when it dies every
+request in flight fails at once with EngineDead (503), `error` is set until it is ready again.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import protocol as P
+from .engine_loop import STOP, EngineLoop
+
+log = logging.getLogger("prefixscore.client")
+
+
+class EngineDead(Exception):
+    pass
+
+
+@dataclass
+class ClassifyJob:
+    """One front-end request: its queries' rows, answered together (one message each way)."""
+    future: asyncio.Future
+    n: int
+    status: list = None
+    best: list = None
+    scores: np.ndarray = None
+    errors: dict = field(default_factory=dict)
+    forward_s: float = 0.0
+    batch_size: int = 0
+
+
+class BaseClient:
+    def __init__(self, client_id: int = 0):
+        self.id = client_id
+        self.info: P.ReadyOut | None = None
+        self.error: str | None = "starting"  # None once the engine is ready
+        self.rids = itertools.count()
+        self.jobs: dict[int, tuple] = {}  # rid -> (job, row) or ScoreReq future
+        self.outbox: list = []  # messages built in this event-loop pass
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.queued = 0  # the engine's queue depth in its last answer
+        self.rate = None  # engine requests/s, smoothed (for Retry-After)
+
+    @property
+    def ready(self) -> bool:
+        return self.error is None
+
+    # -- submitting (event loop)
+    def classify(self, ids: list[list[int]], starts: list[int], deadline: float) -> asyncio.Future:
+        if self.error is not None:
+            raise EngineDead(self.error)
+        job = ClassifyJob(self.loop.create_future(), len(ids))
+        rids = [next(self.rids) for _ in ids]
+        for row, rid in enumerate(rids):
+            self.jobs[rid] = (job, row)
+        data, offsets = P.pack_ids(ids)
+        self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * len(ids)))
+        return job.future
+
+    def score(self, request: dict, deadline: float) -> asyncio.Future:
+        if self.error is not None:
+            raise EngineDead(self.error)
+        fut = self.loop.create_future()
+        rid = next(self.rids)
+        self.jobs[rid] = (fut, None)
+        self._queue(P.ScoreReq(self.id, rid, request, deadline))
+        return fut
+
+    def abort(self, futures: list) -> None:
+        """Requests whose clients left: dropped by the engine if still queued."""
+        rids = [rid for rid, (job, _) in self.jobs.items()
+                if (job.future if isinstance(job, ClassifyJob) else job) in futures]
+        if rids:
+            self._queue(P.AbortReq(self.id, rids))
+
+    def _queue(self, msg) -> None:
+        if not self.outbox:
+            self.loop.call_soon(self._flush)
+        self.outbox.append(msg)
+
+    def _flush(self) -> None:
+        msgs, self.outbox = self.outbox, []
+        classify = [m for m in msgs if isinstance(m, P.ClassifyReq)]
+        if len(classify) > 1:  # one message for every classify request of this pass
+            msgs = [m for m in msgs if not isinstance(m, P.ClassifyReq)] + [_merge(classify)]
+        for m in msgs:
+            self._send(m)
+
+    # -- answers (event loop)
+    def _on_out(self, out) -> None:
+        if isinstance(out, P.ClassifyOut):
+            self.queued = out.queued
+            if out.forward_s > 0:
+                r = out.batch_size / out.forward_s
+                self.rate = r if self.rate is None else 0.8 * self.rate + 0.2 * r
+            scores = np.frombuffer(out.scores, dtype=np.float32).reshape(len(out.rids), -1)
+            for i, rid in enumerate(out.rids):
+                entry = self.jobs.pop(rid, None)
+                if entry is None:
+                    continue
+                job, row = entry
+                if job.status is None:
+                    job.status, job.best = [0] * job.n, [0] * job.n
+                    job.scores = np.zeros((job.n, scores.shape[1]), dtype=np.float32)
+                job.status[row], job.best[row], job.scores[row] = out.status[i], out.best[i], scores[i]
+                if rid in out.errors:
+                    job.errors[row] = out.errors[rid]
+                job.forward_s, job.batch_size = out.forward_s, out.batch_size
+                job.n_done = getattr(job, "n_done", 0) + 1
+                if job.n_done == job.n and not job.future.done():
+                    job.future.set_result(job)
+        elif isinstance(out, P.ScoreOut):
+            entry = self.jobs.pop(out.rid, None)
+            if entry is not None and not entry[0].done():
+                entry[0].set_result(out)
+        elif isinstance(out, P.ReadyOut):
+            self.info, self.error = out, None
+
+    def _fail_all(self, error: str) -> None:
+        """The engine is gone: every request in flight fails now (503), none hangs."""
+        self.error = error
+        jobs, self.jobs = self.jobs, {}
+        for job, _ in jobs.values():
+            fut = job.future if isinstance(job, ClassifyJob) else job
+            if not fut.done():
+                fut.set_exception(EngineDead(error))
+
+    def wait_s(self, n: int) -> float:
+        """Seconds the engine needs for what is queued plus n more requests (Retry-After)."""
+        return (len(self.jobs) + self.queued + n) / self.rate if self.rate else 1.0
+
+
+def _merge(msgs: list) -> P.ClassifyReq:
+    rids, starts, deadlines, offsets, datas, base = [], [], [], [0], [], 0
+    for m in msgs:
+        rids += m.rids
+        starts += m.starts
+        deadlines += m.deadlines
+        offsets += [base + o for o in m.offsets[1:]]
+        base += m.offsets[-1]
+        datas.append(m.ids)
+    return P.ClassifyReq(msgs[0].client, rids, b"".join(datas), offsets, starts, deadlines)
+
+
+class InprocClient(BaseClient):
+    """The engine loop on a thread of this process: messages are passed as objects, answers come
+    back to the event loop with one call_soon_threadsafe per engine batch. A thread that dies
+    (any exception, a BaseException too) fails everything in flight; with restart=True a new
+    thread takes over the same classifier."""
+
+    def __init__(self, clf, scorer=None, window: float = 0.0, spin: float = 0.0, metrics=None,
+                 restart: bool = False, model: str = "", engine_cpu: int | None = None):
+        super().__init__(0)
+        self.clf, self.scorer, self.restart, self.model = clf, scorer, restart, model
+        self.engine = EngineLoop(clf, scorer, window=window, spin=spin, metrics=metrics)
+        self.engine_cpu = engine_cpu
+        self.thread: threading.Thread | None = None
+        self.restarts = 0
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.thread = threading.Thread(target=self._main, name="prefixscore-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.engine.source.put(STOP, None)
+
+    def _send(self, msg) -> None:
+        self.engine.source.put(msg, self._reply)
+
+    def _reply(self, out) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._on_out, out)
+        except RuntimeError:  # the event loop is closed: nobody waits for it
+            pass
+
+    def _main(self) -> None:
+        try:
+            if self.engine_cpu is not None:  # pid 0: this (engine) thread only
+                os.sched_setaffinity(0, {self.engine_cpu})
+            self.engine.warmup()
+            self._reply(self.engine.ready(model=self.model))
+            self.engine.run()
+        except BaseException as e:  # noqa: B036 -- no request may wait on a dead thread
+            log.error("engine thread died", exc_info=e)
+            try:
+                self.loop.call_soon_threadsafe(self._died, f"engine fault: {type(e).__name__}: {e}")
+            except RuntimeError:
+                pass
+
+    def _died(self, error: str) -> None:
+        self._fail_all(error)
+        if self.restart:
+            self.restarts += 1
+            log.warning("restarting the engine thread (restart %d)", self.restarts)
+            self.engine.source = type(self.engine.source)()
+            self.start(self.loop)
+
+
+class ZmqClient(BaseClient):
+    """An engine process behind a ZeroMQ DEALER socket. The socket's FD is watched by the event
+    loop (no thread); a socket monitor reports the engine's connection going away (the process
+    died) within milliseconds, and while not ready the client says Hello until a Ready comes."""
+
+    def __init__(self, address: str, client_id: int):
+        super().__init__(client_id)
+        import zmq
+
+        self.zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, client_id.to_bytes(2, "big"))
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.sock.connect(address)
+        self.address = address
+        self.connected = False
+        self.hello_task = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        loop.add_reader(self.sock.getsockopt(self.zmq.FD), self._readable)
+        loop.add_reader(self.monitor.getsockopt(self.zmq.FD), self._monitor_event)
+        self.hello_task = loop.create_task(self._hello_loop())
+        self._readable()
+        self._monitor_event()
+
+    def stop(self) -> None:
+        if self.loop is not None:
+            for s in (self.sock, self.monitor):
+                try:
+                    self.loop.remove_reader(s.getsockopt(self.zmq.FD))
+                except Exception:
+                    pass
+        if self.hello_task is not None:
+            self.hello_task.cancel()
+        self.monitor.close()
+        self.sock.close()
+        self.ctx.term()
+
+    async def _hello_loop(self) -> None:
+        while True:
+            if self.error is not None:
+                self._send(P.HelloReq(self.id))
+            await asyncio.sleep(0.2)
+
+    def _send(self, msg) -> None:
+        try:
+            self.sock.send(P.encoder.encode(msg), self.zmq.NOBLOCK)
+        except self.zmq.Again:  # the engine's queue is full or it is gone: fail this message
+            log.warning("engine socket full: message dropped")
+        self._readable()  # the FD is edge-triggered: a send can consume the readable edge
+
+    def _readable(self) -> None:
+        zmq = self.zmq
+        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._on_out(P.out_decoder.decode(self.sock.recv(zmq.NOBLOCK)))
+
+    def _monitor_event(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        zmq = self.zmq
+        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            if ev["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+                self._send(P.HelloReq(self.id))
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self._fail_all("engine process went away; the server is unhealthy until it is back")

@@ -1,0 +1,116 @@
+"""The server's configuration: one frozen dataclass per process kind, built once from the flags
+(and a TOML file) and handed to each process at spawn (nano-vllm's Config, vLLM's VllmConfig)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+MAX_WINDOW_MS = 10_000.0  # a longer batch window would outlast any client's timeout
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine process needs to build its Classifier (and Scorer) and run its loop."""
+    model: str | None = None
+    template: str | None = None
+    labels: tuple[str, ...] | None = None
+    device: str | None = None
+    dtype: str | None = None
+    mode: str = "logprobs"
+    chat: bool | None = None
+    truncate: bool = False
+    batch_tokens: int = 16384
+    head: str | None = None
+    allow_special_tokens: bool = False
+    score_template: str | None = None
+    score_labels: tuple[str, ...] | None = None
+    batch_window_ms: float = 0.0
+    engine_spin_ms: str = "auto"
+    engine_cpu: str = "none"
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.batch_window_ms <= MAX_WINDOW_MS:
+            raise ConfigError(f"--batch-window-ms must be from 0 to {MAX_WINDOW_MS:g}, got "
+                              f"{self.batch_window_ms}")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """What each front-end process (HTTP, gRPC) needs: limits, timeouts, auth, the cache."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = None
+    workers: int = 1
+    api_key: str | None = None
+    max_queue: int = 1024  # queries admitted and not yet answered, per front end
+    max_queue_ms: float = 2000.0  # a query not started by then is answered 503, not run
+    max_body_bytes: int = 1 << 20
+    max_queries: int = 256
+    max_tokens: int = 512  # per query, after the cached prefix
+    max_score_tokens: int = 8192  # per /v1/score request: query + items
+    max_label_ids: int = 64  # label_token_ids / labels per /v1/score request
+    cache_size: int = 0
+    cache_ttl: float = 0.0
+    max_connections: int = 4096  # per front-end process
+    header_timeout: float = 10.0  # a request's headers must arrive within this
+    body_timeout: float = 30.0  # and its body within this after them
+    max_header_bytes: int = 16384
+    shutdown_timeout: float = 30.0
+    restart_engine: bool = False
+    log_level: str = "info"
+    access_log: bool = False
+
+    def __post_init__(self):
+        for name in ("max_queue", "max_body_bytes", "max_queries", "max_tokens", "max_score_tokens",
+                     "max_label_ids", "max_connections", "max_header_bytes", "workers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {v!r}")
+        if self.max_queries > self.max_queue:
+            raise ConfigError(f"--max-queries ({self.max_queries}) must not exceed --max-queue "
+                              f"({self.max_queue})")
+        if self.max_connections <= self.max_queue // max(1, self.workers):
+            raise ConfigError(f"--max-connections ({self.max_connections}) must exceed the queue a "
+                              f"worker admits (--max-queue {self.max_queue}), so that overload is "
+                              f"answered 429 by the server, not refused by the connection limit")
+        for name in ("max_queue_ms", "header_timeout", "body_timeout", "shutdown_timeout"):
+            v = getattr(self, name)
+            if not 0 < v < float("inf"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
+        if not 0 <= self.cache_ttl < float("inf"):  # inf would be "no TTL", which 0 already says
+            raise ConfigError(f"--cache-ttl must be seconds >= 0 (0: none), got {self.cache_ttl}")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
+
+
+def check_api_key(key: str) -> None:
+    """A key a client can send (an HTTP header carries printable ASCII only), and not blank: a
+    blank key (an empty secret file) would silently turn authentication off."""
+    if not key.strip():
+        raise ConfigError("the API key is blank (an empty PREFIXSCORE_API_KEY or secret file?): "
+                          "refusing to run without authentication by accident; unset it to run "
+                          "without a key")
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise ConfigError("the API key must be printable ASCII without leading or trailing spaces "
+                          "(an HTTP header cannot carry anything else, so no client could send it)")
+
+
+def api_key_from(flag: str | None) -> str | None:
+    """--api-key, else $PREFIXSCORE_API_KEY (a trailing newline of a secret file dropped). Set but
+    blank is an error (check_api_key), not "no key"."""
+    key = flag if flag is not None else os.environ.get("PREFIXSCORE_API_KEY")
+    if key is None:
+        return None
+    key = key.rstrip("\r\n")
+    check_api_key(key)
+    return key
+
+
+def default_workers() -> int:
+    """Front-end processes by default: half the CPUs this process may use, at most 8 (the engine
+    process, the OS and the clients need the rest); 1 (a single process) on 2 CPUs or fewer."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, n // 2)) if n > 2 else 1

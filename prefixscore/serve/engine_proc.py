@@ -1,0 +1,155 @@
+"""The engine process: owns the device, the model, the pinned prefix, the CUDA graphs and one
+EngineLoop, behind a ZeroMQ ROUTER socket that every front end's DEALER connects to.
+
+Start-up order: build (load, prefill, capture), run one batch, save the tokenizer files where the
+front ends can load them, then bind the socket and answer each front end's Hello with Ready. The
+loop polls the socket itself (no input thread: a request's decode is microseconds and a thread hop
+would cost more), and replies on the same socket from the same thread. SIGINT is ignored (a
+terminal's Ctrl-C reaches every process; the launcher decides the order of shutdown); SIGTERM
+ends the loop after the batch in flight. Any fault ends the process non-zero: the front ends see
+its socket close, answer 503, and the launcher restarts it with --restart-engine.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import sys
+import time
+
+from . import protocol as P
+from .config import EngineConfig
+from .engine_loop import STOP, EngineLoop
+
+log = logging.getLogger("prefixscore.engine")
+
+
+def build(cfg: EngineConfig):
+    """The Classifier (and the /v1/score Scorer on its weights) that cfg describes."""
+    from ..classifier import Classifier
+
+    kw = {"allow_special_tokens": True} if cfg.allow_special_tokens else {}
+    clf = Classifier(cfg.model, cfg.template, list(cfg.labels) if cfg.labels else None,
+                     device=cfg.device, dtype=cfg.dtype, chat=cfg.chat, mode=cfg.mode,
+                     truncate=cfg.truncate, max_batch_tokens=cfg.batch_tokens, head=cfg.head, **kw)
+    scorer = None
+    if cfg.score_template:
+        from ..scorer import Scorer
+
+        scorer = Scorer(model=clf.loaded, template=cfg.score_template,
+                        labels=list(cfg.score_labels) if cfg.score_labels else None, chat=cfg.chat,
+                        max_batch_tokens=cfg.batch_tokens, **kw)
+    return clf, scorer
+
+
+def spin_seconds(spec: str, device: str) -> float:
+    """--engine-spin-ms: after each batch the loop polls this long before it sleeps ('auto': 2 ms
+    on a GPU, where it saves a wake-up per request; 0 on CPU inference, whose threads need every
+    CPU)."""
+    from ..errors import ConfigError
+
+    if spec == "auto":
+        return 2e-3 if device == "cuda" else 0.0
+    try:
+        ms = float(spec)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms < float("inf"):
+        raise ConfigError(f"--engine-spin-ms must be milliseconds (>= 0) or 'auto', got {spec!r}")
+    return ms / 1e3
+
+
+class ZmqSource:
+    """The engine loop's messages from a ROUTER socket: (message, reply-to-its-front-end)."""
+
+    def __init__(self, address: str):
+        import zmq
+
+        self.zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)  # a fault's last answers still leave
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.address = address
+        self.ready: P.ReadyOut | None = None
+        self.stop = False
+        self.replies: dict[bytes, object] = {}
+
+    def bind(self, ready: P.ReadyOut) -> None:
+        self.ready = ready
+        self.sock.bind(self.address)
+
+    def _reply(self, ident: bytes):
+        fn = self.replies.get(ident)
+        if fn is None:
+            sock, enc = self.sock, P.encoder.encode
+
+            def fn(out):
+                sock.send_multipart([ident, enc(out)], copy=False)
+
+            self.replies[ident] = fn
+        return fn
+
+    def take(self, spin: float) -> list:
+        zmq, sock = self.zmq, self.sock
+        items = []
+        deadline = time.perf_counter() + spin
+        while not items:
+            if self.stop:
+                return [(STOP, None)]
+            if not sock.poll(0 if time.perf_counter() < deadline else 100):
+                continue
+            while True:
+                try:
+                    ident, data = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = P.req_decoder.decode(data)
+                if isinstance(msg, P.HelloReq):
+                    self._reply(ident)(self.ready)
+                else:
+                    items.append((msg, self._reply(ident)))
+        return items
+
+    def pending(self) -> int:
+        return int(bool(self.sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN))
+
+    def put(self, msg, reply) -> None:  # only STOP, from the signal handler
+        self.stop = True
+
+
+def save_tokenizer(tokenizer, run_dir: str) -> str:
+    """The tokenizer files, for the front ends (a GGUF model's tokenizer exists only in memory)."""
+    path = os.path.join(run_dir, f"tokenizer-{os.getpid()}")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
+         ready_event=None) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     engine: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    source = ZmqSource(address)
+    signal.signal(signal.SIGTERM, lambda *_: source.put(STOP, None))
+    try:
+        clf, scorer = build(cfg)
+        from .metrics import Metrics
+
+        loop = EngineLoop(clf, scorer, source=source, window=cfg.batch_window_ms / 1e3,
+                          spin=spin_seconds(cfg.engine_spin_ms, clf.engine.device.type),
+                          metrics=Metrics())
+        loop.warmup()
+        model = cfg.served_model_name or os.path.basename(str(clf.loaded.name))
+        source.bind(loop.ready(save_tokenizer(clf.loaded.tokenizer, run_dir), model))
+        log.info("ready on %s (pid %d)", clf.engine.device, os.getpid())
+        if ready_event is not None:
+            ready_event.set()
+        gc.collect()
+        gc.freeze()  # what start-up built is never collected: shorter GC pauses in the loop
+        loop.run()
+    except BaseException as e:  # noqa: B036 -- the launcher and front ends act on the exit status
+        log.error("engine fault: the engine process exits", exc_info=e)
+        source.sock.close(linger=1000)
+        sys.exit(1)
+    source.sock.close()

@@ -1,0 +1,309 @@
+"""A front end's request handling, shared by HTTP and gRPC: validate, tokenize, the result cache,
+admission, the engine call, and the answer's fields. Errors are ApiError(status, detail), in HTTP
+status codes (gRPC maps them); nothing here knows a wire format.
+
+Admission: a front end admits at most --max-queue queries in flight (its own, exact count) and
+answers 429 with Retry-After from the engine's measured rate beyond that; a query not started by
+the engine within --max-queue-ms is dropped unrun and answered 503; a request whose client left is
+aborted (dropped if still queued), and counted as 499, not 200.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..errors import InputError
+from . import protocol as P
+from .client import EngineDead
+from .config import FrontendConfig
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, detail: str, retry_after: float | None = None):
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+        self.headers = {} if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
+
+
+@dataclass
+class Answer:
+    results: list[tuple[str, str, list[float], bool]]  # per query: (query as seen, label, scores, cached)
+    labels: list[str]
+    batch_size: int
+    queue_s: float
+    tokenize_s: float
+    forward_s: float
+    total_s: float
+
+
+class ResultCache:
+    """LRU of (label index, scores) keyed by the prompt's token ids: the normalized form of a query
+    that provably gets the same answer, so results are identical with and without the cache."""
+
+    def __init__(self, size: int, ttl: float):
+        self.size, self.ttl = size, ttl
+        self.items: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, key):
+        hit = self.items.get(key)
+        if hit is None:
+            return None
+        if self.ttl and hit[0] < time.monotonic():
+            del self.items[key]
+            return None
+        self.items.move_to_end(key)
+        return hit[1]
+
+    def put(self, key, value) -> None:
+        self.items[key] = (time.monotonic() + self.ttl, value)
+        self.items.move_to_end(key)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
+class Frontend:
+    def __init__(self, cfg: FrontendConfig, client, metrics, prompt_factory):
+        """prompt_factory(ready) -> the Prompt to tokenize with (the classifier's own in-process;
+        one built from the engine's tokenizer files in a worker process)."""
+        self.cfg, self.client, self.metrics = cfg, client, metrics
+        self.prompt_factory = prompt_factory
+        self.prompt = None
+        self.info: P.ReadyOut | None = None
+        self.cache = ResultCache(cfg.cache_size, cfg.cache_ttl) if cfg.cache_size > 0 else None
+        self.inflight = 0  # queries admitted and not yet answered (this front end)
+        self.draining = False
+
+    # -- state
+    def sync(self) -> None:
+        """After the engine's Ready: the prompt, checked against the engine's own prefix."""
+        info = self.client.info
+        if info is not None and info is not self.info:
+            prompt = self.prompt_factory(info)
+            if list(prompt.prefix_ids) != list(info.prefix_ids):
+                raise RuntimeError("this front end's tokenizer splits the prompt differently from "
+                                   "the engine's")
+            prompt.context_limit = info.context_limit
+            self.prompt, self.info = prompt, info
+
+    def health(self) -> tuple[int, dict]:
+        c = self.client
+        if self.draining:
+            return 503, {"status": "shutting down"}
+        if c.error is not None and c.error != "starting":
+            return 503, {"status": "unhealthy", "error": c.error}
+        if c.error is not None:
+            return 503, {"status": "starting"}
+        self.sync()
+        i = self.info
+        return 200, {"status": "ok", "model": i.model, "labels": i.labels, "mode": i.mode,
+                     "scorer": i.scorer, "queue_depth": self.inflight + c.queued}
+
+    def _check_ready(self) -> None:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry on another instance", 1)
+        if self.client.error is not None:
+            raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
+        self.sync()
+
+    def _admit(self, n: int) -> None:
+        if self.inflight + n > self.cfg.max_queue:
+            raise ApiError(429, f"queue full ({self.inflight} queries waiting, limit "
+                                f"{self.cfg.max_queue}); retry later",
+                           self.client.wait_s(n))
+        self.inflight += n
+        self.metrics.queue_depth.inc(n)
+
+    def _release(self, n: int) -> None:
+        self.inflight -= n
+        self.metrics.queue_depth.dec(n)
+
+    # -- classify
+    async def classify(self, queries: list[str]) -> Answer:
+        t0 = time.perf_counter()
+        cfg = self.cfg
+        if not queries:
+            raise ApiError(422, "query is an empty list")
+        if len(queries) > cfg.max_queries:
+            raise ApiError(413, f"{len(queries)} queries in one request, over the limit of "
+                                f"{cfg.max_queries} (--max-queries)")
+        for i, q in enumerate(queries):  # a tokenizer raises on a lone surrogate: say what it is
+            if not isinstance(q, str):
+                raise ApiError(422, f"{query_name(i, len(queries))} must be a string")
+            if not is_unicode(q):
+                raise ApiError(422, f"{query_name(i, len(queries))} is not valid Unicode text "
+                                    f"(a lone surrogate)")
+        self._check_ready()
+        encoded = self._encode(queries)
+        t1 = time.perf_counter()
+        cache, hits = self.cache, [None] * len(encoded)
+        if cache is not None:
+            hits = [cache.get(tuple(e.ids)) for e in encoded]
+            self.metrics.cache_lookups(len(hits) - hits.count(None), hits.count(None))
+        todo = [e for e, h in zip(encoded, hits) if h is None]
+        job = None
+        if todo:
+            self._admit(len(todo))
+            try:
+                fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
+                                           time.monotonic() + cfg.max_queue_ms / 1e3)
+                job = await self._wait(fut)
+            except EngineDead as e:
+                raise ApiError(503, str(e), 1) from None
+            finally:
+                self._release(len(todo))
+            self.metrics.tokens.inc(sum(len(e.ids) - e.start for e in todo))
+            self._check_status(job)
+        labels = self.info.labels
+        rows = iter(range(len(todo)))
+        results = []
+        for e, h in zip(encoded, hits):
+            if h is None:
+                r = next(rows)
+                h = (job.best[r], job.scores[r].tolist())
+                if cache is not None:
+                    cache.put(tuple(e.ids), h)
+                results.append((e.values["query"], labels[h[0]], h[1], False))
+            else:
+                results.append((e.values["query"], labels[h[0]], h[1], True))
+        t2 = time.perf_counter()
+        forward = job.forward_s if job else 0.0
+        ans = Answer(results, labels, job.batch_size if job else 0,
+                     max(0.0, t2 - t1 - forward) if job else 0.0, t1 - t0, forward, t2 - t0)
+        st = self.metrics.stage
+        st["queue"].observe(ans.queue_s)
+        st["tokenize"].observe(ans.tokenize_s)
+        st["forward"].observe(ans.forward_s)
+        st["total"].observe(ans.total_s)
+        return ans
+
+    def _encode(self, queries: list[str]):
+        """Tokenized (Prompt.encode_many: one tokenizer call), within --max-tokens (cut with
+        --truncate), or a 422 naming the query."""
+        prompt, info, cfg = self.prompt, self.info, self.cfg
+        try:
+            encoded = prompt.encode_many([{"query": q} for q in queries], info.truncate)
+        except InputError as e:
+            raise ApiError(422, f"{query_name(getattr(e, 'index', 0), len(queries))}: {e}") from None
+        except Exception as e:  # the tokenizer itself raised: this request's input
+            raise ApiError(422, f"the tokenizer could not encode this request: "
+                                f"{type(e).__name__}: {e}") from None
+        P_ = len(prompt.prefix_ids)
+        limit = P_ + cfg.max_tokens
+        for i, e in enumerate(encoded):
+            n = len(e.ids) - P_
+            if n <= cfg.max_tokens:
+                continue
+            if not info.truncate:
+                raise ApiError(422, f"{query_name(i, len(queries))} is {n} tokens after the cached "
+                                    f"prefix, over the limit of {cfg.max_tokens} tokens per query "
+                                    f"(--max-tokens)")
+            try:
+                encoded[i] = prompt.truncated(e.values, limit)
+            except InputError as err:
+                raise ApiError(422, f"{query_name(i, len(queries))}: {err} (--max-tokens)") from None
+        return encoded
+
+    async def _wait(self, fut):
+        """The engine's answer; if this request is cancelled (its client left), the engine is
+        told to drop it unrun."""
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.client.abort([fut])
+            self.metrics.expired.labels("client_left").inc()
+            raise
+
+    def _check_status(self, job) -> None:
+        bad = [s for s in job.status if s != P.OK]
+        if not bad:
+            return
+        if P.FAULT in bad:
+            raise ApiError(503, next(iter(job.errors.values()), "engine fault"), 1)
+        if P.EXPIRED in bad:
+            self.metrics.expired.labels("queue_time").inc(bad.count(P.EXPIRED))
+            raise ApiError(503, f"not started within --max-queue-ms ({self.cfg.max_queue_ms:g} ms): "
+                                f"the server is overloaded; retry later", self.client.wait_s(0))
+        raise ApiError(503, "request aborted", 1)
+
+    # -- multi-item scoring
+    async def score(self, req: dict) -> dict:
+        """SGLang's /v1/score request (only the fields the client sent), limits checked here,
+        tokenization and scoring by the engine's Scorer."""
+        cfg = self.cfg
+        self._check_ready()
+        if not self.info.scorer:
+            raise ApiError(501, "no multi-item scorer is configured on this server: start it with "
+                                "--score-template TEMPLATE to enable /v1/score")
+        items = req.get("items")
+        items = [items] if isinstance(items, str) else items
+        if req.get("query") is None or not items:
+            raise ApiError(422, "query and items are required")
+        if len(items) > cfg.max_queries:
+            raise ApiError(413, f"{len(items)} items in one request, over the limit of "
+                                f"{cfg.max_queries} (--max-queries)")
+        labels = req.get("label_token_ids") or req.get("labels") or []
+        if len(labels) > cfg.max_label_ids:
+            raise ApiError(413, f"{len(labels)} labels in one request, over the limit of "
+                                f"{cfg.max_label_ids} (--max-label-ids)")
+        texts = [req["query"], *items, *(req.get("labels") or [])]
+        if not all(is_unicode(t) for t in texts if isinstance(t, str)):
+            raise ApiError(422, "query, items and labels must be valid Unicode text (a lone surrogate)")
+        n = self._count_tokens(req["query"], items)
+        if n > cfg.max_score_tokens:
+            raise ApiError(413, f"query and items are {n} tokens, over the limit of "
+                                f"{cfg.max_score_tokens} per request (--max-score-tokens)")
+        self._admit(len(items))
+        try:
+            out = await self._wait(self.client.score(req, time.monotonic() + cfg.max_queue_ms / 1e3))
+        except EngineDead as e:
+            raise ApiError(503, str(e), 1) from None
+        finally:
+            self._release(len(items))
+        if out.status == P.OK:
+            return out.result
+        if out.status == P.BAD_INPUT:
+            raise ApiError(422, out.error)
+        if out.status == P.EXPIRED:
+            raise ApiError(503, f"not started within --max-queue-ms ({cfg.max_queue_ms:g} ms): the "
+                                f"server is overloaded; retry later", self.client.wait_s(0))
+        raise ApiError(503, out.error or "engine fault", 1)
+
+    def _count_tokens(self, query, items) -> int:
+        """Tokens of query + items (ids as given, text through the tokenizer: exact to a few
+        tokens at the joins, which is what a limit needs)."""
+        texts = [t for t in [query, *items] if isinstance(t, str)]
+        n = sum(len(t) for t in [query, *items] if isinstance(t, list))
+        if texts:
+            backend = getattr(self.prompt.tokenizer, "_tokenizer", None)
+            if backend is not None and hasattr(backend, "encode_batch_fast"):
+                n += sum(len(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=False))
+            else:
+                n += sum(len(ids) for ids in self.prompt.tokenizer(texts, add_special_tokens=False)["input_ids"])
+        return n
+
+    def begin_drain(self) -> None:
+        """SIGTERM: new requests get 503 + Retry-After from now on; accepted ones still run."""
+        self.draining = True
+
+    def fail_pending(self) -> None:
+        """At the end of the drain time: what is still waiting is answered 503 + Retry-After."""
+        self.client._fail_all("the server is shutting down and this request did not finish within "
+                              "--shutdown-timeout; retry on another instance")
+
+
+def query_name(i: int, n: int) -> str:
+    """How an error names query i of a request of n queries: its JSON index, as in items[i]."""
+    return f"query[{i}]" if n > 1 else "query"
+
+
+def is_unicode(text: str) -> bool:
+    """False for a lone surrogate: valid in JSON ("\\ud800") and in a Python str, not in UTF-8,
+    and a tokenizer raises on it."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

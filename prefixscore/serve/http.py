@@ -1,0 +1,326 @@
+"""The HTTP front end: a FastAPI app around a Frontend, and the uvicorn protocol that bounds what a
+connection may cost before a request exists (header size and time; idle sockets are closed).
+
+A request's path: Guard (auth, body size and time) -> FastClassify (a valid /v1/classify JSON body
+skips FastAPI's routing layers, ~0.1 ms) or FastAPI's routes -> Frontend -> engine client.
+FastAPI and uvicorn are imported where the app is built: importing them costs about a second,
+and every CLI command imports the package that registers `serve`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+
+from .frontend import ApiError, Frontend
+from .schemas import ERRORS, ClassifyRequest, ClassifyResponse, ScoreRequest, ScoreResponse
+
+PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi.json")
+UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+
+
+def authorized(headers: list, api_key: str) -> bool:
+    """Exactly one Authorization header, carrying the API key as a bearer token (two headers are
+    refused: proxies and frameworks disagree on which one counts)."""
+    values = [v for k, v in headers if k == b"authorization"]
+    if len(values) != 1:
+        return False
+    scheme, _, token = values[0].decode("latin-1").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+class Guard:
+    """Outermost ASGI layer, the one auth check: counts responses by endpoint and status (499 when
+    the client left first), answers 401 on /v1/* without the API key before anything is read,
+    and reads request bodies up to the size limit (413) within the body timeout (408)."""
+
+    def __init__(self, app, frontend: Frontend):
+        self.app, self.fe = app, frontend
+        cfg = frontend.cfg
+        self.max_body, self.api_key, self.body_timeout = cfg.max_body_bytes, cfg.api_key, cfg.body_timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 499  # no response started: the client left (or the task was cancelled)
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        path = scope["path"]
+        endpoint = path if path in PATHS else "other"
+        try:
+            if self.api_key is not None and path.startswith("/v1/") and not authorized(
+                    scope["headers"], self.api_key):
+                return await send_json(counted, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")], close=True)
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body, error = await self._read(scope, receive)
+                if error:
+                    return await send_json(counted, *error, close=True)
+                receive = replay(body, receive)
+            await self.app(scope, receive, counted)
+        finally:
+            self.fe.metrics.requests.labels(endpoint, str(status)).inc()
+
+    async def _read(self, scope, receive):
+        too_big = (413, f"request body over the limit of {self.max_body} bytes (--max-body-bytes)")
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+                return b"", too_big
+        chunks, size = [], 0
+        deadline = time.monotonic() + self.body_timeout
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return b"", (408, f"request body not received within {self.body_timeout:g} s "
+                                  f"(--body-timeout)")
+            if message["type"] == "http.disconnect":
+                return b"", (400, "client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return b"", too_big
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")  # JSON is UTF-8 (RFC 8259); say so instead of a generic parse error
+        except UnicodeDecodeError as e:
+            return b"", (400, f"request body is not valid UTF-8 (byte {e.start})")
+        return body, None
+
+
+class FastClassify:
+    """POST /v1/classify without FastAPI's routing and dependency layers: a JSON body that the
+    route's own pydantic model accepts goes straight to the route's handler; anything else falls
+    through to the FastAPI route, which answers it exactly as before."""
+
+    def __init__(self, app, answer):
+        self.app, self.answer = app, answer
+
+    async def __call__(self, scope, receive, send):
+        if scope["path"] != "/v1/classify" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        ctype = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+        if ctype != b"application/json":
+            return await self.app(scope, receive, send)
+        message = await receive()
+        body = message.get("body", b"")
+        try:
+            req = ClassifyRequest.model_validate_json(body)
+        except ValueError:  # pydantic's ValidationError: FastAPI words the 422
+            return await self.app(scope, replay(body, receive), send)
+        try:
+            status, out, extra = 200, await self.answer(req), []
+        except ApiError as e:
+            status, out = e.status, json.dumps({"detail": e.detail}).encode()
+            extra = [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
+        await send_body(send, status, out, extra)
+
+
+def classify_body(ans) -> bytes:
+    """The ClassifyResponse JSON, built here (the schema documents it; FastAPI would validate it
+    a second time on the way out)."""
+    labels = ans.labels
+    body = {"results": [{"query": q, "label": l, "scores": dict(zip(labels, sc)), "cached": c}
+                        for q, l, sc, c in ans.results],
+            "batch_size": ans.batch_size,
+            "timing": {"queue_ms": 1e3 * ans.queue_s, "tokenize_ms": 1e3 * ans.tokenize_s,
+                       "forward_ms": 1e3 * ans.forward_s, "total_ms": 1e3 * ans.total_s}}
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
+    """The ASGI app around one Frontend. on_startup/on_shutdown: called from the app's lifespan
+    (start and stop the engine client)."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import Depends, FastAPI, HTTPException
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from fastapi.security import HTTPBearer
+
+    fe = frontend
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if on_startup:
+            on_startup(asyncio.get_running_loop())
+        yield
+        if on_shutdown:
+            on_shutdown()
+
+    class App(FastAPI):
+        """HTTP requests enter through Guard and FastClassify (app.front) before FastAPI's own
+        layers; everything that is not a valid /v1/classify body continues into them."""
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http":
+                await self.front(scope, receive, send)
+            else:
+                await super().__call__(scope, receive, send)
+
+    app = App(title="prefixscore", version="0.1.0", lifespan=lifespan,
+              description="Which of N labels does this causal LLM pick for this text.")
+    inner = super(App, app).__call__
+    app.state.frontend = fe
+    # Guard is the one auth check; this only documents the scheme in the OpenAPI schema.
+    deps = [Depends(HTTPBearer(auto_error=False))] if fe.cfg.api_key else []
+
+    def http_error(e: ApiError) -> HTTPException:
+        return HTTPException(e.status, e.detail, headers=e.headers or None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc):
+        errors = [{"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+                  for e in exc.errors()]
+        detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors)
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype:
+            detail += f" (the body must be JSON sent with content-type: application/json, got {ctype!r})"
+        return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
+
+    async def answer_classify(req: ClassifyRequest) -> bytes:
+        queries = [req.query] if isinstance(req.query, str) else req.query
+        return classify_body(await fe.classify(queries))
+
+    @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS, dependencies=deps)
+    async def classify(req: ClassifyRequest):
+        """Label and per-label scores for one query or a list of queries."""
+        try:
+            return Response(await answer_classify(req), media_type="application/json")
+        except ApiError as e:
+            raise http_error(e) from None
+
+    @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS, dependencies=deps,
+              include_in_schema=fe.client.info is None or fe.client.info.scorer)
+    async def score(req: ScoreRequest):
+        """SGLang-compatible multi-item scoring: per item, the labels' scores after query + item.
+        apply_softmax=true: softmax over the labels; false: each label token's probability under the
+        whole vocabulary (SGLang's default)."""
+        try:  # only the fields the client sent: the scorer tells "item_first absent" from "false"
+            out = await fe.score(req.model_dump(exclude_unset=True))
+        except ApiError as e:
+            raise http_error(e) from None
+        return ScoreResponse(**{**out, "model": fe.info.model})
+
+    @app.get("/healthz", responses={503: {"description": "starting, unhealthy, or shutting down"}})
+    @app.head("/healthz", include_in_schema=False)  # probes that send HEAD (RFC 9110: supported)
+    async def healthz():
+        """Ready once the engine has cached the prefix and run a first batch; unhealthy while the
+        engine is down (an engine fault), until a restarted one is ready."""
+        status, body = fe.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics", response_class=Response)
+    @app.head("/metrics", include_in_schema=False)
+    async def prometheus():
+        """Prometheus text format, summed over every process of the server."""
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(fe.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    app.front = Guard(FastClassify(inner, answer=answer_classify), fe)
+    return app
+
+
+def replay(body: bytes, receive):
+    sent = False
+
+    async def again():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return again
+
+
+async def send_body(send, status: int, body: bytes, headers=()) -> None:
+    """A whole JSON response straight to the ASGI server."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send, status: int, detail: str, headers=(), close: bool = False) -> None:
+    """An error as {"detail": ...}; close: the connection closes after it (the body was not read)."""
+    extra = [(b"connection", b"close")] if close else []
+    await send_body(send, status, json.dumps({"detail": detail}).encode(), [*extra, *headers])
+
+
+def protocol_class(cfg):
+    """uvicorn's httptools protocol, bounded: a request's headers must arrive whole within
+    --header-timeout (a socket that sends nothing is closed then: idle sockets cannot starve the
+    server) and be at most --max-header-bytes (431). uvicorn's own keep-alive timeout still closes
+    idle keep-alive connections."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    limit, timeout = cfg.max_header_bytes, cfg.header_timeout
+
+    class BoundedProtocol(HttpToolsProtocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._header_bytes, self._rejected = 0, False
+            self._header_timer = self.loop.call_later(timeout, self._headers_late)
+
+        def on_message_begin(self):
+            super().on_message_begin()
+            self._header_bytes = 0
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(timeout, self._headers_late)
+
+        def on_url(self, url):
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name, value):
+            self._count(len(name) + len(value) + 4)
+            super().on_header(name, value)
+
+        def on_headers_complete(self):
+            self._cancel_timer()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc):
+            self._cancel_timer()
+            super().connection_lost(exc)
+
+        def send_400_response(self, msg):
+            if not self._rejected:  # after our own 431/408 the parser's error is moot
+                super().send_400_response(msg)
+
+        def _cancel_timer(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _count(self, n):
+            self._header_bytes += n
+            if self._header_bytes > limit and not self._rejected:
+                self._reject(431, f"request headers over the limit of {limit} bytes (--max-header-bytes)")
+                raise ValueError("headers too large")  # stops the parser (caught by data_received)
+
+        def _headers_late(self):
+            self._header_timer = None
+            if self.cycle is None or self.cycle.response_complete:
+                self._reject(408, f"request headers not received within {timeout:g} s (--header-timeout)")
+
+        def _reject(self, status, detail):
+            self._rejected = True
+            body = json.dumps({"detail": detail}).encode()
+            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                                 % (status, reason, len(body), body))
+            self.transport.close()
+
+    return BoundedProtocol

@@ -1,0 +1,264 @@
+"""Process layout of `prefixscore serve` (DESIGN.md §7):
+
+    --workers 1:  one process: uvicorn's event loop + the engine loop on a thread (InprocClient)
+    --workers N:  launcher ── N front-end processes (HTTP, sharing one listening socket)
+                         └── 1 engine process (the device), ZeroMQ between them (ipc://)
+
+The launcher binds the port first (a busy port fails before any model loads), starts the engine,
+then the front ends, and watches every process: an engine that dies before it was ever ready ends
+the server (exit 2, its error on stderr); one that dies later is restarted with --restart-engine
+(front ends answer 503 meanwhile), else the front ends stay up unhealthy. A dead front end is
+restarted. SIGTERM/SIGINT: the front ends drain (accepted requests finish within
+--shutdown-timeout, the rest get 503 + Retry-After), then the engine stops.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+
+from ..errors import ConfigError
+from .config import EngineConfig, FrontendConfig
+
+log = logging.getLogger("prefixscore.serve")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, before anything slow: a busy port is a clear error at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror} (--host/--port)") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_server(app, fcfg: FrontendConfig, frontend):
+    """A uvicorn Server whose shutdown drains through the Frontend first."""
+    import uvicorn
+
+    from .http import protocol_class
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            frontend.begin_drain()
+            # Answer what is still waiting 503 just before uvicorn would cancel it (a 500).
+            loop = asyncio.get_running_loop()
+            loop.call_later(max(0.0, fcfg.shutdown_timeout - 0.5), frontend.fail_pending)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, http=protocol_class(fcfg), log_level=fcfg.log_level,
+                            access_log=fcfg.access_log, limit_concurrency=fcfg.max_connections,
+                            timeout_graceful_shutdown=fcfg.shutdown_timeout, timeout_keep_alive=5)
+    return DrainingServer(config)
+
+
+# ---------------------------------------------------------------- --workers 1
+
+def single_process(fcfg: FrontendConfig, ecfg: EngineConfig, sock=None) -> None:
+    from .client import InprocClient
+    from .engine_proc import build, spin_seconds
+    from .frontend import Frontend
+    from .http import create_app
+    from .metrics import Metrics
+
+    sock = sock or bind(fcfg.host, fcfg.port)
+    clf, scorer = build(ecfg)
+    cpu = engine_cpu(ecfg.engine_cpu, clf.engine.device.type)
+    if cpu is not None:  # the event loop (this thread, and threads it starts) off the engine's CPU
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {cpu})
+    metrics = Metrics()
+    model = ecfg.served_model_name or os.path.basename(str(clf.loaded.name))
+    client = InprocClient(clf, scorer, window=ecfg.batch_window_ms / 1e3,
+                          spin=spin_seconds(ecfg.engine_spin_ms, clf.engine.device.type),
+                          metrics=metrics, restart=fcfg.restart_engine, model=model, engine_cpu=cpu)
+    fe = Frontend(fcfg, client, metrics, lambda info: clf.prompt)
+
+    def started(loop):
+        client.start(loop)
+        gc.collect()
+        gc.freeze()
+
+    app = create_app(fe, on_startup=started, on_shutdown=client.stop)
+    # The event loop and the engine thread share the GIL. Under load the loop rarely blocks, so
+    # the engine thread, back from a GPU sync, would wait up to the 5 ms default switch interval
+    # for it: a forward's worth of latency per batch. 0.5 ms bounds that wait.
+    sys.setswitchinterval(0.0005)
+    uvicorn_server(app, fcfg, fe).run(sockets=[sock])
+
+
+def engine_cpu(spec: str, device: str) -> int | None:
+    """--engine-cpu: the CPU for the engine thread, or None (off by default: pinning measured
+    better in one H200 run and worse in another). Never on CPU inference: its OpenMP workers
+    would inherit the one-CPU mask."""
+    if spec == "none" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = os.sched_getaffinity(0)
+    if spec == "auto":
+        return max(cpus) if device == "cuda" and len(cpus) >= 4 else None
+    try:
+        cpu = int(spec)
+    except ValueError:
+        raise ConfigError(f"--engine-cpu must be a CPU number, 'auto' or 'none', got {spec!r}") from None
+    if cpu not in cpus or len(cpus) < 2:
+        raise ConfigError(f"--engine-cpu {cpu}: this process may run on CPUs {sorted(cpus)}, and "
+                          f"needs one more for the event loop")
+    return cpu
+
+
+# ---------------------------------------------------------------- --workers N
+
+def worker_main(fcfg: FrontendConfig, index: int, address: str, sock) -> None:
+    """A front-end process: HTTP on the shared socket, an engine client over ZeroMQ."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards SIGTERM
+    logging.basicConfig(level=fcfg.log_level.upper(), format=f"%(levelname)s:     worker {index}: %(message)s")
+    from .client import ZmqClient
+    from .frontend import Frontend
+    from .http import create_app
+    from .metrics import Metrics
+
+    client = ZmqClient(address, index)
+    fe = Frontend(fcfg, client, Metrics(), worker_prompt)
+
+    def started(loop):
+        client.start(loop)
+        gc.collect()
+        gc.freeze()
+
+    app = create_app(fe, on_startup=started, on_shutdown=client.stop)
+    uvicorn_server(app, fcfg, fe).run(sockets=[sock])
+
+
+def worker_prompt(info):
+    """The engine's prompt, rebuilt from its tokenizer files (the same split, checked by sync)."""
+    from transformers import AutoTokenizer
+
+    from ..prompt import Prompt
+
+    tok = AutoTokenizer.from_pretrained(info.tokenizer_path, local_files_only=True)
+    kw = {"special_tokens": True} if info.special_tokens else {}
+    return Prompt(tok, info.template, chat=info.chat, **kw)
+
+
+class Launcher:
+    def __init__(self, fcfg: FrontendConfig, ecfg: EngineConfig, sock=None):
+        self.fcfg, self.ecfg = fcfg, ecfg
+        self.sock = sock or bind(fcfg.host, fcfg.port)
+        self.ctx = mp.get_context("spawn")
+        self.run_dir = tempfile.mkdtemp(prefix="prefixscore-")
+        os.makedirs(os.path.join(self.run_dir, "metrics"))
+        # Before any child imports prometheus_client: every process writes its metrics there.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(self.run_dir, "metrics")
+        self.address = f"ipc://{self.run_dir}/engine"
+        self.engine = None
+        self.engine_ready = self.ctx.Event()
+        self.workers: list = []
+        self.stopping = False
+        self.signals = 0
+
+    def start_engine(self):
+        self.engine_ready.clear()
+        self.engine = self.ctx.Process(
+            target=_engine_entry, name="prefixscore-engine", daemon=False,
+            args=(self.ecfg, self.address, self.run_dir, self.fcfg.log_level, self.engine_ready))
+        self.engine.start()
+
+    def start_worker(self, i: int):
+        p = self.ctx.Process(target=worker_main, name=f"prefixscore-worker-{i}", daemon=False,
+                             args=(self.fcfg, i, self.address, self.sock))
+        p.start()
+        return p
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._signal)
+        try:
+            self.start_engine()
+            self.workers = [self.start_worker(i) for i in range(self.fcfg.workers)]
+            log.info("serving on http://%s:%d: %d front-end processes, engine pid %d",
+                     self.fcfg.host, self.fcfg.port, self.fcfg.workers, self.engine.pid)
+            return self._watch()
+        finally:
+            self._shutdown()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _signal(self, signum, frame):
+        self.signals += 1
+        self.stopping = True
+        if self.signals == 1:  # drain: the front ends stop accepting and finish what they hold
+            self.sock.close()
+        for p in self.workers:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGTERM)
+
+    def _watch(self) -> int:
+        ever_ready = False
+        while not self.stopping:
+            sentinels = [self.engine.sentinel] + [p.sentinel for p in self.workers]
+            done = mp.connection.wait(sentinels, timeout=0.5)
+            ever_ready = ever_ready or self.engine_ready.is_set()
+            if self.stopping:
+                break
+            if self.engine.sentinel in done:
+                code = self.engine.exitcode
+                if not ever_ready:
+                    print(f"prefixscore: error: the engine process exited ({code}) before it was "
+                          f"ready; see its log above", file=sys.stderr)
+                    return 2
+                if self.fcfg.restart_engine:
+                    log.error("the engine process died (exit %s): restarting it", code)
+                    self.start_engine()
+                else:
+                    log.error("the engine process died (exit %s): the server answers 503 and "
+                              "/healthz is unhealthy (start with --restart-engine to restart it)", code)
+                    self.engine_ready.clear()
+                    self._wait_workers()
+                    return 1
+            for i, p in enumerate(self.workers):
+                if p.sentinel in done and not self.stopping:
+                    log.error("front-end process %d died (exit %s): restarting it", i, p.exitcode)
+                    self.workers[i] = self.start_worker(i)
+        return 0
+
+    def _wait_workers(self) -> None:
+        """Without --restart-engine the front ends keep answering (503, unhealthy) until a signal."""
+        while not self.stopping:
+            mp.connection.wait([p.sentinel for p in self.workers], timeout=0.5)
+
+    def _shutdown(self) -> None:
+        for p in self.workers:
+            p.join(self.fcfg.shutdown_timeout + 5)
+            if p.is_alive():
+                p.kill()
+        if self.engine is not None and self.engine.is_alive():
+            self.engine.terminate()  # SIGTERM: the loop ends after its batch
+            self.engine.join(10)
+            if self.engine.is_alive():
+                self.engine.kill()
+
+
+def _engine_entry(*args) -> None:
+    from .engine_proc import main
+
+    main(*args)
+
+
+def serve(fcfg: FrontendConfig, ecfg: EngineConfig) -> int:
+    sock = bind(fcfg.host, fcfg.port)
+    if fcfg.workers == 1:
+        single_process(fcfg, ecfg, sock)
+        return 0
+    return Launcher(fcfg, ecfg, sock).run()
