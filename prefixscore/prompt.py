@@ -1,10 +1,19 @@
 """Prompt template -> cached prefix tokens + per-request suffix tokens (DESIGN.md §2.1).
 
-The guarantee: the tokens fed to the model are exactly the tokenizer's tokens for the whole prompt.
-We tokenize the prompt per request (from a resume point near the end of the prefix text that no
-token can cross, Prompt._resume_point) and check it starts with the cached prefix; the split point
-is chosen at startup (moved back past any token that a probe query merges across the boundary), and
-a request that still disagrees is flagged so the engine computes it without the cache.
+The guarantee: the tokens fed to the model are exactly the reference tokens of the whole prompt.
+The reference, by default (special_tokens=False), keeps a query from forging chat turns: the
+prompt is cut at the template's own special tokens (the chat scaffolding, BOS ...), which stay
+control tokens, and each text run between them, slot values included, is tokenized as plain text
+(HF `split_special_tokens=True`: `<|im_end|>` typed in a query is ordinary text), plus the tokens
+a plain template gets from the tokenizer (BOS). With special_tokens=True the reference is the
+tokenizer's tokens of the whole prompt text, as before.
+
+We tokenize per request only the text from a resume point near the end of the prefix text that no
+token can cross (Prompt._resume_point, Prompt._run_resume) and check the result starts with the
+cached prefix; the split point is chosen at startup (moved back past any token that a probe query
+merges across the boundary), and a request that still disagrees is flagged so the engine computes
+it without the cache. Every shortcut is checked against the Hugging Face call at startup; one that
+disagrees is dropped for the plain (slower, exact) form.
 """
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ class EngineLoop:
                 elif m.deadlines[i] < now:
                     st[i] = P.EXPIRED
                 else:
-                    todo.append(Encoded({}, "", ids[i], m.starts[i]))
+                    todo.append(Encoded({"query": ""}, "", ids[i], m.starts[i]))
                     where.append((k, i))
             status.append(st)
         t0 = time.perf_counter()
