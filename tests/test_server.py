@@ -1,5 +1,6 @@
-"""HTTP service: a real uvicorn on 127.0.0.1 (in a thread, or `prefixscore serve` in a subprocess)
-and a real HTTP client. Tiny random model, CPU."""
+"""HTTP service in one process (`--workers 1`: the engine loop on a thread): a real uvicorn on
+127.0.0.1 (in a thread, or `prefixscore serve` in a subprocess) and a real HTTP client. Tiny random
+model, CPU. The multi-process server: test_serve_procs.py; hardening: test_serve_hardening.py."""
 import asyncio
 import json
 import os
@@ -18,7 +19,7 @@ import uvicorn
 from conftest import random_queries
 from prefixscore import Classifier, ConfigError, InputError
 from prefixscore.scorer import Scorer
-from prefixscore.server import create_app
+from prefixscore.serve import create_app
 
 LIMITS = dict(max_queries=8, max_tokens=48, max_body_bytes=4096, max_queue=64)
 JSON = {"content-type": "application/json"}
@@ -55,6 +56,14 @@ def running(app, wait_ready=True):
         assert not thread.is_alive(), "server thread still running"
 
 
+def uvicorn_server(app, **kw):
+    """The server `prefixscore serve` runs (its bounded protocol and draining shutdown)."""
+    from prefixscore.serve.launch import uvicorn_server as make
+
+    fe = app.state.frontend
+    return make(app, fe.cfg, fe)
+
+
 def ready(base, timeout=30):
     deadline = time.monotonic() + timeout
     while httpx.get(base + "/healthz").status_code != 200:
@@ -67,7 +76,7 @@ class Wrapped:
 
     def __init__(self, clf, delay=0.0, gate=None):
         self.clf, self.delay, self.gate = clf, delay, gate
-        self.fail, self.batches, self.held = False, [], 0
+        self.fail, self.fail_once, self.batches, self.held = False, False, [], 0
 
     def __getattr__(self, name):
         return getattr(self.clf, name)
@@ -80,6 +89,9 @@ class Wrapped:
         time.sleep(self.delay)
         if self.fail:
             raise RuntimeError("device lost")
+        if self.fail_once:
+            self.fail_once = False
+            raise RuntimeError("device lost once")
         self.batches.append(len(encoded))
         return self.clf.classify_encoded(encoded)
 
@@ -301,38 +313,42 @@ def test_config_file_under_the_command_line(tmp_path, monkeypatch):
     """File values fill what the command line leaves out; a flag given on the command line wins,
     even one equal to its default; values may start with '-'."""
     import prefixscore.cli as cli
+    import prefixscore.serve.launch as launch
 
     seen = []
 
-    def stop(a):  # the options as they reach the model: record them and stop there
-        seen.append(a)
+    def stop(front, engine):  # the options as they reach the server: record them and stop there
+        seen.append((front, engine))
         raise ConfigError("stop")
 
-    monkeypatch.setattr(cli, "make_classifier", stop)
+    monkeypatch.setattr(launch, "serve", stop)
     cfg = tmp_path / "serve.toml"
-    cfg.write_text('port = 9000\nmax-queue = 77\napi-key = "-abc"\nlabels = ["-1", "+1"]\n'
+    cfg.write_text('port = 9000\nmax-queue = 77\nmax-queries = 8\napi-key = "-abc"\nlabels = ["-1", "+1"]\n'
                    'template = "--{query}"\nchat = false\ntruncate = true\n')
     assert cli.main(["serve", "--config", str(cfg), "--port", "8000", "--chat"]) == 2
-    a = seen[0]
-    assert (a.port, a.max_queue, a.api_key, a.labels, a.template) == (8000, 77, "-abc", "-1,+1", "--{query}")
-    assert a.chat is True and a.truncate is True
+    front, engine = seen[0]
+    assert (front.port, front.max_queue, front.api_key) == (8000, 77, "-abc")
+    assert (engine.labels, engine.template) == (("-1", "+1"), "--{query}")
+    assert engine.chat is True and engine.truncate is True
 
 
 def test_bad_config(clf):
-    with pytest.raises(ConfigError, match="max_queue"):
+    with pytest.raises(ConfigError, match="max-queue"):
         create_app(clf, max_queue=0)
-    with pytest.raises(ConfigError, match="max_queries"):
+    with pytest.raises(ConfigError, match="max-queries"):
         create_app(clf, max_queries=100, max_queue=10)
+    with pytest.raises(ConfigError, match="max-connections"):
+        create_app(clf, max_queue=100, max_queries=8, max_connections=100)  # overload must be our 429, not a refusal
     for window in (float("inf"), float("nan"), -1.0, 1e9):  # inf once killed the engine thread
-        with pytest.raises(ConfigError, match="batch_window_ms"):
+        with pytest.raises(ConfigError, match="batch-window-ms"):
             create_app(clf, batch_window_ms=window)
-    with pytest.raises(ConfigError, match="cache_ttl"):
+    with pytest.raises(ConfigError, match="cache-ttl"):
         create_app(clf, cache_ttl=-1.0)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
 def test_engine_cpu(clf):
-    from prefixscore.server import engine_cpu
+    from prefixscore.serve.launch import engine_cpu
 
     cpus = os.sched_getaffinity(0)
     assert engine_cpu("none", "cuda") is None
@@ -363,13 +379,13 @@ def test_engine_cpu(clf):
 def test_engine_spin(clf):
     """An engine thread that polls for the next batch (busy, off the GIL) answers the same as one
     that sleeps, batches requests that arrive while it works, and ends with the app."""
-    from prefixscore.server import engine_spin_ms
+    from prefixscore.serve.engine_proc import spin_seconds
 
-    assert engine_spin_ms("auto", "cuda") == 2.0 and engine_spin_ms("auto", "cpu") == 0.0
-    assert engine_spin_ms("0.5", "cpu") == 0.5
+    assert spin_seconds("auto", "cuda") == 2e-3 and spin_seconds("auto", "cpu") == 0.0
+    assert spin_seconds("0.5", "cpu") == 0.5e-3
     for bad in ("fast", "-1", "nan", "inf"):
         with pytest.raises(ConfigError, match="engine-spin-ms"):
-            engine_spin_ms(bad, "cuda")
+            spin_seconds(bad, "cuda")
     wrapped = Wrapped(clf, delay=0.01)
     queries = [f"spin {i}" for i in range(30)]
     want = clf.classify_batch(queries)
@@ -384,16 +400,15 @@ def test_engine_spin(clf):
         check(r.json()["results"], [w])
     batches = wrapped.batches[warm + 3:]
     assert sum(batches) == len(queries) and max(batches) > 1
-    app.state.batcher.thread.join(5)
-    assert not app.state.batcher.thread.is_alive()
+    app.state.client.thread.join(5)
+    assert not app.state.client.thread.is_alive()
 
 
 def test_fast_classify_path():
     """FastClassify answers valid JSON itself and hands everything else, body intact, to the FastAPI
     route. (The API key is Guard's, in front of it: test_api_key.)"""
-    from fastapi import HTTPException
-
-    from prefixscore.server import ClassifyRequest, FastClassify, authorized
+    from prefixscore.serve.frontend import ApiError
+    from prefixscore.serve.http import ClassifyRequest, FastClassify, authorized
 
     inner_calls, answered = [], []
 
@@ -405,7 +420,7 @@ def test_fast_classify_path():
     async def answer(req: ClassifyRequest):
         answered.append(req.query)
         if req.query == "full":
-            raise HTTPException(429, "queue full", headers={"Retry-After": "1"})
+            raise ApiError(429, "queue full", retry_after=0.2)
         return b'{"ok": 1}'
 
     def call(body, ctype=b"application/json"):
@@ -431,8 +446,11 @@ def test_fast_classify_path():
     for body, kw in [(b'{"query": 3}', {}), (b'{"q": "x"}', {}), (b"not json", {}),
                      (b'{"query": "x"}', {"ctype": b"application/vnd.api+json"})]:
         assert call(body, **kw)[0] == 299 and inner_calls[-1] == body, (body, kw)
-    assert authorized(b"bearer k", "k") and authorized(b"Bearer  k ", "k")
-    assert not any(authorized(h, "k") for h in (None, b"Bearer no", b"Basic k", b"k", b"Bearer"))
+    auth = lambda *values: [(b"host", b"x")] + [(b"authorization", v) for v in values]
+    assert authorized(auth(b"bearer k"), "k") and authorized(auth(b"Bearer  k "), "k")
+    assert not any(authorized(auth(*h), "k") for h in ((), (b"Bearer no",), (b"Basic k",), (b"k",),
+                                                      (b"Bearer",), (b"Bearer k", b"Bearer k"),
+                                                      (b"Bearer k", b"Bearer no")))
 
 
 def test_fast_path_and_route_agree(server):
@@ -520,7 +538,7 @@ def test_overload_429(clf):
     assert set(codes) == {200, 429} and codes.count(429) >= 10
     for r, w in zip(responses, want):
         if r.status_code == 429:
-            assert r.headers["retry-after"] == "1" and "queue full" in r.json()["detail"]
+            assert int(r.headers["retry-after"]) >= 1 and "queue full" in r.json()["detail"]
         else:
             check(r.json()["results"], [w])  # accepted requests still succeed, correctly
     assert metric(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="429"}') == codes.count(429)
@@ -540,22 +558,39 @@ def test_engine_fault_503(clf):
 
 
 def test_engine_loop_bug_503(clf):
-    """An exception in the engine thread's own loop (not in a batch) fails the requests it took
-    with 503 and turns /healthz unhealthy; the thread lives on to answer later requests."""
+    """An exception in the engine loop itself (not in a batch) ends the engine thread: the requests
+    it took get 503 (none hangs), /healthz turns unhealthy, and later requests get 503 too."""
     app = create_app(clf)
     with running(app) as (base, _):
-        batcher = app.state.batcher
-        serve = batcher._serve
+        engine = app.state.client.engine
 
         def broken(items):
-            batcher._serve = serve
             raise RuntimeError("bug in the loop")
 
-        batcher._serve = broken
+        engine.serve = broken
         r = httpx.post(base + "/v1/classify", json={"query": "x"}, timeout=10)
         assert r.status_code == 503 and "bug in the loop" in r.json()["detail"]
         assert httpx.get(base + "/healthz").json()["status"] == "unhealthy"
-        assert httpx.post(base + "/v1/classify", json={"query": "y"}, timeout=10).status_code == 503
+        r = httpx.post(base + "/v1/classify", json={"query": "y"}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+
+def test_restart_engine(clf):
+    """With restart_engine an engine thread that dies (here: a BaseException, as a tokenizer or a
+    library might raise) fails what it held with 503, and a new thread serves the next requests."""
+    wrapped = Wrapped(clf)
+    app = create_app(wrapped, restart_engine=True)
+    with running(app) as (base, _):
+        wrapped.fail_once = True
+        r = httpx.post(base + "/v1/classify", json={"query": "x"}, timeout=10)
+        assert r.status_code == 503 and "device lost once" in r.json()["detail"]
+        ready(base)
+        r = httpx.post(base + "/v1/classify", json={"query": "red dress"}, timeout=10)
+        assert r.status_code == 200, r.text
+        check(r.json()["results"], clf.classify_batch(["red dress"]))
+        assert app.state.client.restarts == 1
+        text = httpx.get(base + "/metrics").text
+        assert metric(text, "prefixscore_engine_faults_total") == 1
 
 
 def test_truncate_to_max_tokens(tiny_model):
@@ -597,7 +632,7 @@ def test_shutdown_drains(clf):
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
                 sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in queries]
-                while app.state.batcher.depth + wrapped.held < len(queries):
+                while app.state.frontend.inflight < len(queries):
                     await asyncio.sleep(0.01)
                 server.should_exit = True  # what SIGTERM does
                 wrapped.gate.set()
@@ -682,8 +717,8 @@ def test_schemathesis_no_5xx(clf, scorer):
 
 
 def test_bad_request_fails_alone_in_its_batch(clf):
-    """The engine thread tokenizes a whole batch in one call; a request with an over-long query in
-    that batch gets its 422 and the others in the same batch their answers."""
+    """A request with an over-long query among requests that share a batch gets its 422 (from the
+    front end, before the engine) and the others their answers, in one engine batch."""
     wrapped = Wrapped(clf)
     good = [f"good {i}" for i in range(5)]
     want = clf.classify_batch(good)
@@ -698,7 +733,7 @@ def test_bad_request_fails_alone_in_its_batch(clf):
                     await asyncio.sleep(0.01)
                 sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in good]
                 sent.insert(2, asyncio.create_task(c.post("/v1/classify", json={"query": ["ok", "word " * 200]})))
-                while app.state.batcher.depth < len(good) + 2:
+                while app.state.frontend.inflight < len(good) + 1:  # the bad one: 422 at once
                     await asyncio.sleep(0.01)
                 wrapped.gate.set()
                 return await first, await asyncio.gather(*sent)
@@ -717,11 +752,22 @@ def test_bad_request_fails_alone_in_its_batch(clf):
 def test_tokenizer_exception_is_the_requests_fault(clf):
     """A tokenizer that raises on some text (not an InputError) fails that request with 422; the
     server stays healthy and other requests are answered."""
-    class Picky(Wrapped):
-        def encode_many(self, queries):
-            if any("boom" in q for q in queries):
+    class PickyPrompt:
+        def __init__(self, prompt):
+            self.prompt = prompt
+
+        def __getattr__(self, name):
+            return getattr(self.prompt, name)
+
+        def encode_many(self, values, truncate=False):
+            if any("boom" in v["query"] for v in values):
                 raise RuntimeError("cannot encode this")
-            return self.clf.encode_many(queries)
+            return self.prompt.encode_many(values, truncate)
+
+    class Picky(Wrapped):
+        @property
+        def prompt(self):
+            return PickyPrompt(self.clf.prompt)
 
     with running(create_app(Picky(clf))) as (base, _):
         bad = httpx.post(base + "/v1/classify", json={"query": ["fine", "boom"]})

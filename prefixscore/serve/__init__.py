@@ -18,25 +18,27 @@ from __future__ import annotations
 
 
 def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_window_ms: float = 0.0,
-               engine_spin_ms: float = 0.0, model_name: str | None = None, **limits):
+               engine_spin_ms: float = 0.0, engine_cpu: int | None = None,
+               model_name: str | None = None, **limits):
     """An ASGI app serving `classifier` (and `scorer` for /v1/score) in this process: the engine
     loop on a thread, as `prefixscore serve --workers 1` runs it. limits: FrontendConfig fields
     (max_queue, max_queries, max_tokens, api_key, cache_size, ...)."""
     import os
 
     from .client import InprocClient
-    from .config import FrontendConfig
+    from .config import FrontendConfig, check_window
     from .frontend import Frontend
     from .http import create_app as http_app
     from .metrics import Metrics
 
     cfg = FrontendConfig(restart_engine=restart_engine, **limits)
+    check_window(batch_window_ms)
     metrics = Metrics()
     model = model_name or os.path.basename(str(getattr(getattr(classifier, "loaded", None), "name",
                                                       "prefixscore")))
     client = InprocClient(classifier, scorer, window=batch_window_ms / 1e3,
                           spin=engine_spin_ms / 1e3, metrics=metrics, restart=restart_engine,
-                          model=model)
+                          model=model, engine_cpu=engine_cpu)
     fe = Frontend(cfg, client, metrics, lambda info: classifier.prompt)
     app = http_app(fe, on_startup=client.start, on_shutdown=client.stop)
     app.state.client = client

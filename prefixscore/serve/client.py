@@ -53,6 +53,18 @@ class BaseClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queued = 0  # the engine's queue depth in its last answer
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
+        self.metrics = None  # set by the front end: engine deaths are counted
+        self.became_ready: asyncio.Event | None = None
+
+    async def wait_ready(self, timeout: float) -> None:
+        """While the engine starts, a request waits for it (up to timeout), not a 503."""
+        if self.error == "starting":
+            if self.became_ready is None:
+                self.became_ready = asyncio.Event()
+            try:
+                await asyncio.wait_for(self.became_ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
 
     @property
     def ready(self) -> bool:
@@ -128,9 +140,13 @@ class BaseClient:
                 entry[0].set_result(out)
         elif isinstance(out, P.ReadyOut):
             self.info, self.error = out, None
+            if self.became_ready is not None:
+                self.became_ready.set()
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, error: str, fault: bool = True) -> None:
         """The engine is gone: every request in flight fails now (503), none hangs."""
+        if fault and self.metrics is not None:
+            self.metrics.engine_faults.inc()
         self.error = error
         jobs, self.jobs = self.jobs, {}
         for job, _ in jobs.values():

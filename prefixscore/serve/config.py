@@ -32,9 +32,12 @@ class EngineConfig:
     served_model_name: str | None = None
 
     def __post_init__(self):
-        if not 0 <= self.batch_window_ms <= MAX_WINDOW_MS:
-            raise ConfigError(f"--batch-window-ms must be from 0 to {MAX_WINDOW_MS:g}, got "
-                              f"{self.batch_window_ms}")
+        check_window(self.batch_window_ms)
+
+
+def check_window(ms: float) -> None:
+    if not 0 <= ms <= MAX_WINDOW_MS:  # inf once killed the engine thread
+        raise ConfigError(f"--batch-window-ms must be from 0 to {MAX_WINDOW_MS:g}, got {ms}")
 
 
 @dataclass(frozen=True)

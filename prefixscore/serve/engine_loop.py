@@ -89,7 +89,7 @@ class EngineLoop:
         batch it broke has been answered FAULT."""
         while True:
             items = self.source.take(self.spin)
-            if self.window and len(items) == 1 and items[0][0] is not STOP:
+            if self.window and all(m is not STOP for m, _ in items):  # wait for company
                 time.sleep(self.window)
                 items += self.source.take(0.0) if self.source.pending() else []
             stop = any(m is STOP for m, _ in items)
@@ -122,7 +122,7 @@ class EngineLoop:
             for i, rid in enumerate(m.rids):
                 if (m.client, rid) in self.aborted:
                     st[i] = P.ABORTED
-                elif m.deadlines[i] < now:
+                elif m.deadlines[i] + self.window < now:  # the batch window is not queueing
                     st[i] = P.EXPIRED
                 else:
                     todo.append(Encoded({"query": ""}, "", ids[i], m.starts[i]))
@@ -155,7 +155,7 @@ class EngineLoop:
     def _score(self, m: P.ScoreReq) -> P.ScoreOut:
         if (m.client, m.rid) in self.aborted:
             return P.ScoreOut(m.rid, P.ABORTED, None, None)
-        if m.deadline < time.monotonic():
+        if m.deadline + self.window < time.monotonic():
             return P.ScoreOut(m.rid, P.EXPIRED, None, None)
         if self.scorer is None:
             return P.ScoreOut(m.rid, P.BAD_INPUT, None, "no multi-item scorer on this server")

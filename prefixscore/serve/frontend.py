@@ -75,6 +75,7 @@ class Frontend:
         self.cache = ResultCache(cfg.cache_size, cfg.cache_ttl) if cfg.cache_size > 0 else None
         self.inflight = 0  # queries admitted and not yet answered (this front end)
         self.draining = False
+        client.metrics = metrics
 
     # -- state
     def sync(self) -> None:
@@ -101,9 +102,10 @@ class Frontend:
         return 200, {"status": "ok", "model": i.model, "labels": i.labels, "mode": i.mode,
                      "scorer": i.scorer, "queue_depth": self.inflight + c.queued}
 
-    def _check_ready(self) -> None:
+    async def _check_ready(self) -> None:
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another instance", 1)
+        await self.client.wait_ready(self.cfg.max_queue_ms / 1e3)
         if self.client.error is not None:
             raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
         self.sync()
@@ -135,7 +137,7 @@ class Frontend:
             if not is_unicode(q):
                 raise ApiError(422, f"{query_name(i, len(queries))} is not valid Unicode text "
                                     f"(a lone surrogate)")
-        self._check_ready()
+        await self._check_ready()
         encoded = self._encode(queries)
         t1 = time.perf_counter()
         cache, hits = self.cache, [None] * len(encoded)
@@ -233,7 +235,7 @@ class Frontend:
         """SGLang's /v1/score request (only the fields the client sent), limits checked here,
         tokenization and scoring by the engine's Scorer."""
         cfg = self.cfg
-        self._check_ready()
+        await self._check_ready()
         if not self.info.scorer:
             raise ApiError(501, "no multi-item scorer is configured on this server: start it with "
                                 "--score-template TEMPLATE to enable /v1/score")
@@ -291,7 +293,7 @@ class Frontend:
     def fail_pending(self) -> None:
         """At the end of the drain time: what is still waiting is answered 503 + Retry-After."""
         self.client._fail_all("the server is shutting down and this request did not finish within "
-                              "--shutdown-timeout; retry on another instance")
+                              "--shutdown-timeout; retry on another instance", fault=False)
 
 
 def query_name(i: int, n: int) -> str:

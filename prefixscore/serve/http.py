@@ -198,8 +198,7 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         except ApiError as e:
             raise http_error(e) from None
 
-    @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS, dependencies=deps,
-              include_in_schema=fe.client.info is None or fe.client.info.scorer)
+    @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS, dependencies=deps)
     async def score(req: ScoreRequest):
         """SGLang-compatible multi-item scoring: per item, the labels' scores after query + item.
         apply_softmax=true: softmax over the labels; false: each label token's probability under the
@@ -226,6 +225,17 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
 
         return Response(fe.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    full_schema = app.openapi
+
+    def openapi():
+        """The schema lists what this server can do: /v1/score only with a scorer (known once the
+        engine is ready)."""
+        schema = full_schema()
+        if fe.client.info is not None and not fe.client.info.scorer:
+            schema = {**schema, "paths": {k: v for k, v in schema["paths"].items() if k != "/v1/score"}}
+        return schema
+
+    app.openapi = openapi
     app.front = Guard(FastClassify(inner, answer=answer_classify), fe)
     return app
 

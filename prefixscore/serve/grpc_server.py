@@ -1,0 +1,202 @@
+"""The gRPC front end (proto/prefixscore.proto): Classify and Score beside the HTTP routes, on the
+same event loop and the same Frontend, so the semantics, limits, API key, admission and metrics
+are the HTTP routes' own. Search back ends talk gRPC.
+
+    server = await start_grpc(frontend, host, port)   # listening (SO_REUSEPORT: workers share it)
+    ...
+    await stop_grpc(server, grace)                     # in-flight calls finish within grace
+
+A call's path: the API key (metadata `authorization: Bearer KEY`, checked by http.authorized) ->
+the request as the HTTP route would see it -> Frontend -> the answer, or the ApiError as a status
+(CODES; the HTTP detail text as its message, `http-status` and `retry-after` as trailing
+metadata). Each call is counted in the requests metric as endpoint "grpc:<Method>" with the HTTP
+status it would have had (499: the client cancelled or its deadline passed; the awaited Frontend
+call is cancelled with it, which drops queued engine work). A message over --max-body-bytes is
+refused by gRPC itself (RESOURCE_EXHAUSTED), before any handler: not counted.
+
+Also /grpc.health.v1.Health/Check (no API key, as /healthz): SERVING once the engine is ready.
+"""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from ..errors import ConfigError
+from .frontend import ApiError, Frontend
+from .http import UNAUTHORIZED, authorized
+from .proto import prefixscore_pb2 as pb
+
+log = logging.getLogger("prefixscore.grpc")
+
+SERVICE = "prefixscore.v1.PrefixScore"
+HEALTH = "grpc.health.v1.Health"
+C = grpc.StatusCode
+CODES = {
+    401: C.UNAUTHENTICATED,
+    404: C.NOT_FOUND,  # Health/Check of an unknown service (the health protocol's answer)
+    408: C.DEADLINE_EXCEEDED,
+    # Over a limit: retrying the same request cannot help, so not RESOURCE_EXHAUSTED, which
+    # (with retry-after) means "retry later" only. http-status tells 413 from 422.
+    413: C.INVALID_ARGUMENT,
+    422: C.INVALID_ARGUMENT,
+    429: C.RESOURCE_EXHAUSTED,
+    501: C.UNIMPLEMENTED,
+    503: C.UNAVAILABLE,
+}
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    return CODES.get(status, C.INVALID_ARGUMENT if 400 <= status < 500 else C.INTERNAL)
+
+
+# ---------------------------------------------------------------- messages <-> Frontend
+
+def score_dict(m) -> dict:
+    """A ScoreRequest as the dict Frontend.score takes: what the HTTP route's
+    model_dump(exclude_unset=True) gives for the same request (only the fields the client set;
+    item_first absent is not item_first false)."""
+    req = {}
+    which = m.WhichOneof("query")
+    if which == "query_text":
+        req["query"] = m.query_text
+    elif which == "query_ids":
+        req["query"] = list(m.query_ids.ids)
+    which = m.WhichOneof("items")
+    if which == "item_texts":
+        req["items"] = list(m.item_texts.values)
+    elif which == "item_ids":
+        req["items"] = [list(t.ids) for t in m.item_ids.values]
+    if m.label_token_ids:
+        req["label_token_ids"] = list(m.label_token_ids)
+    if m.labels:
+        req["labels"] = list(m.labels)
+    for name in ("apply_softmax", "item_first", "model"):
+        if m.HasField(name):
+            req[name] = getattr(m, name)
+    return req
+
+
+def handlers(fe: Frontend):
+    """method name -> async handler(request message) -> response message, per service."""
+
+    async def classify(m):
+        ans = await fe.classify(list(m.queries))
+        labels = ans.labels
+        index = {label: i for i, label in enumerate(labels)}
+        R = pb.ClassifyResult
+        return pb.ClassifyResponse(
+            labels=labels,
+            results=[R(query=q, label=label, label_index=index[label], scores=scores, cached=cached)
+                     for q, label, scores, cached in ans.results],
+            batch_size=ans.batch_size,
+            timing=pb.Timing(queue_ms=1e3 * ans.queue_s, tokenize_ms=1e3 * ans.tokenize_s,
+                             forward_ms=1e3 * ans.forward_s, total_ms=1e3 * ans.total_s))
+
+    async def score(m):
+        out = await fe.score(score_dict(m))
+        usage = out.get("usage")
+        return pb.ScoreResponse(
+            scores=[pb.ItemScores(values=s) for s in out["scores"]], labels=out["labels"],
+            model=fe.info.model,
+            usage=None if usage is None else pb.Usage(
+                prompt_tokens=usage.get("prompt_tokens", 0),
+                completion_tokens=usage.get("completion_tokens", 0),
+                total_tokens=usage.get("total_tokens", 0)))
+
+    async def check(m):
+        if m.service not in ("", SERVICE):
+            raise ApiError(404, f"unknown service {m.service!r}")
+        status, _ = fe.health()
+        R = pb.HealthCheckResponse
+        return R(status=R.SERVING if status == 200 else R.NOT_SERVING)
+
+    return {
+        SERVICE: {"Classify": (classify, pb.ClassifyRequest, pb.ClassifyResponse, True),
+                  "Score": (score, pb.ScoreRequest, pb.ScoreResponse, True)},
+        HEALTH: {"Check": (check, pb.HealthCheckRequest, pb.HealthCheckResponse, False)},
+    }
+
+
+def unary(fe: Frontend, endpoint: str, handle, auth: bool):
+    """The gRPC method around handle: API key, ApiError -> status, the requests metric."""
+    api_key = fe.cfg.api_key if auth else None
+    requests = fe.metrics.requests
+
+    async def call(request, context):
+        status = 499  # cancelled (the client left or its deadline passed): CancelledError
+        try:
+            if api_key is not None and not authorized(bearer(context), api_key):
+                error = ApiError(401, UNAUTHORIZED)
+            else:
+                try:
+                    reply = await handle(request)
+                except ApiError as e:
+                    error = e
+                else:
+                    status = 200
+                    return reply
+            status = error.status
+            trailers = [("http-status", str(error.status))]
+            trailers += [(k.lower(), v) for k, v in error.headers.items()]
+            await context.abort(grpc_code(status), error.detail, tuple(trailers))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            status = 500
+            log.exception("%s failed", endpoint)
+            await context.abort(C.INTERNAL, "internal server error", (("http-status", "500"),))
+        finally:
+            requests.labels(endpoint, str(status)).inc()
+
+    return call
+
+
+def bearer(context) -> list[tuple[bytes, bytes]]:
+    """The call's authorization metadata as the HTTP headers http.authorized checks (every entry:
+    two are refused there, as two HTTP headers are)."""
+    return [(b"authorization", v.encode("latin-1", "replace") if isinstance(v, str) else v)
+            for k, v in context.invocation_metadata() or () if k == "authorization"]
+
+
+# ---------------------------------------------------------------- the server
+
+async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Server:
+    """A grpc.aio server on the running event loop (uvicorn's; uvloop works), started and
+    listening on host:port with SO_REUSEPORT, so several front-end processes share the port.
+    Port 0: a free port, in `server.port`. ConfigError when it cannot listen."""
+    cfg = frontend.cfg
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 1),
+                 ("grpc.max_receive_message_length", cfg.max_body_bytes)],
+        # As HTTP's --max-connections: beyond it gRPC answers RESOURCE_EXHAUSTED itself; it
+        # exceeds --max-queue, so overload is the Frontend's 429 first.
+        maximum_concurrent_rpcs=cfg.max_connections)
+    for service, methods in handlers(frontend).items():
+        table = {name: grpc.unary_unary_rpc_method_handler(
+                     unary(frontend, f"grpc:{name}" if service == SERVICE else f"grpc:{service}/{name}",
+                           handle, auth),
+                     request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+                 for name, (handle, req, resp, auth) in methods.items()}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, table),))
+        if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: a faster lookup
+            server.add_registered_method_handlers(service, table)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        bound, reason = 0, str(e)
+    else:
+        reason = "port in use?"
+    if not bound:
+        raise ConfigError(f"cannot listen for gRPC on {address}: {reason} (--host/--grpc-port)")
+    server.port = bound
+    await server.start()
+    log.info("serving gRPC (%s) on %s", SERVICE, f"{host}:{bound}")
+    return server
+
+
+async def stop_grpc(server: grpc.aio.Server, grace: float) -> None:
+    """New calls are refused (UNAVAILABLE) at once; calls in flight get up to grace seconds to
+    finish, then are cancelled (which aborts their engine work)."""
+    await server.stop(grace)

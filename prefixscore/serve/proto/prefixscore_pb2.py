@@ -1,0 +1,70 @@
+"""prefixscore.v1 message classes. Generated from prefixscore/serve/proto/prefixscore.proto by
+prefixscore.serve.proto.regenerate() (grpcio-tools 1.85.1): do not edit.
+
+Built at import from the compiled descriptor (works on any protobuf runtime >= 4.21; see
+prefixscore/serve/proto/__init__.py for why this is not protoc's own _pb2 output)."""
+from google.protobuf import descriptor_pool as _descriptor_pool
+from google.protobuf import message_factory as _message_factory
+
+SERIALIZED = (
+    b'\n)prefixscore/serve/proto/prefixscore.proto\x12\x0eprefixscore.v1"+\n\x0fClassifyRequest'
+    b'\x12\x18\n\x07queries\x18\x01 \x03(\tR\x07queries"\x8d\x01\n\x0eClassifyResult\x12\x14\n'
+    b'\x05query\x18\x01 \x01(\tR\x05query\x12\x14\n\x05label\x18\x02 \x01(\tR\x05label\x12\x1f'
+    b'\n\x0blabel_index\x18\x03 \x01(\rR\nlabelIndex\x12\x16\n\x06scores\x18\x04 \x03(\x01R\x06'
+    b'scores\x12\x16\n\x06cached\x18\x05 \x01(\x08R\x06cached"~\n\x06Timing\x12\x19\n\x08queue_'
+    b'ms\x18\x01 \x01(\x01R\x07queueMs\x12\x1f\n\x0btokenize_ms\x18\x02 \x01(\x01R\ntokenizeMs'
+    b'\x12\x1d\n\nforward_ms\x18\x03 \x01(\x01R\tforwardMs\x12\x19\n\x08total_ms\x18\x04 \x01('
+    b'\x01R\x07totalMs"\xb3\x01\n\x10ClassifyResponse\x12\x16\n\x06labels\x18\x01 \x03(\tR\x06l'
+    b'abels\x128\n\x07results\x18\x02 \x03(\x0b2\x1e.prefixscore.v1.ClassifyResultR\x07results'
+    b'\x12\x1d\n\nbatch_size\x18\x03 \x01(\rR\tbatchSize\x12.\n\x06timing\x18\x04 \x01(\x0b2'
+    b'\x16.prefixscore.v1.TimingR\x06timing"\x1c\n\x08TokenIds\x12\x10\n\x03ids\x18\x01 \x03('
+    b'\x03R\x03ids"\x1f\n\x05Texts\x12\x16\n\x06values\x18\x01 \x03(\tR\x06values"@\n\x0cTokenI'
+    b'dLists\x120\n\x06values\x18\x01 \x03(\x0b2\x18.prefixscore.v1.TokenIdsR\x06values"\xc1'
+    b'\x03\n\x0cScoreRequest\x12\x1f\n\nquery_text\x18\x01 \x01(\tH\x00R\tqueryText\x127\n\tque'
+    b'ry_ids\x18\x02 \x01(\x0b2\x18.prefixscore.v1.TokenIdsH\x00R\x08queryIds\x126\n\nitem_text'
+    b's\x18\x03 \x01(\x0b2\x15.prefixscore.v1.TextsH\x01R\titemTexts\x129\n\x08item_ids\x18\x04'
+    b' \x01(\x0b2\x1c.prefixscore.v1.TokenIdListsH\x01R\x07itemIds\x12&\n\x0flabel_token_ids'
+    b'\x18\x05 \x03(\x03R\rlabelTokenIds\x12\x16\n\x06labels\x18\x06 \x03(\tR\x06labels\x12(\n'
+    b'\rapply_softmax\x18\x07 \x01(\x08H\x02R\x0capplySoftmax\x88\x01\x01\x12"\n\nitem_first'
+    b'\x18\x08 \x01(\x08H\x03R\titemFirst\x88\x01\x01\x12\x19\n\x05model\x18\t \x01(\tH\x04R'
+    b'\x05model\x88\x01\x01B\x07\n\x05queryB\x07\n\x05itemsB\x10\n\x0e_apply_softmaxB\r\n\x0b_i'
+    b'tem_firstB\x08\n\x06_model"$\n\nItemScores\x12\x16\n\x06values\x18\x01 \x03(\x01R\x06valu'
+    b'es"|\n\x05Usage\x12#\n\rprompt_tokens\x18\x01 \x01(\x03R\x0cpromptTokens\x12+\n\x11comple'
+    b'tion_tokens\x18\x02 \x01(\x03R\x10completionTokens\x12!\n\x0ctotal_tokens\x18\x03 \x01('
+    b'\x03R\x0btotalTokens"\x9e\x01\n\rScoreResponse\x122\n\x06scores\x18\x01 \x03(\x0b2\x1a.pr'
+    b'efixscore.v1.ItemScoresR\x06scores\x12\x16\n\x06labels\x18\x02 \x03(\tR\x06labels\x12\x14'
+    b'\n\x05model\x18\x03 \x01(\tR\x05model\x12+\n\x05usage\x18\x04 \x01(\x0b2\x15.prefixscore.'
+    b'v1.UsageR\x05usage".\n\x12HealthCheckRequest\x12\x18\n\x07service\x18\x01 \x01(\tR\x07ser'
+    b'vice"\xb1\x01\n\x13HealthCheckResponse\x12I\n\x06status\x18\x01 \x01(\x0e21.prefixscore.v'
+    b'1.HealthCheckResponse.ServingStatusR\x06status"O\n\rServingStatus\x12\x0b\n\x07UNKNOWN'
+    b'\x10\x00\x12\x0b\n\x07SERVING\x10\x01\x12\x0f\n\x0bNOT_SERVING\x10\x02\x12\x13\n\x0fSERVI'
+    b'CE_UNKNOWN\x10\x032\xa2\x01\n\x0bPrefixScore\x12M\n\x08Classify\x12\x1f.prefixscore.v1.Cl'
+    b'assifyRequest\x1a .prefixscore.v1.ClassifyResponse\x12D\n\x05Score\x12\x1c.prefixscore.v1'
+    b'.ScoreRequest\x1a\x1d.prefixscore.v1.ScoreResponseb\x06proto3'
+)
+
+_pool = _descriptor_pool.Default()
+_pool.AddSerializedFile(SERIALIZED)
+DESCRIPTOR = _pool.FindFileByName('prefixscore/serve/proto/prefixscore.proto')
+
+
+def _message(name):
+    desc = DESCRIPTOR.message_types_by_name[name]
+    if hasattr(_message_factory, "GetMessageClass"):  # protobuf >= 4.22
+        return _message_factory.GetMessageClass(desc)
+    return _message_factory.MessageFactory(_pool).GetPrototype(desc)
+
+
+ClassifyRequest = _message('ClassifyRequest')
+ClassifyResult = _message('ClassifyResult')
+Timing = _message('Timing')
+ClassifyResponse = _message('ClassifyResponse')
+TokenIds = _message('TokenIds')
+Texts = _message('Texts')
+TokenIdLists = _message('TokenIdLists')
+ScoreRequest = _message('ScoreRequest')
+ItemScores = _message('ItemScores')
+Usage = _message('Usage')
+ScoreResponse = _message('ScoreResponse')
+HealthCheckRequest = _message('HealthCheckRequest')
+HealthCheckResponse = _message('HealthCheckResponse')
