@@ -19,10 +19,15 @@ Also /grpc.health.v1.Health/Check (no API key, as /healthz): SERVING once the en
 from __future__ import annotations
 
 import logging
-
-import grpc
+import socket
 
 from ..errors import ConfigError
+
+try:
+    import grpc
+except ImportError:  # pragma: no cover
+    raise ConfigError("--grpc-port needs grpcio and protobuf: pip install 'prefixscore[grpc]'") from None
+
 from .frontend import ApiError, Frontend
 from .http import UNAUTHORIZED, authorized
 from .proto import prefixscore_pb2 as pb
@@ -161,6 +166,20 @@ def bearer(context) -> list[tuple[bytes, bytes]]:
 
 # ---------------------------------------------------------------- the server
 
+def check_port(host: str, port: int) -> None:
+    """Before anything slow (the launcher, as bind() does for HTTP): ConfigError when host:port
+    is taken. Only a free port passes: start_grpc's SO_REUSEPORT would share one that another
+    prefixscore server holds."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen for gRPC on {host}:{port}: {e.strerror} "
+                              f"(--host/--grpc-port)") from None
+
+
 async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Server:
     """A grpc.aio server on the running event loop (uvicorn's; uvloop works), started and
     listening on host:port with SO_REUSEPORT, so several front-end processes share the port.
@@ -174,7 +193,7 @@ async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Serve
         maximum_concurrent_rpcs=cfg.max_connections)
     for service, methods in handlers(frontend).items():
         table = {name: grpc.unary_unary_rpc_method_handler(
-                     unary(frontend, f"grpc:{name}" if service == SERVICE else f"grpc:{service}/{name}",
+                     unary(frontend, f"grpc:{name}" if service == SERVICE else f"grpc:Health/{name}",
                            handle, auth),
                      request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
                  for name, (handle, req, resp, auth) in methods.items()}
