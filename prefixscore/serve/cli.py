@@ -21,6 +21,9 @@ def add_command(subparsers, model_args) -> None:
                         "labels = [\"yes\", \"no\"], ...)")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve gRPC (prefixscore.v1.PrefixScore: Classify, Score; and "
+                        "grpc.health.v1) on this port, same limits and API key (needs grpcio)")
     g.add_argument("--workers", type=int, default=None,
                    help="front-end processes (HTTP, validation, tokenization) in front of one engine "
                         "process; 1: one process, the engine on a thread (default: half the CPUs, at "
@@ -152,7 +155,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         served_model_name=a.served_model_name)
     workers = default_workers() if a.workers is None else a.workers
     front = FrontendConfig(
-        host=a.host, port=a.port, workers=workers, api_key=api_key_from(a.api_key),
+        host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, api_key=api_key_from(a.api_key),
         max_queue=a.max_queue, max_queue_ms=a.max_queue_ms, max_body_bytes=a.max_body_bytes,
         max_queries=a.max_queries, max_tokens=a.max_tokens, max_score_tokens=a.max_score_tokens,
         max_label_ids=a.max_label_ids, cache_size=a.cache_size, cache_ttl=a.cache_ttl,

@@ -100,7 +100,8 @@ class Frontend:
         self.sync()
         i = self.info
         return 200, {"status": "ok", "model": i.model, "labels": i.labels, "mode": i.mode,
-                     "scorer": i.scorer, "queue_depth": self.inflight + c.queued}
+                     "scorer": i.scorer, "queue_depth": self.inflight + c.queued,
+                     "engine": {"pid": i.pid, "device": i.device}}
 
     async def _check_ready(self) -> None:
         if self.draining:

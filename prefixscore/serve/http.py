@@ -57,12 +57,30 @@ class Guard:
             if self.api_key is not None and path.startswith("/v1/") and not authorized(
                     scope["headers"], self.api_key):
                 return await send_json(counted, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")], close=True)
-            if scope["method"] in ("POST", "PUT", "PATCH"):
-                body, error = await self._read(scope, receive)
-                if error:
-                    return await send_json(counted, *error, close=True)
-                receive = replay(body, receive)
-            await self.app(scope, receive, counted)
+            if scope["method"] not in ("POST", "PUT", "PATCH"):
+                return await self.app(scope, receive, counted)
+            body, error = await self._read(scope, receive)
+            if error:
+                return await send_json(counted, *error, close=True)
+            # A client that leaves before its answer: the request is cancelled, which drops its
+            # queued engine work (Frontend._wait), and it is counted 499, not computed and 200.
+            task, gone = asyncio.current_task(), False
+
+            async def watch():
+                nonlocal gone
+                message = await receive()  # after the body: the next message is the disconnect
+                if message["type"] == "http.disconnect" and status == 499:  # nothing sent yet
+                    gone = True
+                    task.cancel()
+
+            watcher = asyncio.get_running_loop().create_task(watch())
+            try:
+                await self.app(scope, replay(body, receive), counted)
+            except asyncio.CancelledError:
+                if not gone:
+                    raise
+            finally:
+                watcher.cancel()
         finally:
             self.fe.metrics.requests.labels(endpoint, str(status)).inc()
 

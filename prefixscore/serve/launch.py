@@ -53,11 +53,25 @@ def uvicorn_server(app, fcfg: FrontendConfig, frontend):
     from .http import protocol_class
 
     class DrainingServer(uvicorn.Server):
+        """uvicorn + the gRPC front end on the same event loop and Frontend (--grpc-port)."""
+        grpc = None
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)  # lifespan first: the engine client starts
+            if fcfg.grpc_port is not None and not self.should_exit:
+                from .grpc_server import start_grpc
+
+                self.grpc = await start_grpc(frontend, fcfg.host, fcfg.grpc_port)
+
         async def shutdown(self, sockets=None):
             frontend.begin_drain()
             # Answer what is still waiting 503 just before uvicorn would cancel it (a 500).
             loop = asyncio.get_running_loop()
             loop.call_later(max(0.0, fcfg.shutdown_timeout - 0.5), frontend.fail_pending)
+            if self.grpc is not None:  # before super(): its lifespan shutdown stops the client
+                from .grpc_server import stop_grpc
+
+                await stop_grpc(self.grpc, fcfg.shutdown_timeout)
             await super().shutdown(sockets)
 
     config = uvicorn.Config(app, http=protocol_class(fcfg), log_level=fcfg.log_level,
@@ -121,8 +135,18 @@ def engine_cpu(spec: str, device: str) -> int | None:
 
 # ---------------------------------------------------------------- --workers N
 
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the launcher dies, however it dies (SIGKILL included),
+    so no engine or front end outlives the server (SGLang's kill_itself_when_parent_died)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def worker_main(fcfg: FrontendConfig, index: int, address: str, sock) -> None:
     """A front-end process: HTTP on the shared socket, an engine client over ZeroMQ."""
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards SIGTERM
     logging.basicConfig(level=fcfg.log_level.upper(), format=f"%(levelname)s:     worker {index}: %(message)s")
     from .client import ZmqClient
@@ -183,6 +207,7 @@ class Launcher:
         return p
 
     def run(self) -> int:
+        logging.basicConfig(level=self.fcfg.log_level.upper(), format="%(levelname)s:     %(message)s")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._signal)
         try:
@@ -253,11 +278,16 @@ class Launcher:
 def _engine_entry(*args) -> None:
     from .engine_proc import main
 
+    die_with_parent()
     main(*args)
 
 
 def serve(fcfg: FrontendConfig, ecfg: EngineConfig) -> int:
     sock = bind(fcfg.host, fcfg.port)
+    if fcfg.grpc_port is not None:
+        from .grpc_server import check_port
+
+        check_port(fcfg.host, fcfg.grpc_port)  # a taken port fails before the model loads
     if fcfg.workers == 1:
         single_process(fcfg, ecfg, sock)
         return 0

@@ -1,0 +1,192 @@
+"""`prefixscore serve --workers N`: a launcher, N front-end processes sharing the port and one engine
+process over ZeroMQ, as a user starts it (a subprocess), with a real HTTP client. Tiny random model,
+CPU. Each test starts its own server (a few seconds)."""
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from conftest import random_queries
+from prefixscore import Classifier
+
+pytest.importorskip("zmq")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base, proc, timeout=90):
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        assert proc.poll() is None, f"server exited {proc.returncode}"
+        assert time.monotonic() < deadline, f"server never became ready: {last}"
+        try:
+            r = httpx.get(base + "/healthz")
+            if r.status_code == 200:
+                return r.json()
+            last = r.text
+        except httpx.TransportError as e:
+            last = repr(e)
+        time.sleep(0.1)
+
+
+@contextmanager
+def serve(model, *flags, workers=2):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PREFIXSCORE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "prefixscore.cli", "serve", "--model", str(model),
+                             "--device", "cpu", "--port", str(port), "--workers", str(workers),
+                             "--log-level", "info", *flags], env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def post_all(base, bodies, timeout=60):
+    async def go():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as c:
+            return await asyncio.gather(*(c.post("/v1/classify", json=b) for b in bodies),
+                                        return_exceptions=True)
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def clf(model):
+    return Classifier(model, device="cpu")
+
+
+def check(got, want):
+    assert [r["label"] for r in got] == [w.label for w in want]
+    for g, w in zip(got, want):
+        assert max(abs(g["scores"][k] - v) for k, v in w.scores.items()) < 1e-4
+
+
+def metric_sum(text, prefix):
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(prefix))
+
+
+def test_workers_answer_like_in_process(model, clf):
+    """Three front ends, many concurrent clients: every answer equals the in-process call's, and
+    /metrics (from whichever front end answers it) sums the requests of all of them."""
+    queries = random_queries(120, seed=11)
+    want = clf.classify_batch(queries)
+    with serve(model, workers=3) as (base, _):
+        bodies = [{"query": q} for q in queries[:100]] + [{"query": queries[100:]}]
+        responses = post_all(base, bodies)
+        for r, w in zip(responses[:100], want):
+            assert r.status_code == 200, r.text
+            check(r.json()["results"], [w])
+        check(responses[100].json()["results"], want[100:])
+        text = httpx.get(base + "/metrics").text
+        n = metric_sum(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="200"}')
+        assert n == 101
+        assert metric_sum(text, "prefixscore_batch_size_count") >= 1  # the engine process's series
+
+
+def test_engine_killed_then_restarted(model, clf):
+    """Killing the engine process: requests in flight and after get 503 within a second (none
+    hangs), /healthz is unhealthy; with --restart-engine a new engine serves again."""
+    with serve(model, "--restart-engine", "--batch-window-ms", "3000") as (base, _):
+        pid = httpx.get(base + "/healthz").json()["engine"]["pid"]
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                sent = [asyncio.create_task(c.post("/v1/classify", json={"query": f"q{i}"}))
+                        for i in range(4)]
+                while metric_sum((await c.get("/metrics")).text, "prefixscore_queue_depth ") < 4:
+                    await asyncio.sleep(0.02)  # accepted, waiting in the engine's batch window
+                t = time.perf_counter()
+                os.kill(pid, signal.SIGKILL)
+                out = await asyncio.gather(*sent)
+                return out, time.perf_counter() - t
+
+        responses, took = asyncio.run(go())
+        assert [r.status_code for r in responses] == [503] * 4, [r.text for r in responses]
+        assert took < 1.0 and "engine" in responses[0].json()["detail"]
+        h = httpx.get(base + "/healthz")
+        assert h.status_code == 503
+        after = wait_healthy(base, subprocess.Popen(["sleep", "120"]), timeout=90)
+        assert after["engine"]["pid"] != pid
+        r = httpx.post(base + "/v1/classify", json={"query": "red dress"})
+        assert r.status_code == 200
+        check(r.json()["results"], clf.classify_batch(["red dress"]))
+
+
+def test_sigterm_under_load_loses_nothing(model, clf):
+    """SIGTERM while requests are queued: every accepted request is answered correctly, the server
+    exits 0, and the port is closed."""
+    queries = random_queries(40, seed=5)
+    want = clf.classify_batch(queries)
+    with serve(model, "--batch-window-ms", "300") as (base, proc):
+        async def go():
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            async with httpx.AsyncClient(base_url=base, timeout=30, limits=limits) as c:
+                sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in queries]
+                await asyncio.sleep(0.15)  # sent, not yet answered (the window is 300 ms)
+                proc.send_signal(signal.SIGTERM)
+                return await asyncio.gather(*sent, return_exceptions=True)
+
+        responses = asyncio.run(go())
+        assert proc.wait(60) == 0
+    answered = [(r, w) for r, w in zip(responses, want) if isinstance(r, httpx.Response)]
+    # a request whose connection the closing listener never accepted fails to connect; every one
+    # that reached the server is answered, and correctly
+    assert len(answered) >= len(queries) // 2
+    for r, w in answered:
+        assert r.status_code == 200, r.text
+        check(r.json()["results"], [w])
+    with pytest.raises(httpx.ConnectError):
+        httpx.post(base + "/v1/classify", json={"query": "late"})
+
+
+def test_busy_port_fails_before_loading(model):
+    """A busy port is one clear error line and exit status 2, before any model loads."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "prefixscore.cli", "serve", "--model", "/nonexistent",
+                              "--port", str(port), "--workers", "2"], capture_output=True, text=True,
+                             timeout=60)
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert time.perf_counter() - t < 30
+
+
+def test_engine_that_cannot_start_ends_the_server(tmp_path):
+    """An engine that fails before it is ready (here: not a model folder) ends the server with
+    status 2 instead of restarting forever."""
+    bad = tmp_path / "model"
+    bad.mkdir()
+    out = subprocess.run([sys.executable, "-m", "prefixscore.cli", "serve", "--model", str(bad),
+                          "--port", str(free_port()), "--workers", "2", "--restart-engine",
+                          "--log-level", "error"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "before it was ready" in out.stderr, out.stderr[-2000:]
