@@ -30,6 +30,7 @@ SEED_TEMPLATE = (
 SEED_LABELS = ["Dress", "Jeans", "Shirt", "Trench Coat", "Skirt", "T-shirt", "Hoodie", "Knitwear", "Other"]
 
 _SLOT = re.compile(r"\{(\w+)\}")
+_SENTINEL = re.compile("\ue000SLOT-(\\w+)\ue001")  # sentinel(name), capturing the name
 # Queries chosen to provoke merges across the prefix boundary: letters, digits, spaces, punctuation,
 # CJK, emoji, newlines, long runs.
 PROBES = ["a", "A", " a", "  x", "1", "2024", "中文", "😀", "!", ".", "-", "'s", "\n", "\tx", "é", "x" * 40, ":", "Q"]
@@ -89,22 +90,32 @@ class Prompt:
             raise ConfigError("chat=True but the tokenizer has no chat template")
         self.chat = has_chat if chat is None else bool(chat)
         self.context_limit = context_limit
-        rendered = self._render_raw({s: sentinel(s) for s in slots})
-        pieces = re.split("(" + "|".join(re.escape(sentinel(s)) for s in slots) + ")", rendered)
+        self.rendered = self._render_raw({s: sentinel(s) for s in slots})
+        pieces = re.split("(" + "|".join(re.escape(sentinel(s)) for s in slots) + ")", self.rendered)
         if len(pieces) != 2 * len(slots) + 1:
             raise ConfigError("the chat template altered the slot; pass chat=False")
         self.pieces = pieces  # [text0, sentinel, text1, sentinel, text2, ...]
         self.strip = self._edge_strip()
         self.prefix_text = pieces[0]
+        self._before: dict = {}  # slot -> parts of the prompt before it (encode_before)
         self.backend = None  # the HF call first: the reference the Rust backend must match
         texts = [self.prefix_text] + [self.render(**{s: probe for s in slots}) for probe in PROBES]
-        prefix_ids, *probed = self.encode_texts(texts)
+        whole = self.encode_texts(texts)
+        # whole texts (encode_texts: label tries, and today's form with special_tokens=True)
+        self.backend = rust_backend(tokenizer, texts, not self.chat, whole)
+        if self.special_tokens:
+            prefix_ids, *probed = whole
+            self.resume = self._resume_point(texts[1:], probed)
+        else:
+            self._plan()
+            probed = self.encode_ids([{s: probe for s in slots} for probe in PROBES])
+            # parts[0]: the constant ids up to the first variable run; parts[1][0]: its text before
+            # the first slot (from the resume point)
+            prefix_ids = self.parts[0] + self._encode_runs([self.parts[1][0]])[0]
         split = len(prefix_ids)
         for full in probed:
             split = min(split, common_prefix_len(full, prefix_ids))
         self.prefix_ids = prefix_ids[:split]
-        self.backend = rust_backend(tokenizer, texts, not self.chat, [prefix_ids, *probed])
-        self.resume = self._resume_point(texts[1:], probed)
 
     def _render_raw(self, values: dict) -> str:
         text = self.template
@@ -149,11 +160,16 @@ class Prompt:
         return self.encode_texts([text])[0]
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """The tokenizer's ids of whole texts, special-token text parsed (text the template owns,
+        e.g. a label after the prompt; a request's prompt is encode_many's)."""
         # A chat template writes its own special tokens; a plain template gets the tokenizer's (BOS).
         special = not self.chat
         if self.backend is not None:  # no offsets: the fast form (tokenizers >= 0.21), ~20% less
-            return [e.ids for e in self.backend.encode_batch_fast(texts, add_special_tokens=special)]
+            encoded = _plain(self.backend).encode_batch_fast(texts, add_special_tokens=special)
+            return [e.ids for e in encoded]
         return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+    # ---- special_tokens=True: the whole prompt's text, tokenized from a resume point
 
     def _resume_point(self, texts: list[str], reference: list[list[int]]):
         """(c, ids of prefix_text[:c]) such that a prompt's ids are those ids followed by the ids of
@@ -164,26 +180,157 @@ class Prompt:
         of a different class and looks ahead one at most; and BPE runs per pre-token, so no token
         crosses c whatever the query. Checked on the probes (which also catch tokenizers that add a
         space or a special token at the start of any text); None, whole prompts, if one differs."""
-        pre = getattr(self.backend, "pre_tokenizer", None)
-        if pre is None:
+        c = _second_to_last_word(self.backend, self.prefix_text)
+        if c is None:
             return None
-        try:
-            words = pre.pre_tokenize_str(self.prefix_text)
-        except Exception:  # a pre-tokenizer that cannot run alone
-            return None
-        if len(words) < 3:
-            return None
-        c = words[-2][1][0]
-        special = not self.chat
-        head = self.backend.encode_batch_fast([self.prefix_text[:c]], add_special_tokens=special)[0].ids
+        head = self.encode_texts([self.prefix_text[:c]])[0]
         if self._encode_resumed(texts, c, head) != reference:
             return None
         return c, head
 
     def _encode_resumed(self, texts: list[str], c: int, head: list[int]) -> list[list[int]]:
         """Ids of prompts that start with prefix_text: head, then each text from char c on."""
-        tails = self.backend.encode_batch_fast([t[c:] for t in texts], add_special_tokens=False)
+        tails = _plain(self.backend).encode_batch_fast([t[c:] for t in texts], add_special_tokens=False)
         return [head + t.ids for t in tails]
+
+    # ---- default: the template's special tokens, and the text runs between them as plain text
+
+    def _plan(self) -> None:
+        """self.parts: the prompt as a list of constant ids and variable runs (text, slot, text,
+        ...: the text between two of the template's special tokens that holds slots), each run
+        tokenized as plain text, alone (as the tokenizer itself tokenizes the text between two added
+        tokens: a value without special-token text gets the whole prompt's ids). The exact form is the HF call per run; the fast form (checked equal
+        to it on probe values, special-token text included) calls a copy of the Rust backend that
+        does not parse special tokens, and resumes the first run from a point near its first slot
+        (_run_resume): a chat template's scaffolding after the query is then a cached constant."""
+        self.split_backend, self.resume = None, None
+        exact = self.parts = self._parse(self.rendered)
+        added = [t.content for t in self.tokenizer.added_tokens_decoder.values()]
+        probes = PROBES + ["".join(added), " ".join(added) + " x"] + [f"a{t}\n{t}b" for t in added[:8]]
+        values = [{s: p for s in self.slots} for p in probes]
+        runs = [self._run_text(p, v) for v in values for p in exact if isinstance(p, tuple)]
+        self.split_backend = rust_backend(self.tokenizer, runs, False, self._hf_split(runs), split=True)
+        reference = self._assemble(exact, values, self._hf_split)
+        resumed = self._run_resume(exact)
+        if resumed is not None and self._assemble(resumed, values, self._encode_runs) == reference:
+            self.parts = resumed  # resume: (c within the first variable run, the cached ids before c)
+            self.resume = (len(exact[1][0]) - len(resumed[1][0]), resumed[0])
+
+    def _run_resume(self, parts: list):
+        """parts with the first variable run cut at its resume point c, where its text before the
+        first slot starts its second-to-last pre-token (the argument of _resume_point, here within
+        one run): the ids before c join the constant head. None where that cannot hold: a
+        non-special added token (still parsed in plain text) that could span c, or too few words."""
+        lead = parts[1][0]
+        backend = self.split_backend or getattr(self.tokenizer, "_tokenizer", None)
+        c = _second_to_last_word(backend, lead)
+        if c is None:
+            return None
+        norm = getattr(getattr(backend, "normalizer", None), "normalize_str", None) or (lambda s: s)
+        plain = [t.content for t in self.tokenizer.added_tokens_decoder.values() if not t.special]
+        plain += [norm(t) for t in plain]
+        before = (lead[:c], norm(lead[:c]))
+        if any(b.endswith(t[:j]) for t in plain for b in before for j in range(1, len(t) + 1)):
+            return None
+        head = parts[0] + self._encode_runs([lead[:c]])[0]
+        return [head, (lead[c:],) + parts[1][1:], *parts[2:]]
+
+    def _parse(self, text: str) -> list:
+        """`text` (rendered with sentinels in its slots, maybe cut short) as a list of constant ids
+        (merged) and variable runs (tuples text, slot, text, ...). Constants: the template's special
+        tokens where the tokenizer finds them in the template text (a slot's sentinel between
+        breaks any match: a token cannot span template and value), the tokens a plain template gets
+        around the text (BOS ...), and the text runs without slots, tokenized by the HF call."""
+        special = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        try:  # the tokenizer's own matching (leftmost-longest, lstrip/rstrip, normalized tokens)
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            spans = [(s, e, i) for i, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
+                     if i in special]
+            if not all(special[i] in text[s:e] for s, e, i in spans):
+                raise ValueError("offsets that do not hold the token")
+        except (NotImplementedError, ValueError, KeyError, TypeError):  # no offsets (slow tokenizer)
+            by_text = {c: i for i, c in special.items()}
+            alt = "|".join(map(re.escape, sorted(by_text, key=len, reverse=True))) or "(?!)"
+            spans = [(m.start(), m.end(), by_text[m.group()]) for m in re.finditer(alt, text)]
+        pre, post = self._added_ids()
+        items, at = [pre], 0
+        for s, e, i in spans + [(len(text), len(text), None)]:
+            run = tuple(_SENTINEL.split(text[at:s]))  # [text, slot name, text, ...]
+            items.append(run if len(run) > 1 else run[0])
+            items.append([i] if i is not None else post)
+            at = e
+        consts = [x for x in items if isinstance(x, str) and x]
+        ids = iter(self._hf_split(consts) if consts else [])
+        parts = []
+        for x in items:
+            x = (next(ids) if x else []) if isinstance(x, str) else x
+            if isinstance(x, list) and parts and isinstance(parts[-1], list):
+                parts[-1] = parts[-1] + x
+            else:
+                parts.append(x if isinstance(x, tuple) else list(x))
+        return parts
+
+    def _added_ids(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer adds before and after a text (BOS ...): a plain template's."""
+        if self.chat:  # a chat template writes its own
+            return [], []
+        plain = self.tokenizer("x", add_special_tokens=False)["input_ids"]
+        full = self.tokenizer("x", add_special_tokens=True)["input_ids"]
+        for k in range(len(full) - len(plain) + 1):
+            if full[k:k + len(plain)] == plain:
+                return full[:k], full[k + len(plain):]
+        raise ConfigError("cannot tell which tokens the tokenizer adds around a text; "
+                          "pass special_tokens=True")
+
+    def _hf_split(self, texts: list[str]) -> list[list[int]]:
+        """The HF call, special-token text as plain text. It sets the shared Rust backend's flag
+        and leaves it set, which would change anyone's later direct calls of it: restored."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        flag = getattr(backend, "encode_special_tokens", None)
+        try:
+            return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        finally:
+            if flag is not None:
+                backend.encode_special_tokens = flag
+
+    def _encode_runs(self, texts: list[str]) -> list[list[int]]:
+        if self.split_backend is not None:
+            return [e.ids for e in self.split_backend.encode_batch_fast(texts, add_special_tokens=False)]
+        return self._hf_split(texts)
+
+    def _run_text(self, run: tuple, values: dict) -> str:
+        if len(run) == 3:
+            return run[0] + self.fill(run[1], values[run[1]]) + run[2]
+        return "".join(self.fill(p, values[p]) if k % 2 else p for k, p in enumerate(run))
+
+    def _assemble(self, parts: list, values_list: list[dict], encode) -> list[list[int]]:
+        """Each request's ids: the constants, and its variable runs (one tokenizer call for all)."""
+        texts = [self._run_text(p, v) for v in values_list for p in parts if isinstance(p, tuple)]
+        runs = iter(encode(texts) if texts else [])
+        if len(parts) == 3:  # the usual shape: head, the slots' run, the scaffolding after it
+            head, _, tail = parts
+            return [head + next(runs) + tail for _ in values_list]
+        return [[i for p in parts for i in (p if isinstance(p, list) else next(runs))]
+                for _ in values_list]
+
+    def encode_before(self, slot: str, **values) -> list[int]:
+        """Ids of the prompt's text before `slot`'s value (the slots before it filled from
+        values), tokenized as a whole prompt is: a candidate shared prefix for requests that differ
+        only from that slot on (the Scorer's items)."""
+        text = self.rendered[:self.rendered.index(sentinel(slot))]
+        if self.special_tokens:  # today's form: the text, filled, tokenized whole
+            return self.encode_text(_SENTINEL.sub(lambda m: self.fill(m[1], values[m[1]]), text))
+        if slot not in self._before:
+            self._before[slot] = self._parse(text)
+        return self._assemble(self._before[slot], [values], self._encode_runs)[0]
+
+    def encode_ids(self, values_list: list[dict]) -> list[list[int]]:
+        """The ids of each request's whole prompt (unchecked values; encode_many checks them)."""
+        if not self.special_tokens:
+            return self._assemble(self.parts, values_list, self._encode_runs)
+        texts = [self.render(**values) for values in values_list]  # each starts with prefix_text
+        return (self._encode_resumed(texts, *self.resume) if self.resume is not None
+                else self.encode_texts(texts))
 
     def encode(self, truncate: bool = False, **values) -> Encoded:
         return self.encode_many([values], truncate)[0]
@@ -198,13 +345,11 @@ class Prompt:
                     raise _at(InputError(f"{s} must be a string, got {type(v).__name__}"), i)
                 if not v.strip():
                     raise _at(InputError(f"empty {s}"), i)
-        texts = [self.render(**values) for values in values_list]  # each starts with prefix_text
-        all_ids = (self._encode_resumed(texts, *self.resume) if self.resume is not None
-                   else self.encode_texts(texts))
+        all_ids = self.encode_ids(values_list)
         out = []
-        for i, (values, text, ids) in enumerate(zip(values_list, texts, all_ids)):
+        for i, (values, ids) in enumerate(zip(values_list, all_ids)):
             try:
-                out.append(self._encoded(values, text, ids, truncate))
+                out.append(self._encoded(values, self.render(**values), ids, truncate))
             except InputError as e:
                 raise _at(e, i) from None
         return out
@@ -230,7 +375,7 @@ class Prompt:
         lo, hi = 0, len(v)  # binary search on characters kept
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if len(self.encode_text(self.render(**{**values, s: v[:mid]}))) <= limit:
+            if len(self.encode_ids([{**values, s: v[:mid]}])[0]) <= limit:
                 lo = mid
             else:
                 hi = mid - 1
@@ -245,19 +390,65 @@ def _at(e: InputError, index: int) -> InputError:
     return e
 
 
-def rust_backend(tokenizer, texts: list[str], special: bool, reference: list[list[int]]):
+def rust_backend(tokenizer, texts: list[str], special: bool, reference: list[list[int]],
+                 split: bool = False):
     """The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer, when it gives the same ids as the
     HF call on `texts` (the prefix and the probes): calling it directly skips ~0.1 ms of Python
     wrapping per call and tokenizes a batch in parallel without the GIL. None otherwise (a
-    tokenizer that pre-processes text in Python keeps the HF call)."""
+    tokenizer that pre-processes text in Python keeps the HF call). split: a copy of it that reads
+    special-token text as plain text (_split_copy; a cached copy is made afresh if it disagrees)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch_fast"):
         return None
-    try:
-        fast = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=special)]
-    except Exception:  # a backend of another shape: keep the HF call
+    for fresh in (False, True) if split else (False,):
+        try:
+            own = _split_copy(backend, fresh) if split else _plain(backend)
+            fast = [e.ids for e in own.encode_batch_fast(texts, add_special_tokens=special)]
+        except Exception:  # a backend of another shape: keep the HF call
+            return None
+        if fast == reference:
+            return own
+    return None
+
+
+def _plain(backend):
+    """The shared backend, set to parse special tokens: HF's call sets `encode_special_tokens` per
+    call (split_special_tokens) and leaves it so, which would change our direct calls."""
+    if getattr(backend, "encode_special_tokens", False):
+        backend.encode_special_tokens = False
+    return backend
+
+
+_SPLIT_COPIES: dict = {}  # id(backend) -> (backend, its copy); a few, most recent last
+
+
+def _split_copy(backend, fresh: bool):
+    """A copy of `backend` with encode_special_tokens set, made once per backend (Prompts of one
+    tokenizer share it; from_str takes ~0.3-1 s): our own object, so no other caller's flag can
+    change how it reads a request, nor the other way round."""
+    from tokenizers import Tokenizer
+
+    hit = _SPLIT_COPIES.pop(id(backend), None)
+    if hit is None or hit[0] is not backend or fresh:
+        hit = backend, Tokenizer.from_str(backend.to_str())
+        hit[1].encode_special_tokens = True
+    _SPLIT_COPIES[id(backend)] = hit
+    while len(_SPLIT_COPIES) > 4:
+        _SPLIT_COPIES.pop(next(iter(_SPLIT_COPIES)))
+    return hit[1]
+
+
+def _second_to_last_word(backend, text: str):
+    """Where the second-to-last pre-token of `text` starts (see Prompt._resume_point); None when
+    the pre-tokenizer cannot say or there are fewer than three."""
+    pre = getattr(backend, "pre_tokenizer", None)
+    if pre is None:
         return None
-    return backend if fast == reference else None
+    try:
+        words = pre.pre_tokenize_str(text)
+    except Exception:  # a pre-tokenizer that cannot run alone
+        return None
+    return words[-2][1][0] if len(words) >= 3 else None
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
