@@ -157,12 +157,17 @@ def test_sigterm_under_load_loses_nothing(model, clf):
         responses = asyncio.run(go())
         assert proc.wait(60) == 0
     answered = [(r, w) for r, w in zip(responses, want) if isinstance(r, httpx.Response)]
-    # a request whose connection the closing listener never accepted fails to connect; every one
-    # that reached the server is answered, and correctly
-    assert len(answered) >= len(queries) // 2
+    # A request whose connection the closing listener never accepted fails to connect; one that
+    # reached a front end after its drain began is refused 503 + Retry-After (retry elsewhere);
+    # every one accepted before is answered, and correctly. None is lost or a 500.
+    ok = [(r, w) for r, w in answered if r.status_code == 200]
+    assert len(ok) >= len(queries) // 2
     for r, w in answered:
-        assert r.status_code == 200, r.text
-        check(r.json()["results"], [w])
+        if r.status_code == 200:
+            check(r.json()["results"], [w])
+        else:
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "shutting down" in r.json()["detail"]
     with pytest.raises(httpx.ConnectError):
         httpx.post(base + "/v1/classify", json={"query": "late"})
 
