@@ -1,0 +1,520 @@
+"""The load generator of bench.http: P processes, each an event loop firing its share of an
+open-loop (Poisson) arrival stream over its own keep-alive connections, HTTP/1.1 or gRPC.
+
+Why processes: one Python event loop tops out at a few tens of thousands of requests/s, and a
+generator that falls behind sends late and so under-reports the server's latency (or its
+capacity). P processes each fire rate/P; independent Poisson streams add up to a Poisson stream
+of the whole rate, so the server sees the same arrivals as from one ideal client.
+
+Method, per process and phase:
+- The arrival times are drawn before the phase starts (n uniform points over the phase, sorted:
+  a Poisson process given its count), and a request's latency counts from its *scheduled* time,
+  so a slow server cannot slow the load down (no coordinated omission).
+- A pacer coroutine sends each request when due: it sleeps on the loop's timer until shortly
+  before (timers are millisecond-coarse), then spins the loop (sleep(0), which still serves
+  responses) until the exact time. Lateness (actual send - scheduled, ms) is recorded per
+  request: the parent flags a phase whose generator lagged.
+- HTTP: requests are pre-encoded bytes written on an idle keep-alive connection (FIFO, so every
+  pre-opened connection takes its turn and the server's front ends share them), one request per
+  connection at a time (no pipelining: it would queue a request behind another). With none
+  idle, a new connection opens (up to the cap; its setup counts in that request's latency).
+- gRPC (hook: needs the message class from prefixscore.serve.proto): requests are pre-serialized
+  and sent through grpc.aio's generic unary-unary call on a few channels, each its own HTTP/2
+  connection; the serializer passed to the call is the identity.
+- Results go back to the parent as compact arrays (float32 latency ms, uint16 status, float32
+  lateness ms) plus counters; the parent merges all processes and takes percentiles over all.
+
+Run by bench.http (LoadGen); every phase is bounded in time (timeout) and count.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import socket
+import traceback
+from array import array
+from collections import deque
+from time import monotonic, process_time  # monotonic: one clock for every process of this machine
+
+# Status codes in the result arrays: HTTP statuses as they are; below 100 the client's own.
+LOST, TIMEOUT, CONN_ERROR, BAD_RESPONSE = 0, 1, 2, 3
+GRPC_BASE = 1000  # 1000 + a grpc.StatusCode's number (0 = OK is recorded as 200)
+CLIENT_STATUS = {LOST: "lost", TIMEOUT: "timeout", CONN_ERROR: "connection error",
+                 BAD_RESPONSE: "bad response"}
+KEEP_ALIVE_S = 4.0  # reuse no connection idle longer: the server closes them after 5 s
+TICK_S = 0.05  # how often timeouts are checked
+
+GRPC_METHOD = "/prefixscore.v1.PrefixScore/Classify"
+# Where the message classes live (prefixscore/serve/proto): the only thing --proto grpc needs
+# from the server's package.
+GRPC_MODULES = ("prefixscore.serve.proto.prefixscore_pb2", "prefixscore.serve.proto")
+
+
+def status_name(code: int) -> str:
+    if code in CLIENT_STATUS:
+        return CLIENT_STATUS[code]
+    if code >= GRPC_BASE:
+        import grpc
+
+        names = {c.value[0]: c.name for c in grpc.StatusCode}
+        return "grpc " + names.get(code - GRPC_BASE, str(code - GRPC_BASE))
+    return str(code)
+
+
+# ---------------------------------------------------------------- request payloads
+
+def http_post(path: str, obj) -> bytes:
+    body = json.dumps(obj).encode()
+    return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+
+
+def grpc_message(name: str):
+    """A message class of the gRPC API (ClassifyRequest, ClassifyResponse)."""
+    import importlib
+
+    for module in GRPC_MODULES:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise RuntimeError(f"--proto grpc needs the message class {name} from one of {GRPC_MODULES}")
+
+
+def grpc_payloads(queries: list[str]) -> list[bytes]:
+    """Each query as a serialized Classify request (serialized once, before any phase)."""
+    message = grpc_message("ClassifyRequest")
+    return [message(queries=[q]).SerializeToString() for q in queries]
+
+
+def grpc_timing(body: bytes) -> dict:
+    """The server's stage timing from a serialized ClassifyResponse."""
+    t = grpc_message("ClassifyResponse").FromString(body).timing
+    return {k: getattr(t, k) for k in ("queue_ms", "tokenize_ms", "forward_ms", "total_ms")}
+
+
+# ---------------------------------------------------------------- per-request bookkeeping
+
+class Recorder:
+    """Latency from the scheduled time and status of request i, set once (a late answer to a
+    request already timed out is ignored)."""
+
+    def __init__(self, sched: array):
+        n = len(sched)
+        self.sched = sched  # monotonic seconds; the serial driver fills it at send time
+        self.lat = array("f", bytes(4 * n))
+        self.status = array("H", bytes(2 * n))
+        self.done = 0
+        self.last_done = 0.0
+        self.on_done = None  # callback(i), set by the driver
+
+    def finish(self, i: int, status: int) -> None:
+        if self.status[i]:
+            return
+        now = monotonic()
+        self.lat[i] = 1e3 * (now - self.sched[i])
+        self.status[i] = status
+        self.done += 1
+        self.last_done = now
+        if self.on_done is not None:
+            self.on_done(i)
+
+
+# ---------------------------------------------------------------- HTTP/1.1 client
+
+class HttpConn(asyncio.Protocol):
+    """One keep-alive connection, one request at a time; responses parsed just enough (status,
+    content-length)."""
+
+    def __init__(self, pool: "HttpPool"):
+        self.pool = pool
+        self.transport = None
+        self.buf = b""
+        self.req = -1  # the request in flight, -1 when idle
+        self.used = monotonic()
+
+    def connection_made(self, transport):
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = transport
+
+    def send(self, i: int, payload: bytes) -> None:
+        self.req = i
+        self.transport.write(payload)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        end = buf.find(b"\r\n\r\n")
+        if end < 0:
+            self.buf = buf
+            return
+        head = buf[:end].lower()
+        k = head.find(b"\r\ncontent-length:")
+        if k < 0 or self.req < 0:  # chunked or unasked-for: not what this server sends
+            self.pool.finish(self, BAD_RESPONSE, None)
+            self.transport.abort()
+            return
+        e = head.find(b"\r\n", k + 2)
+        total = end + 4 + int(head[k + 17:e if e > 0 else end])
+        if len(buf) < total:
+            self.buf = buf
+            return
+        self.buf = buf[total:]
+        if b"\r\nconnection: close" in head:  # an error the server answers and hangs up on
+            self.transport.close()
+        self.pool.finish(self, int(buf[9:12]), buf[end + 4:total])
+
+    def connection_lost(self, exc) -> None:
+        self.pool.lost(self)
+
+
+class HttpPool:
+    """A process's connections to the server: dispatch(i) sends request i now on an idle
+    connection, or queues it until one is free (opening another while under the cap)."""
+
+    def __init__(self, port: int, payloads: list[bytes], rec: Recorder, max_conns: int,
+                 offset: int = 0, keep_bodies: bool = False):
+        self.loop = asyncio.get_running_loop()
+        self.port, self.payloads, self.rec, self.max_conns = port, payloads, rec, max_conns
+        self.offset = offset  # each process starts at its own query
+        self.idle: deque[HttpConn] = deque()
+        self.busy: set[HttpConn] = set()
+        self.pending: deque[int] = deque()
+        self.conns = 0  # open or opening
+        self.opened = self.conn_limited = self.conn_errors = 0
+        self.bodies = [] if keep_bodies else None
+
+    async def preopen(self, k: int) -> None:
+        await asyncio.gather(*(self._open() for _ in range(min(k, self.max_conns) - self.conns)))
+
+    def dispatch(self, i: int) -> None:
+        now = monotonic()
+        while self.idle:
+            c = self.idle.popleft()
+            if now - c.used < KEEP_ALIVE_S:
+                self.busy.add(c)
+                c.send(i, self.payloads[(i + self.offset) % len(self.payloads)])
+                return
+            c.transport.close()  # the server may be closing it: never reuse a stale one
+        self.pending.append(i)
+        if self.conns < self.max_conns:
+            self.loop.create_task(self._open())
+        else:
+            self.conn_limited += 1
+
+    async def _open(self) -> None:
+        self.conns += 1
+        try:
+            _, c = await self.loop.create_connection(lambda: HttpConn(self), "127.0.0.1", self.port)
+        except OSError:
+            self.conns -= 1
+            self.conn_errors += 1
+            if self.conns == 0:  # nothing will ever serve what waits: fail it now
+                while self.pending:
+                    self.rec.finish(self.pending.popleft(), CONN_ERROR)
+            return
+        self.opened += 1
+        self._free(c)  # its first job, if one waits
+
+    def _free(self, c: HttpConn) -> None:
+        c.used = monotonic()
+        while self.pending:
+            i = self.pending.popleft()
+            if not self.rec.status[i]:  # not timed out while it waited
+                self.busy.add(c)
+                c.send(i, self.payloads[(i + self.offset) % len(self.payloads)])
+                return
+        self.busy.discard(c)
+        self.idle.append(c)
+
+    def finish(self, c: HttpConn, status: int, body) -> None:
+        i, c.req = c.req, -1
+        if i >= 0:
+            if self.bodies is not None and body is not None:
+                self.bodies.append(body)
+            self.rec.finish(i, status)
+        if status != BAD_RESPONSE and not c.transport.is_closing():
+            self._free(c)
+
+    def lost(self, c: HttpConn) -> None:
+        self.conns -= 1
+        self.busy.discard(c)
+        try:
+            self.idle.remove(c)
+        except ValueError:
+            pass
+        if c.req >= 0:
+            self.rec.finish(c.req, CONN_ERROR)
+        if self.pending and self.conns < self.max_conns:
+            self.loop.create_task(self._open())
+
+    def expire(self, timeout: float) -> None:
+        """Requests older than `timeout` (from their scheduled time): timed out; their connections
+        are aborted (the answer may still come, on a connection nobody reads)."""
+        limit = monotonic() - timeout
+        sched = self.rec.sched
+        while self.pending and sched[self.pending[0]] < limit:
+            self.rec.finish(self.pending.popleft(), TIMEOUT)
+        for c in [c for c in self.busy if c.req >= 0 and sched[c.req] < limit]:
+            i, c.req = c.req, -1
+            self.rec.finish(i, TIMEOUT)
+            c.transport.abort()
+
+    async def close(self) -> None:
+        for c in list(self.idle) + list(self.busy):
+            c.transport.close()
+        await asyncio.sleep(0)
+
+
+# ---------------------------------------------------------------- gRPC client (hook)
+
+class GrpcPool:
+    """The same interface over grpc.aio: a generic unary-unary call per channel, the request
+    pre-serialized (the serializer is the identity), one task per request."""
+
+    def __init__(self, port: int, payloads: list[bytes], rec: Recorder, channels: int,
+                 timeout: float, offset: int = 0, keep_bodies: bool = False):
+        import grpc
+
+        self.grpc, self.rec, self.payloads, self.timeout, self.offset = grpc, rec, payloads, timeout, offset
+        # A local subchannel pool each: separate TCP connections, not one shared behind them all.
+        self.channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                                   options=[("grpc.use_local_subchannel_pool", 1)])
+                         for _ in range(max(1, channels))]
+        self.calls = [ch.unary_unary(GRPC_METHOD, request_serializer=lambda b: b,
+                                     response_deserializer=lambda b: b) for ch in self.channels]
+        self.opened, self.conn_limited, self.conn_errors = len(self.channels), 0, 0
+        self.bodies = [] if keep_bodies else None
+        self.loop = asyncio.get_running_loop()
+        self.k = 0
+
+    async def preopen(self, k: int) -> None:
+        await asyncio.gather(*(ch.channel_ready() for ch in self.channels))
+
+    def dispatch(self, i: int) -> None:
+        self.k += 1
+        call = self.calls[self.k % len(self.calls)]
+        self.loop.create_task(self._one(i, call(self.payloads[(i + self.offset) % len(self.payloads)],
+                                                timeout=self.timeout)))
+
+    async def _one(self, i, call) -> None:
+        try:
+            body = await call
+            status = 200
+            if self.bodies is not None:
+                self.bodies.append(body)
+        except self.grpc.aio.AioRpcError as e:
+            status = GRPC_BASE + e.code().value[0]
+        except Exception:
+            status = CONN_ERROR
+        self.rec.finish(i, status)
+
+    def expire(self, timeout: float) -> None:
+        pass  # the call's deadline does it (DEADLINE_EXCEEDED)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self.channels))
+
+
+def make_pool(spec: dict, payloads, rec, max_conns, offset=0, keep_bodies=False):
+    if spec["proto"] == "grpc":
+        return GrpcPool(spec["port"], payloads, rec, max_conns, spec["timeout"], offset, keep_bodies)
+    return HttpPool(spec["port"], payloads, rec, max_conns, offset, keep_bodies)
+
+
+def ticker(pool, timeout: float):
+    """Check timeouts every TICK_S; returns a function that stops it."""
+    loop = asyncio.get_running_loop()
+    handle = None
+
+    def tick():
+        nonlocal handle
+        pool.expire(timeout)
+        handle = loop.call_later(TICK_S, tick)
+
+    tick()
+    return lambda: handle.cancel()
+
+
+# ---------------------------------------------------------------- drivers (run in a load process)
+
+async def serial(payloads, spec) -> dict:
+    """Closed loop: one request at a time on one connection; latency from the send."""
+    n = spec["n"]
+    sched = array("d", bytes(8 * n))
+    rec = Recorder(sched)
+    loop = asyncio.get_running_loop()
+    pool = make_pool(spec, payloads, rec, 1, spec.get("offset", 0), keep_bodies=spec.get("bodies", False))
+    await pool.preopen(1)
+    stop = ticker(pool, spec["timeout"])
+    for i in range(n):
+        fut = loop.create_future()
+        rec.on_done = lambda i, fut=fut: fut.set_result(None)
+        sched[i] = monotonic()
+        pool.dispatch(i)
+        await fut
+    stop()
+    await pool.close()
+    out = {"lat": rec.lat, "status": rec.status}
+    if pool.bodies:  # the server's own stage timing, parsed now, outside the measured loop
+        if spec["proto"] == "grpc":
+            out["timing"] = [grpc_timing(b) for b in pool.bodies]
+        else:
+            out["timing"] = [json.loads(b)["timing"] for b in pool.bodies if b.startswith(b'{"results"')]
+    return out
+
+
+async def open_loop(payloads, spec) -> dict:
+    """Open loop: spec["n"] requests at Poisson times over spec["duration"] s from spec["start"]."""
+    n, duration, start, spin = spec["n"], spec["duration"], spec["start"], spec["spin_ms"] / 1e3
+    rng = random.Random(spec["seed"])
+    sched = array("d", sorted(start + rng.random() * duration for _ in range(n)))
+    late = array("f", bytes(4 * n))
+    rec = Recorder(sched)
+    loop = asyncio.get_running_loop()
+    all_done = loop.create_future()
+    rec.on_done = lambda i: rec.done == n and not all_done.done() and all_done.set_result(None)
+    pool = make_pool(spec, payloads, rec, spec["max_conns"], spec["offset"])
+    await pool.preopen(spec["preopen"])
+    stop = ticker(pool, spec["timeout"])
+    cpu0 = process_time()
+    i = 0
+    while i < n:
+        now = monotonic()
+        while i < n and sched[i] <= now:  # everything due, at once
+            late[i] = 1e3 * (now - sched[i])
+            pool.dispatch(i)
+            i += 1
+            now = monotonic()
+        if i == n:
+            break
+        wait = sched[i] - now
+        # The loop's timer wakes up to ~1 ms late: sleep on it only until `spin` before the send,
+        # then spin (sleep(0) still runs the loop: responses are read meanwhile).
+        await asyncio.sleep(wait - spin if wait > spin else 0)
+    last_send = monotonic()
+    try:
+        await asyncio.wait_for(all_done, max(0.0, sched[-1] - monotonic()) + spec["timeout"] + 2 * TICK_S + 1)
+    except asyncio.TimeoutError:
+        pass  # what is still unanswered stays LOST
+    stop()
+    cpu = process_time() - cpu0  # includes the spinning: near 100% of the phase by design
+    await pool.close()
+    return {"lat": rec.lat, "status": rec.status, "late": late, "n": n, "start": start, "cpu_s": cpu,
+            "duration": duration, "last_send": last_send, "last_done": rec.last_done,
+            "opened": pool.opened, "conn_limited": pool.conn_limited, "conn_errors": pool.conn_errors}
+
+
+# ---------------------------------------------------------------- the load processes
+
+def worker_main(index: int, conn, proto: str, queries: list[str], cpus) -> None:
+    """A load process: pinned, its payloads encoded once, then commands from the parent until
+    'stop'. The collector is off during a phase (a gen-2 pass would stall the pacer) and the
+    start-up objects are frozen out of its way."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    payloads = {"healthz": [GET_HEALTHZ],
+                "classify": [http_post("/v1/classify", {"query": q}) for q in queries]}
+    if proto == "grpc":
+        payloads["classify"] = grpc_payloads(queries)
+    else:
+        try:
+            import uvloop  # the client's own cost, kept small
+
+            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        except ImportError:
+            pass
+    gc.collect()
+    gc.freeze()
+    drivers = {"serial": serial, "open": open_loop}
+    while True:
+        try:
+            cmd, spec = conn.recv()
+        except EOFError:
+            return
+        if cmd == "stop":
+            return
+        kind = spec.get("payload", "classify")
+        spec = {**spec, "proto": "http" if kind == "healthz" else proto}
+        if spec["proto"] == "grpc":
+            spec["port"] = spec["grpc_port"]
+        gc.disable()
+        try:
+            out = asyncio.run(drivers[cmd](payloads[kind], spec))
+        except Exception:
+            out = {"error": f"load process {index}: {traceback.format_exc()}"}
+        finally:
+            gc.enable()
+        conn.send(out)
+
+
+class LoadGen:
+    """The parent's handle on P load processes (spawned: the parent may hold threads)."""
+
+    def __init__(self, procs: int, proto: str, queries: list[str], cpus=None):
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        for k in range(procs):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(k, child, proto, queries, cpus), daemon=True,
+                            name=f"loadgen-{k}")
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self.n_queries = len(queries)
+
+    def _ask(self, conns, cmd, specs) -> list[dict]:
+        for c, s in zip(conns, specs):
+            c.send((cmd, s))
+        outs = [c.recv() for c in conns]
+        for o in outs:
+            if "error" in o:
+                raise RuntimeError(o["error"])
+        return outs
+
+    def serial(self, port: int, n: int, timeout: float, payload="classify", grpc_port=None,
+               bodies=False) -> dict:
+        """Closed loop on load process 0."""
+        spec = {"port": port, "grpc_port": grpc_port, "n": n, "timeout": timeout, "payload": payload,
+                "bodies": bodies}
+        return self._ask(self.conns[:1], "serial", [spec])[0]
+
+    def open_loop(self, port: int, rate: float, duration: float, max_requests: int, timeout: float,
+                  max_conns: int, conns: int, seed: int, spin_ms: float, grpc_port=None) -> tuple[list[dict], float]:
+        """`rate` req/s split over the processes, for `duration` s or max_requests requests,
+        whichever is fewer (then the phase is shorter, the rate the same). -> per-process results
+        and the phase's duration."""
+        total = max(1, min(max_requests, round(rate * duration)))
+        duration = total / rate
+        P = len(self.conns)
+        counts = [total // P + (k < total % P) for k in range(P)]
+        share = rate / P
+        # Enough connections pre-opened for the concurrency the rate needs, and at least --conns
+        # in all so every front end gets some; not more than ~2 s of requests (each one is reused
+        # within the keep-alive limit).
+        preopen = min(max_conns // P, max(math.ceil(conns / P), math.ceil(share * 0.005) + 1))
+        preopen = max(1, min(preopen, math.ceil(share * 2)))
+        start = monotonic() + 0.3 + 0.002 * preopen  # every process connected and ready by then
+        specs = [{"port": port, "grpc_port": grpc_port, "n": counts[k], "duration": duration,
+                  "start": start, "timeout": timeout, "max_conns": max(1, max_conns // P),
+                  "preopen": preopen, "seed": seed * 1000 + k, "spin_ms": spin_ms,
+                  "offset": k * self.n_queries // P} for k in range(P) if counts[k]]
+        return self._ask(self.conns[:len(specs)], "open", specs), duration
+
+    def close(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(("stop", None))
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
