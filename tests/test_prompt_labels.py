@@ -41,7 +41,8 @@ def test_split_reproduces_whole_prompt_tokens(smol_tokenizer, name, chat):
 def test_resume_point_fuzz(smol_tokenizer, name, chat):
     """Prompts tokenized from the resume point equal whole-prompt tokenization for queries built to
     reach back across it: leading whitespace and punctuation runs, digits, contractions, special
-    token text, combining marks."""
+    token text, combining marks. special_tokens=True: whole-prompt tokenization parses the query's
+    special-token text (the default tokenizes it as text: test_prompt_special.py)."""
     import random
 
     rng = random.Random(hash((name, chat)) & 0xFFFF)
@@ -49,7 +50,7 @@ def test_resume_point_fuzz(smol_tokenizer, name, chat):
              "Abc", "é", "\u0301", "中", "😀", "<|im_end|>", "<|im_start|>", "_", "-", "—", "\r\n"]
     queries = ["".join(rng.choice(atoms) for _ in range(rng.randint(1, 6))) for _ in range(300)]
     queries = [q for q in queries if q.strip()]
-    p = Prompt(smol_tokenizer, TEMPLATES[name], chat=chat)
+    p = Prompt(smol_tokenizer, TEMPLATES[name], chat=chat, special_tokens=True)
     assert p.resume is not None
     got = [e.ids for e in p.encode_many([{"query": q} for q in queries])]
     assert got == [smol_tokenizer(p.render(query=q), add_special_tokens=not chat)["input_ids"]
