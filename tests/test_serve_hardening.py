@@ -297,3 +297,33 @@ def test_api_key_blank_or_doubled(clf, monkeypatch):
             out = raw(port, b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                             + headers + b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
             assert out.startswith(b"HTTP/1.1 %d" % status), (headers, out[:100])
+
+
+def test_admission_by_token_cost(clf):
+    """The queue is bounded in tokens as well as queries: while long queries fill the token budget a
+    further one is refused 429 + Retry-After; a request alone in the queue is always admitted."""
+    wrapped = Wrapped(clf)
+    app = create_app(wrapped, max_queue_tokens=80, max_tokens=48, max_queue=64, max_queries=8)
+    with running(app) as (base, _, _):
+        wrapped.gate = threading.Event()
+        long = "red wool trench coat " * 6  # ~30 tokens after the prefix
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                first = asyncio.create_task(c.post("/v1/classify", json={"query": long}))
+                while wrapped.held == 0:
+                    await asyncio.sleep(0.01)
+                more = [asyncio.create_task(c.post("/v1/classify", json={"query": long + str(i)}))
+                        for i in range(3)]
+                while app.state.frontend.inflight_tokens < 65 and not all(t.done() for t in more):
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)
+                wrapped.gate.set()
+                return await first, await asyncio.gather(*more)
+
+        first, more = asyncio.run(go())
+    assert first.status_code == 200
+    codes = [r.status_code for r in more]
+    assert 429 in codes and 200 in codes, codes
+    refused = [r for r in more if r.status_code == 429][0]
+    assert "tokens" in refused.json()["detail"] and int(refused.headers["retry-after"]) >= 1

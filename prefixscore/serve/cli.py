@@ -34,6 +34,9 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--max-queue", type=int, default=1024,
                    help="queries in flight per front-end process; beyond it requests get 429 with "
                         "Retry-After")
+    g.add_argument("--max-queue-tokens", type=int, default=65536,
+                   help="their tokens after the cached prefix, per front-end process: admission by "
+                        "cost (429 beyond it; a request alone in the queue is always admitted)")
     g.add_argument("--max-queue-ms", type=float, default=2000.0,
                    help="a query the engine has not started within this is dropped unrun and answered "
                         "503 with Retry-After (default 2000)")
@@ -65,8 +68,9 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--restart-engine", action="store_true",
                    help="restart the engine when it dies (requests meanwhile get 503)")
     g.add_argument("--engine-cpu", default="none",
-                   help="--workers 1 only: pin the engine thread to this CPU number; 'auto': the last "
-                        "CPU, on a GPU with 4+ CPUs; 'none' (default)")
+                   help="pin the engine (its thread with --workers 1, else its process) to this CPU "
+                        "number, the front ends to the others; 'auto': the last CPU, on a GPU with 4+ "
+                        "CPUs; 'none' (default)")
     g.add_argument("--engine-spin-ms", default="auto",
                    help="after each batch the engine polls this long for the next one, busy on its "
                         "CPU, before it sleeps; 'auto' (default): 2 on a GPU, 0 on CPU inference")
@@ -156,16 +160,14 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     workers = default_workers() if a.workers is None else a.workers
     front = FrontendConfig(
         host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, api_key=api_key_from(a.api_key),
-        max_queue=a.max_queue, max_queue_ms=a.max_queue_ms, max_body_bytes=a.max_body_bytes,
+        max_queue=a.max_queue, max_queue_tokens=a.max_queue_tokens, max_queue_ms=a.max_queue_ms,
+        max_body_bytes=a.max_body_bytes,
         max_queries=a.max_queries, max_tokens=a.max_tokens, max_score_tokens=a.max_score_tokens,
         max_label_ids=a.max_label_ids, cache_size=a.cache_size, cache_ttl=a.cache_ttl,
         max_connections=a.max_connections, header_timeout=a.header_timeout,
         body_timeout=a.body_timeout, max_header_bytes=a.max_header_bytes,
         shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
         log_level=a.log_level, access_log=a.access_log)
-    if workers > 1 and a.engine_cpu != "none":
-        raise ConfigError("--engine-cpu pins the engine thread of a single process: use it with "
-                          "--workers 1")
     return front, engine
 
 

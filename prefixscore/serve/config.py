@@ -49,6 +49,7 @@ class FrontendConfig:
     workers: int = 1
     api_key: str | None = None
     max_queue: int = 1024  # queries admitted and not yet answered, per front end
+    max_queue_tokens: int = 65536  # and their tokens (a request over it alone is still admitted)
     max_queue_ms: float = 2000.0  # a query not started by then is answered 503, not run
     max_body_bytes: int = 1 << 20
     max_queries: int = 256
@@ -67,7 +68,8 @@ class FrontendConfig:
     access_log: bool = False
 
     def __post_init__(self):
-        for name in ("max_queue", "max_body_bytes", "max_queries", "max_tokens", "max_score_tokens",
+        for name in ("max_queue", "max_queue_tokens", "max_body_bytes", "max_queries", "max_tokens",
+                     "max_score_tokens",
                      "max_label_ids", "max_connections", "max_header_bytes", "workers"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

@@ -134,7 +134,12 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
     signal.signal(signal.SIGTERM, lambda *_: source.put(STOP, None))
     try:
         clf, scorer = build(cfg)
+        from .launch import engine_cpu
         from .metrics import Metrics
+
+        cpu = engine_cpu(cfg.engine_cpu, clf.engine.device.type)
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
 
         loop = EngineLoop(clf, scorer, source=source, window=cfg.batch_window_ms / 1e3,
                           spin=spin_seconds(cfg.engine_spin_ms, clf.engine.device.type),

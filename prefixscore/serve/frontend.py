@@ -74,6 +74,7 @@ class Frontend:
         self.info: P.ReadyOut | None = None
         self.cache = ResultCache(cfg.cache_size, cfg.cache_ttl) if cfg.cache_size > 0 else None
         self.inflight = 0  # queries admitted and not yet answered (this front end)
+        self.inflight_tokens = 0  # their tokens after the cached prefix
         self.draining = False
         client.metrics = metrics
 
@@ -111,16 +112,22 @@ class Frontend:
             raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
         self.sync()
 
-    def _admit(self, n: int) -> None:
-        if self.inflight + n > self.cfg.max_queue:
-            raise ApiError(429, f"queue full ({self.inflight} queries waiting, limit "
-                                f"{self.cfg.max_queue}); retry later",
-                           self.client.wait_s(n))
+    def _admit(self, n: int, tokens: int) -> None:
+        """Admission by cost: n queries (or items) and their tokens after the cached prefix, each
+        within this front end's share (--max-queue, --max-queue-tokens), else 429 + Retry-After."""
+        cfg = self.cfg
+        if self.inflight + n > cfg.max_queue or (self.inflight_tokens + tokens > cfg.max_queue_tokens
+                                                 and self.inflight > 0):
+            raise ApiError(429, f"queue full ({self.inflight} queries, {self.inflight_tokens} tokens "
+                                f"waiting; limits {cfg.max_queue} and {cfg.max_queue_tokens}); retry "
+                                f"later", self.client.wait_s(n))
         self.inflight += n
+        self.inflight_tokens += tokens
         self.metrics.queue_depth.inc(n)
 
-    def _release(self, n: int) -> None:
+    def _release(self, n: int, tokens: int) -> None:
         self.inflight -= n
+        self.inflight_tokens -= tokens
         self.metrics.queue_depth.dec(n)
 
     # -- classify
@@ -148,7 +155,8 @@ class Frontend:
         todo = [e for e, h in zip(encoded, hits) if h is None]
         job = None
         if todo:
-            self._admit(len(todo))
+            cost = sum(len(e.ids) - e.start for e in todo)
+            self._admit(len(todo), cost)
             try:
                 fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
                                            time.monotonic() + cfg.max_queue_ms / 1e3)
@@ -156,8 +164,8 @@ class Frontend:
             except EngineDead as e:
                 raise ApiError(503, str(e), 1) from None
             finally:
-                self._release(len(todo))
-            self.metrics.tokens.inc(sum(len(e.ids) - e.start for e in todo))
+                self._release(len(todo), cost)
+            self.metrics.tokens.inc(cost)
             self._check_status(job)
         labels = self.info.labels
         rows = iter(range(len(todo)))
@@ -258,13 +266,13 @@ class Frontend:
         if n > cfg.max_score_tokens:
             raise ApiError(413, f"query and items are {n} tokens, over the limit of "
                                 f"{cfg.max_score_tokens} per request (--max-score-tokens)")
-        self._admit(len(items))
+        self._admit(len(items), n)
         try:
             out = await self._wait(self.client.score(req, time.monotonic() + cfg.max_queue_ms / 1e3))
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
-            self._release(len(items))
+            self._release(len(items), n)
         if out.status == P.OK:
             return out.result
         if out.status == P.BAD_INPUT:

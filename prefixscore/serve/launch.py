@@ -144,9 +144,11 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def worker_main(fcfg: FrontendConfig, index: int, address: str, sock) -> None:
+def worker_main(fcfg: FrontendConfig, index: int, address: str, sock, avoid_cpu=None) -> None:
     """A front-end process: HTTP on the shared socket, an engine client over ZeroMQ."""
     die_with_parent()
+    if avoid_cpu is not None:  # the engine process's CPU (--engine-cpu)
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {avoid_cpu})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards SIGTERM
     logging.basicConfig(level=fcfg.log_level.upper(), format=f"%(levelname)s:     worker {index}: %(message)s")
     from .client import ZmqClient
@@ -201,8 +203,9 @@ class Launcher:
         self.engine.start()
 
     def start_worker(self, i: int):
+        cpu = engine_cpu(self.ecfg.engine_cpu, "cuda") if self.ecfg.engine_cpu != "none" else None
         p = self.ctx.Process(target=worker_main, name=f"prefixscore-worker-{i}", daemon=False,
-                             args=(self.fcfg, i, self.address, self.sock))
+                             args=(self.fcfg, i, self.address, self.sock, cpu))
         p.start()
         return p
 
