@@ -685,7 +685,7 @@ def test_cli_serve_config_file_sigterm(clf, tiny_model, tmp_path):
         responses = asyncio.run(go())
         assert [r.status_code for r in responses] == [200] * 3, [r.text for r in responses]
         check([r.json()["results"][0] for r in responses], clf.classify_batch(queries))
-        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after draining
+        assert proc.wait(30) == 0  # drained, then a clean exit (not by the signal)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -14,6 +14,7 @@ restarted. SIGTERM/SIGINT: the front ends drain (accepted requests finish within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import multiprocessing as mp
@@ -24,6 +25,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 
 from ..errors import ConfigError
 from .config import EngineConfig, FrontendConfig
@@ -62,6 +64,20 @@ def uvicorn_server(app, fcfg: FrontendConfig, frontend):
                 from .grpc_server import start_grpc
 
                 self.grpc = await start_grpc(frontend, fcfg.host, fcfg.grpc_port)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """uvicorn's, without raising the caught signal again at exit: a drained server exits
+            0 (as the launcher does), not by SIGTERM."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
 
         async def shutdown(self, sockets=None):
             frontend.begin_drain()
