@@ -1,7 +1,13 @@
 """Classifier: the public API for "which of N labels does this LLM pick for this text?"."""
 from __future__ import annotations
 
+import contextlib
+import itertools
 import numbers
+import sys
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -15,6 +21,81 @@ from .loading import obtain
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
 MODES = ("logprobs", "logits")
+# The batch APIs tokenize on a worker thread while the engine runs (DESIGN.md §7): the Rust tokenizer
+# releases the GIL, and so does the host's wait for the GPU. Queries per tokenizer call: the first
+# call small, so the engine starts early, then doubling up to a cap (what is held ahead is bounded).
+TOKENIZE_FIRST, TOKENIZE_MAX = 32, 512
+TOKENIZE_AHEAD = 4  # tokenizer calls queued behind the one the engine waits for
+# The first flat batch's token budget, doubling up to max_batch_tokens: the engine's first batches
+# are short, so the tokenizer (a few us per query) runs ahead of the engine from the start.
+FIRST_BATCH_TOKENS = 1024
+# While a tokenizer thread runs, the interpreter hands the GIL over within this (default: 5 ms). The
+# engine's thread lets the GIL go around every CUDA call, hundreds per eager batch, and waited a
+# whole interval each time to get it back from the tokenizer's Python. H200, 4096 real queries,
+# 0.5B, text in against ids in: 0.74 -> 0.90 and 0.80 -> 0.84 (two hosts); 5 us had 3x outliers.
+# None leaves the interpreter's setting alone.
+SWITCH_INTERVAL = 2e-5
+
+
+def doubling_spans(sizes, first: int, cap: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of consecutive items with the given sizes: a range closes once its size
+    reaches its target, which is `first` for the first range and doubles up to `cap`."""
+    spans, lo, total, target, n = [], 0, 0, first, 0
+    for n, size in enumerate(sizes, 1):
+        total += size
+        if total >= target:
+            spans.append((lo, n))
+            lo, total, target = n, 0, min(2 * target, cap)
+    return spans + [(lo, n)] if lo < n else spans
+
+
+def run_ahead(fn, spans, depth: int = TOKENIZE_AHEAD):
+    """fn(lo, hi) for each span, in order, computed on one worker thread up to `depth` spans before
+    the caller takes it, so the caller's engine work overlaps the tokenizer (with a short switch
+    interval meanwhile: quick_gil_handoff). An exception in fn is raised where the caller takes
+    that span. A generator: closing it (the caller stopped early or raised) cancels the calls not
+    started and waits for the one running (a few ms at most), so the thread never outlives it. fn
+    must not share the tokenizer with the caller's thread meanwhile: the HF call sets state on it
+    per call."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-tokenize")
+    try:
+        with quick_gil_handoff():
+            todo = deque()
+            for span in spans:
+                todo.append(pool.submit(fn, *span))
+                if len(todo) > depth:
+                    yield todo.popleft().result()
+            while todo:
+                yield todo.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Switch:
+    """How many quick_gil_handoff blocks are open, and the interval to restore after the last."""
+    lock, open, saved = threading.Lock(), 0, 0.0
+
+
+@contextlib.contextmanager
+def quick_gil_handoff():
+    """sys.setswitchinterval(SWITCH_INTERVAL) inside (see there), restored after: the setting is
+    the process's, so overlapping blocks (streams on several threads) count, and the last one out
+    restores what was there before the first."""
+    if SWITCH_INTERVAL is None:
+        yield
+        return
+    with _Switch.lock:
+        if _Switch.open == 0:
+            _Switch.saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_Switch.saved, SWITCH_INTERVAL))
+        _Switch.open += 1
+    try:
+        yield
+    finally:
+        with _Switch.lock:
+            _Switch.open -= 1
+            if _Switch.open == 0:
+                sys.setswitchinterval(_Switch.saved)
 
 
 def classifier_labels(labels) -> list[str]:
@@ -24,6 +105,24 @@ def classifier_labels(labels) -> list[str]:
     if len(labels) < 2:
         raise ConfigError(f"a classifier needs at least two labels to choose from, got {labels}")
     return labels
+
+
+@contextlib.contextmanager
+def error_at(where):
+    """Put `where` (a string, or a function of the error) in front of an InputError's message, as
+    "query 37: empty query"; None leaves it as it is."""
+    try:
+        yield
+    except InputError as e:
+        if where is None:
+            raise
+        raise InputError(f"{where(e) if callable(where) else where}: {e}") from None
+
+
+def numbered(first: int):
+    """An InputError from encode_many named by its query's 1-based place in the whole input, of
+    which the encoded queries start at `first`."""
+    return error_at(lambda e: f"query {first + e.index + 1}")
 
 
 @dataclass
@@ -39,11 +138,16 @@ class Result:
 class Classifier:
     """Classifier(model=None, template=None, labels=None): None means the bundled SmolLM2-135M-Instruct,
     the seed prompt and the nine seed labels. `model` is a HF folder or a .gguf file (or an already
-    loaded `LoadedModel` to share weights between classifiers)."""
+    loaded `LoadedModel` to share weights between classifiers).
+
+    allow_special_tokens: parse special-token text inside a query (`<|im_end|>` becomes the control
+    token, as in the template). Default False: a query is plain text, so it cannot forge chat turns.
+    """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, device=None,
                  dtype=None, chat: bool | None = None, mode: str = "logprobs", truncate: bool = False,
-                 max_batch_tokens: int = 16384, graphs: bool = True, head=None):
+                 max_batch_tokens: int = 16384, graphs: bool = True, head=None,
+                 allow_special_tokens: bool = False):
         head_file = None
         if head is not None:  # a trained head (heads.py): template, labels, chat default to its own
             from .heads import read_head
@@ -60,12 +164,14 @@ class Classifier:
         if not isinstance(truncate, bool) or not (chat is None or isinstance(chat, bool)):
             raise ConfigError(f"truncate and chat are true or false (chat may be None), got "
                               f"truncate={truncate!r}, chat={chat!r}")
+        if not isinstance(allow_special_tokens, bool):
+            raise ConfigError(f"allow_special_tokens is true or false, got {allow_special_tokens!r}")
         if not isinstance(max_batch_tokens, numbers.Integral) or max_batch_tokens < 1:  # numpy ints too
             raise ConfigError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         self.loaded = obtain(model, device, dtype)
         self.engine = Engine(self.loaded)
         tok = self.loaded.tokenizer
-        self.prompt = Prompt(tok, template, chat=chat)
+        self.prompt = Prompt(tok, template, chat=chat, special_tokens=allow_special_tokens)
         self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)
         # Branch tokens follow the suffix, so the prompt itself must leave room for them.
         limit = self.engine.config.context_limit
@@ -106,18 +212,94 @@ class Classifier:
         return self.classify_encoded([self.encode(query)])[0]
 
     def classify_batch(self, queries, progress=None) -> list[Result]:
+        return [r for batch in self.classify_batch_iter(queries, progress) for r in batch]
+
+    def classify_batch_iter(self, queries, progress=None):
+        """classify_batch batch by batch, for streaming (the CLI writes each as it comes): yields
+        each flat batch's results in input order, while a worker thread tokenizes the queries ahead
+        of the engine. Errors name the query, 1-based when there are several ("query 37: ...").
+        A query that is not a non-empty string fails here, before any batch runs; one that only
+        tokenizing can fault (over the context limit, without truncate) fails where its batch is
+        reached, after the batches before it were yielded (classify_batch: before it returns)."""
         if isinstance(queries, str):
             raise InputError("classify_batch takes a list of strings; use classify() for one")
-        return self.classify_encoded(self._encode_numbered(list(queries)), progress)
+        queries = list(queries)
+        if len(queries) <= TOKENIZE_FIRST:  # one tokenizer call: nothing to overlap, no thread
+            return self.classify_iter(self._encode_numbered(queries), progress)
+        for i, q in enumerate(queries):  # before any batch runs: what fails without tokenizing
+            if not isinstance(q, str) or not q.strip():
+                with numbered(i):
+                    self.encode_many([q])  # raises Prompt's own message
+        return self._classify_stream(queries, progress)
 
     def _encode_numbered(self, queries: list[str]) -> list[Encoded]:
         """encode_many; of several queries, a bad one is named 1-based ("query 3: empty query")."""
-        try:
+        if len(queries) == 1:
             return self.encode_many(queries)
-        except InputError as e:
-            if len(queries) > 1:
-                raise InputError(f"query {e.index + 1}: {e}") from None
-            raise
+        with numbered(0):
+            return self.encode_many(queries)
+
+    def _classify_stream(self, queries: list[str], progress):
+        def encode(lo, hi):  # on the worker thread
+            with numbered(lo):
+                return list(enumerate(self.encode_many(queries[lo:hi]), lo))
+
+        spans = doubling_spans(itertools.repeat(1, len(queries)), TOKENIZE_FIRST, TOKENIZE_MAX)
+        with contextlib.closing(run_ahead(encode, spans)) as chunks:
+            yield from self._in_order(self._batches(itertools.chain.from_iterable(chunks)), progress)
+
+    def _in_order(self, batches, progress):
+        """Run each batch of (index, Encoded) pairs; yield the results each completes, in order."""
+        done, ready = {}, 0
+        for batch in batches:
+            done.update(zip((i for i, _ in batch), self._run([e for _, e in batch])))
+            if progress is not None:
+                progress(len(batch))
+            out = []
+            while ready in done:
+                out.append(done.pop(ready))
+                ready += 1
+            if out:
+                yield out
+
+    def _batches(self, stream):
+        """Flat batches (lists of (index, Encoded)) from a stream of tokenized requests, in its
+        order: greedy under a token budget that starts at FIRST_BATCH_TOKENS and doubles up to
+        max_batch_tokens, so the engine starts after a few queries are tokenized. A batch holds one
+        prefix: requests without the cached prefix (rare) gather apart and run when theirs is full
+        or after the cached batch that passes them, so results wait for one batch at most. Decided
+        by the input alone: a given input always runs in the same batches (on the GPU the last bits
+        of a score depend on the batch's size)."""
+        branch = self._branch_tokens()
+        budget = min(FIRST_BATCH_TOKENS, self.max_batch_tokens)
+        cached, size, exact, exact_size = [], 0, [], 0
+        for i, e in stream:
+            n = len(e.ids) - e.start + branch
+            if e.start == 0:
+                if exact and exact_size + n > self.max_batch_tokens:
+                    yield exact
+                    exact, exact_size = [], 0
+                exact.append((i, e))
+                exact_size += n
+                continue
+            if cached and size + n > budget:
+                yield cached
+                if exact:
+                    yield exact
+                cached, size, exact, exact_size = [], 0, [], 0
+                budget = min(2 * budget, self.max_batch_tokens)
+            cached.append((i, e))
+            size += n
+        if cached:
+            yield cached
+        if exact:
+            yield exact
+
+    def _branch_tokens(self) -> int:
+        """Flat tokens the label trie's branch paths add to every request (logprobs mode)."""
+        if self.mode != "logprobs" or self.head is not None:
+            return 0
+        return sum(len(p) for p in self.trie.branch_paths())
 
     def classify_encoded(self, encoded: list[Encoded], progress=None) -> list[Result]:
         """Run pre-tokenized requests (see encode) in as few flat batches as fit max_batch_tokens."""
@@ -129,22 +311,12 @@ class Classifier:
         """classify_encoded batch by batch, for streaming: yields the results that each flat batch
         completes, in input order. Requests with the cached prefix run before those without it (rare:
         a query that merges into the prefix), so one of those holds back the results after it."""
-        done, ready = {}, 0
-        for chunk in self._chunks(encoded):
-            done.update(zip(chunk, self._run([encoded[i] for i in chunk])))
-            if progress is not None:
-                progress(len(chunk))
-            batch = []
-            while ready in done:
-                batch.append(done.pop(ready))
-                ready += 1
-            if batch:
-                yield batch
+        batches = ([(i, encoded[i]) for i in chunk] for chunk in self._chunks(encoded))
+        yield from self._in_order(batches, progress)
 
     def _chunks(self, encoded):
         """Group request indices by prefix use (cached / exact) and by a token budget per batch."""
-        branches = self.mode == "logprobs" and self.head is None
-        branch = sum(len(p) for p in self.trie.branch_paths()) if branches else 0
+        branch = self._branch_tokens()
         for cached in (True, False):
             chunk, size = [], 0
             for i, e in enumerate(encoded):

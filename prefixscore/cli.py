@@ -29,6 +29,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", default=None, action=argparse.BooleanOptionalAction,
                    help="wrap the template in the model's chat template (default: if it has one)")
     g.add_argument("--truncate", action="store_true", help="cut queries that exceed the context instead of failing")
+    g.add_argument("--allow-special-tokens", action="store_true",
+                   help="parse special-token text such as <|im_end|> inside queries as control tokens "
+                        "(default: plain text)")
     g.add_argument("--batch-tokens", type=int, default=16384, help="max new tokens per forward batch")
     g.add_argument("--head", default=None,
                    help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
@@ -64,7 +67,7 @@ def make_classifier(a):
     t0 = time.perf_counter()
     clf = Classifier(a.model, _template(a), _labels(a), device=a.device, dtype=a.dtype, chat=a.chat,
                      mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
-                     head=getattr(a, "head", None))
+                     head=getattr(a, "head", None), allow_special_tokens=a.allow_special_tokens)
     _err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")
@@ -75,29 +78,22 @@ def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def encode_queries(clf, queries: list[str]):
-    """Every query tokenized, so a bad one (named 1-based) fails before any batch runs."""
-    try:
-        return clf.encode_many(queries)
-    except InputError as e:
-        raise InputError(f"query {e.index + 1}: {e}") from None
-
-
-def classify_batches(clf, encoded):
+def classify_batches(clf, queries: list[str]):
     """Yield each flat batch's results, in input order, with a progress bar on stderr (shown for
-    long inputs on a terminal)."""
+    long inputs on a terminal). The next queries are tokenized while a batch runs, so a query only
+    the tokenizer can fault (over the context limit) fails after the batches before it
+    (Classifier.classify_batch_iter)."""
     from tqdm import tqdm
 
-    with tqdm(total=len(encoded), unit="q", disable=None if len(encoded) > 256 else True,
+    with tqdm(total=len(queries), unit="q", disable=None if len(queries) > 256 else True,
               file=sys.stderr, desc="classify") as bar:
-        yield from clf.classify_iter(encoded, progress=bar.update)
+        yield from clf.classify_batch_iter(queries, progress=bar.update)
 
 
 def run_batches(clf, queries: list[str]):
-    """Encode and classify -> (results, seconds)."""
+    """Tokenize and classify -> (results, seconds)."""
     t0 = time.perf_counter()
-    encoded = encode_queries(clf, queries)
-    results = [r for batch in classify_batches(clf, encoded) for r in batch]
+    results = [r for batch in classify_batches(clf, queries) for r in batch]
     return results, time.perf_counter() - t0
 
 
@@ -118,10 +114,9 @@ def cmd_classify(a) -> int:
     check_output(a.output)  # a bad path must fail now, not after the whole run
     clf = make_classifier(a)
     t0 = time.perf_counter()
-    encoded = encode_queries(clf, queries)
     counts = Counter()
     with ResultWriter(a.output, a.format, clf.labels) as out:
-        for batch in classify_batches(clf, encoded):  # streamed: a crash or Ctrl-C keeps what is done
+        for batch in classify_batches(clf, queries):  # streamed: a crash or Ctrl-C keeps what is done
             out.write_results(batch)
             counts.update(r.label for r in batch)
     secs = time.perf_counter() - t0

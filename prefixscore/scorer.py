@@ -36,6 +36,7 @@ apply_softmax, item_first) and returns its response shape.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -47,6 +48,7 @@ import numpy as np
 import torch
 
 from .batch import Plan
+from .classifier import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, error_at, run_ahead
 from .engine import Engine
 from .errors import ConfigError, InputError
 from .kernels.label_head import rms_norm
@@ -122,16 +124,20 @@ class Scorer:
     a yes/no relevance prompt with labels yes/no, on the bundled SmolLM2-135M-Instruct. Give
     `label_token_ids` instead of `labels` to score raw vocabulary tokens. A model without a tokenizer
     (a `LoadedModel` built from weights only) scores token ids only (`score_ids`), with `prefix_ids`
-    as the pinned prefix. Options as Classifier's, plus `mode` (MODES), `layout` (LAYOUTS) and
-    `max_items` per request.
+    as the pinned prefix. Options as Classifier's (allow_special_tokens: special-token text in
+    the query and the items is parsed as control tokens; default: plain text), plus `mode` (MODES),
+    `layout` (LAYOUTS) and `max_items` per request.
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, label_token_ids=None,
                  device=None, dtype=None, chat: bool | None = None, mode: str = "logprobs",
                  layout: str = "auto", max_items: int = 1024, max_batch_tokens: int = 16384,
-                 prefix_ids: list[int] | None = None, graphs: bool = True):
+                 prefix_ids: list[int] | None = None, graphs: bool = True,
+                 allow_special_tokens: bool = False):
         if labels is not None and label_token_ids is not None:
             raise ConfigError("give labels or label_token_ids, not both")
+        if not isinstance(allow_special_tokens, bool):
+            raise ConfigError(f"allow_special_tokens is true or false, got {allow_special_tokens!r}")
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if layout not in LAYOUTS:
@@ -160,7 +166,8 @@ class Scorer:
                 raise ConfigError("prefix_ids is for models without a tokenizer; with a template the "
                                   "instruction before the slots is the pinned prefix")
             self.template = DEFAULT_TEMPLATE if template is None else template
-            self.prompt = Prompt(tok, self.template, chat=chat, slots=SLOTS)
+            self.prompt = Prompt(tok, self.template, chat=chat, slots=SLOTS,
+                                 special_tokens=allow_special_tokens)
             pieces = self.prompt.pieces
             self.item_first = pieces.index(sentinel("item")) < pieces.index(sentinel("query"))
             self.prefix_ids = self.prompt.prefix_ids
@@ -262,22 +269,39 @@ class Scorer:
         return self.score_batch([(query, items)])[0]
 
     def score_batch(self, requests, progress=None) -> list[list[ItemResult]]:
-        """Many (query, items) requests (tuples or {"query", "items"} dicts) in shared flat passes."""
+        """Many (query, items) requests (tuples or {"query", "items"} dicts) in shared flat passes,
+        the requests tokenized on a worker thread ahead of the engine (as Classifier.classify_batch).
+        A malformed request fails before any pass runs; an item over the context limit, once the
+        tokenizer reaches it. Of several requests, errors name the request ("request 3: ...")."""
         if isinstance(requests, (str, dict)) or not isinstance(requests, (list, tuple)):
             raise InputError("score_batch takes a list of (query, items) requests")
-        prepared = []
+
+        def named(k):  # of several requests, an error names its request
+            return error_at(f"request {k + 1}" if len(requests) > 1 else None)
+
+        checked = []
         for k, r in enumerate(requests):
-            try:
+            with named(k):
                 if isinstance(r, dict):
                     q, items = r.get("query"), r.get("items")
                 elif isinstance(r, (list, tuple)) and len(r) == 2:
                     q, items = r
                 else:
                     raise InputError("a request is (query, items) or {\"query\", \"items\"}")
-                prepared.append(self.prepare(q, items))
-            except InputError as e:
-                raise (InputError(f"request {k + 1}: {e}") if len(requests) > 1 else e) from None
-        return self.run(prepared, progress=progress)
+                checked.append((q, self._check_text(q, items)))
+
+        def prepare(lo, hi):  # on the worker thread
+            out = []
+            for k in range(lo, hi):
+                with named(k):
+                    out.append(self.prepare(*checked[k]))
+            return out
+
+        spans = doubling_spans((len(items) for _, items in checked), TOKENIZE_FIRST, TOKENIZE_MAX)
+        if len(spans) == 1:  # one tokenizer call: nothing to overlap, no thread
+            return self.run(prepare(0, len(checked)), progress=progress)
+        with contextlib.closing(run_ahead(prepare, spans)) as chunks:
+            return self.run(itertools.chain.from_iterable(chunks), progress=progress)
 
     def score_ids(self, query_ids, items_ids, item_first: bool = False) -> list[ItemResult]:
         """Score token sequences as given: query_ids + item_ids per item (item_ids + query_ids with
@@ -345,31 +369,23 @@ class Scorer:
                 raise InputError(f"items[{i}] is empty")
         return list(items)
 
-    def _before_item(self, query: str) -> str:
-        """The whole prompt's text up to the item slot: the candidate shared part."""
-        out = []
-        for i, piece in enumerate(self.prompt.pieces):
-            if i % 2 == 0:
-                out.append(piece)
-            elif piece == sentinel("item"):
-                break
-            else:
-                out.append(self.prompt.fill("query", query))
-        return "".join(out)
-
-    def prepare(self, query: str, items) -> Prepared:
-        """Tokenize a text request: each item's whole prompt (one batched tokenizer call), and the
-        text before the item slot."""
+    def _check_text(self, query, items) -> list:
+        """The checks of a text request that need no tokenizer call -> items as a list."""
         if self.tokenizer is None:
             raise ConfigError("this scorer has no tokenizer: score token ids with score_ids")
         if not isinstance(query, str):
             raise InputError(f"query must be a string, got {type(query).__name__}")
         if not query.strip():
             raise InputError("empty query")
-        items = self._check_items(items, text=True)
-        texts = [self.prompt.render(query=query, item=it) for it in items]
-        full = self.prompt.encode_texts(texts)
-        shared = self.prompt.encode_text(self._before_item(query))
+        return self._check_items(items, text=True)
+
+    def prepare(self, query: str, items) -> Prepared:
+        """Tokenize a text request: each item's whole prompt (one batched tokenizer call), and the
+        prompt before the item slot (the query and the item are plain text unless
+        allow_special_tokens)."""
+        items = self._check_text(query, items)
+        full = self.prompt.encode_ids([{"query": query, "item": it} for it in items])
+        shared = self.prompt.encode_before("item", query=query)
         return self._checked(Prepared(items, full, shared))
 
     def prepare_ids(self, query_ids, items_ids, item_first: bool = False) -> Prepared:
@@ -473,19 +489,25 @@ class Scorer:
 
     # ------------------------------------------------------------ spans -> passes -> scores
 
-    def run(self, prepared: list[Prepared], mode: str | None = None, head: _Head | None = None,
+    def run(self, prepared, mode: str | None = None, head: _Head | None = None,
             progress=None) -> list[list[ItemResult]]:
-        """Score prepared requests (see prepare / prepare_ids) in as few flat passes as fit."""
+        """Score prepared requests (see prepare / prepare_ids) in as few flat passes as fit.
+        `prepared` is any iterable (score_batch's is tokenized ahead on a worker thread): a pass is
+        launched as soon as the span after it does not fit, and planned while the one before runs."""
         mode, head = mode or self.mode, head or self.head
         branches = head.trie.branch_paths() if mode in ("logprobs", "softmax") else []
         branch = sum(len(p) for p in branches)
-        groups, n = [], 0
-        for prep in prepared:
-            for g in self._groups(prep, branch, len(branches) > 1):
-                g.slots = [n + s for s in g.slots]
-                groups.append(g)
-            n += len(prep.full)
-        scores, decisions = [None] * n, [None] * n
+        requests, scores, decisions = [], [], []
+
+        def groups():  # each request's spans, their items numbered across requests
+            for prep in prepared:
+                n = len(scores)
+                requests.append(prep)
+                scores.extend([None] * len(prep.full))
+                decisions.extend([None] * len(prep.full))
+                for g in self._groups(prep, branch, len(branches) > 1):
+                    g.slots = [n + s for s in g.slots]
+                    yield g
 
         def collect(batch, pending):
             s, d = pending()
@@ -497,7 +519,7 @@ class Scorer:
 
         # One pass in flight while the host plans the next (eager passes are queued without a sync).
         last = None
-        for batch in self._passes(groups, branch):
+        for batch in self._passes(groups(), branch):
             pending = self._launch_pass(batch, mode, head, branches)
             if last is not None:
                 collect(*last)
@@ -505,34 +527,33 @@ class Scorer:
         if last is not None:
             collect(*last)
         out, i = [], 0
-        for prep in prepared:
+        for prep in requests:
             out.append([ItemResult(it, head.labels[decisions[i + j]],
                                    dict(zip(head.labels, scores[i + j])))
                         for j, it in enumerate(prep.items)])
             i += len(prep.items)
         return out
 
-    def _passes(self, groups: list[_Group], branch: int):
-        """Spans into flat batches under the token budget, one pass per prefix K/V. On CPU also
-        bound the reference attention's padded [spans, widest, widest] block."""
+    def _passes(self, groups, branch: int):
+        """Spans into flat batches under the token budget, one pass per prefix K/V, greedily in the
+        order the spans come (from a list or a stream): a batch is yielded once the next span of
+        its K/V does not fit, the rest at the end. On CPU also bound the reference attention's
+        padded [spans, widest, widest] block."""
         area = None if self.engine.device.type == "cuda" else 4 * CPU_MAX_SPAN ** 2
-        by_kv: dict[int, list[_Group]] = {}
+        filling: dict[int, tuple[list[_Group], int, int]] = {}  # id(kv) -> (spans, tokens, widest)
         for g in groups:
-            by_kv.setdefault(id(g.kv), []).append(g)
-        for gs in by_kv.values():
-            batch, tokens, widest = [], 0, 0
-            for g in gs:
-                S = len(g.shared) + sum(len(t) + branch for t in g.tails)
-                over = tokens + S > self.max_batch_tokens
-                if area is not None:
-                    over |= (len(batch) + 1) * max(widest, S) ** 2 > area
-                if batch and over:
-                    yield batch
-                    batch, tokens, widest = [], 0, 0
-                batch.append(g)
-                tokens, widest = tokens + S, max(widest, S)
-            if batch:
+            batch, tokens, widest = filling.get(id(g.kv), ([], 0, 0))
+            S = len(g.shared) + sum(len(t) + branch for t in g.tails)
+            over = tokens + S > self.max_batch_tokens
+            if area is not None:
+                over |= (len(batch) + 1) * max(widest, S) ** 2 > area
+            if batch and over:
                 yield batch
+                batch, tokens, widest = [], 0, 0
+            batch.append(g)
+            filling[id(g.kv)] = (batch, tokens + S, max(widest, S))
+        for batch, _, _ in filling.values():
+            yield batch
 
     @torch.inference_mode()
     def _launch_pass(self, groups: list[_Group], mode: str, head: _Head, branches):
@@ -675,24 +696,32 @@ def cmd_score(a) -> int:
     rows = _read_requests(src)
     t0 = time.perf_counter()
     sc = Scorer(a.model, _template(a), _labels(a), device=a.device, dtype=a.dtype, chat=a.chat,
-                mode=a.mode, layout=a.layout, max_items=a.max_items, max_batch_tokens=a.batch_tokens)
+                mode=a.mode, layout=a.layout, max_items=a.max_items, max_batch_tokens=a.batch_tokens,
+                allow_special_tokens=a.allow_special_tokens)
     _err(f"model ready in {time.perf_counter() - t0:.1f} s: {sc.loaded.name} on {sc.engine.device} "
          f"({str(sc.engine.dtype).removeprefix('torch.')}), prefix {sc.prefix_len} tokens cached, "
          f"labels {', '.join(sc.labels)}, mode {sc.mode}")
-    prepared = []
-    for n, obj in rows:
-        try:
-            prepared.append(sc.prepare(obj["query"], obj["items"]))
-        except InputError as e:
-            raise InputError(f"{src}:{n}: {e}") from None
-    n_items = sum(len(p.items) for p in prepared)
+    checked = []
+    for n, obj in rows:  # what fails without tokenizing fails before any output
+        with error_at(f"{src}:{n}"):
+            checked.append((obj["query"], sc._check_text(obj["query"], obj["items"])))
+
+    def prepare(lo, hi):  # on a worker thread, while the engine runs the chunk before
+        out = []
+        for (n, _), request in zip(rows[lo:hi], checked[lo:hi]):
+            with error_at(f"{src}:{n}"):
+                out.append(sc.prepare(*request))
+        return out
+
+    chunks = [(c, min(c + a.chunk, len(rows))) for c in range(0, len(rows), a.chunk)]
+    n_items = sum(len(items) for _, items in checked)
     t0 = time.perf_counter()
     with Output(a.output) as out, tqdm(total=n_items, unit="item", file=sys.stderr, desc="score",
-                                       disable=None if n_items > 1024 else True) as bar:
-        for c in range(0, len(prepared), a.chunk):  # each chunk written (and flushed) when done
+                                       disable=None if n_items > 1024 else True) as bar, \
+            contextlib.closing(run_ahead(prepare, chunks)) as prepared:
+        for (lo, hi), chunk in zip(chunks, prepared):  # each chunk written (and flushed) when done
             lines = []
-            for (_, obj), res in zip(rows[c:c + a.chunk], sc.run(prepared[c:c + a.chunk],
-                                                                 progress=bar.update)):
+            for (_, obj), res in zip(rows[lo:hi], sc.run(chunk, progress=bar.update)):
                 rec = {k: v for k, v in obj.items() if k != "items"}
                 rec.update(labels=sc.labels, best=[r.label for r in res],
                            scores=[[r.scores[l] for l in sc.labels] for r in res])
