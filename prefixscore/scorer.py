@@ -298,7 +298,7 @@ class Scorer:
             return out
 
         spans = doubling_spans((len(items) for _, items in checked), TOKENIZE_FIRST, TOKENIZE_MAX)
-        if len(spans) == 1:  # one tokenizer call: nothing to overlap, no thread
+        if len(spans) <= 1:  # one tokenizer call (or none): nothing to overlap, no thread
             return self.run(prepare(0, len(checked)), progress=progress)
         with contextlib.closing(run_ahead(prepare, spans)) as chunks:
             return self.run(itertools.chain.from_iterable(chunks), progress=progress)
