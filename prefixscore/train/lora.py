@@ -1,0 +1,336 @@
+"""LoRA fine-tuning through peft, offline (DESIGN.md §8): a Hugging Face model built from the same
+weights the engine loads, LoRA on every attention and MLP projection, trained on exactly the token
+ids the engine computes (Prompt.encode_many for the prompt, LabelTrie.build for the label tokens).
+
+objective "label": next-token cross-entropy on the label's tokens after the prompt, so decisions
+    keep their meaning (label-constrained greedy decoding, the engine's default).
+objective "head": a linear N-way head on the final-normed hidden state of the prompt's last token
+    (the engine's read-out row), trained jointly with the LoRA weights.
+Validation accuracy is the engine's decision rule computed on the peft model (trie_decisions).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError, InputError, ModelLoadError
+from ..loading import ADAPTER_OBJECTIVES, Adapter
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULTS = dict(lr=5e-4, epochs=4, patience=2, batch_size=16)
+
+
+def hf_folder(model) -> Path:
+    """The Hugging Face folder holding the weights the engine loads for `model`: for a GGUF file (the
+    bundled model included) the safetensors copy the first load converts, else the folder itself."""
+    from ..loading import converted_folder, load, resolve
+
+    path = resolve(None if model is None else getattr(model, "name", model))
+    if path.is_file() and path.suffix == ".gguf":
+        folder = converted_folder(path)
+        if not (folder / "model.safetensors").is_file():
+            load(path, "cpu", torch.float32)  # converts once and caches the folder
+        return folder
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
+    return path
+
+
+def read_data(data, labels, query_col="query", label_col="label", fmt="auto", need_labels=True):
+    """(queries, gold label indices) from a file path or a list of (query, label) pairs / dicts.
+    InputError for no rows, a missing column, an unknown label or a single class."""
+    from ..io import read_rows
+
+    cols = (query_col, label_col) if need_labels else (query_col,)
+    if isinstance(data, (str, os.PathLike)):
+        rows = read_rows(str(data), fmt, cols)
+        where = str(data)
+    else:
+        rows = [r if isinstance(r, dict) else dict(zip(cols, r)) for r in data]
+        where = "data"
+        if not rows:
+            raise InputError("data: no rows")
+        for n, r in enumerate(rows):
+            if any(not isinstance(r.get(c), str) or not r[c].strip() for c in cols):
+                raise InputError(f"data row {n}: needs non-empty string values for {', '.join(cols)}")
+    queries = [r[query_col] for r in rows]
+    if not need_labels:
+        return queries, None
+    unknown = sorted({r[label_col] for r in rows} - set(labels))
+    if unknown:
+        raise InputError(f"{where}: labels not in the label set: {', '.join(map(repr, unknown[:10]))} "
+                         f"(the label set: {', '.join(labels)}; pass labels / --labels to change it)")
+    gold = [labels.index(r[label_col]) for r in rows]
+    if len(set(gold)) < 2:
+        raise InputError(f"{where}: every row has the label {labels[gold[0]]!r}: fine-tuning needs "
+                         f"at least two classes")
+    return queries, gold
+
+
+def _children(trie) -> dict:
+    kids: dict = {}
+    for p in trie.paths:
+        for d in range(len(p)):
+            k = kids.setdefault(tuple(p[:d]), [])
+            if p[d] not in k:
+                k.append(p[d])
+    return {n: sorted(k) for n, k in kids.items()}  # token order: argmax ties as the engine's
+
+
+def _pad(seqs, pad=0):
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    mask = torch.zeros(len(seqs), L, dtype=torch.long)
+    for i, s in enumerate(seqs):  # right padding: positions 0.. as the engine's, padding masked
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def _hidden(body, seqs, first_needed):
+    """Final-normed hidden states of right-padded seqs -> (h [B, L - c, H], c): position j of a
+    sequence is h[:, j - c]. The rows' common prefix (the template's instruction, usually most of
+    the tokens) runs once, as batch 1, and its K/V are shared by the batch: the same values as
+    running every row whole, at a fraction of the cost; gradients flow back through the shared K/V.
+    first_needed: the first position any caller reads (the shared part stops before it)."""
+    c = min(common_prefix(seqs), first_needed)
+    if len(seqs) == 1 or c < 8:
+        ids, mask = _pad(seqs)
+        return body(input_ids=ids, attention_mask=mask).last_hidden_state, 0
+    from transformers import DynamicCache
+
+    key = _cache_kwarg(body)
+    out = body(input_ids=torch.tensor([seqs[0][:c]]), use_cache=True)
+    shared = getattr(out, "cache", None) or out.past_key_values
+    cache = DynamicCache(config=body.config)
+    for i, layer in enumerate(shared.layers):
+        cache.update(layer.keys.expand(len(seqs), -1, -1, -1), layer.values.expand(len(seqs), -1, -1, -1), i)
+    ids, mask = _pad([s[c:] for s in seqs])
+    mask = torch.cat([torch.ones(len(seqs), c, dtype=mask.dtype), mask], 1)
+    pos = torch.arange(c, c + ids.shape[1]).expand(len(seqs), -1)
+    return body(input_ids=ids, attention_mask=mask, position_ids=pos, **{key: cache}).last_hidden_state, c
+
+
+def _first(prompts) -> int:
+    return min(len(p) for p in prompts) - 1  # the read-out position of the shortest prompt
+
+
+def common_prefix(seqs) -> int:
+    first, n = seqs[0], min(len(s) for s in seqs)
+    for s in seqs[1:]:
+        k = 0
+        while k < n and s[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def _cache_kwarg(body) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def trie_decisions(body, lm_head, prompts, trie, batch=16):
+    """Label-constrained scores [n, L] (the engine's logprobs: restricted log-softmax summed over the
+    branching nodes) and greedy decisions [n], from a HF model body + vocabulary head."""
+    kids = _children(trie)
+    nodes = [n for n in trie.nodes if n]
+    maximal = [n for n in nodes if not any(m != n and m[:len(n)] == n for m in nodes)] or [()]
+    scores, best = [], []
+    for b0 in range(0, len(prompts), batch):
+        chunk = prompts[b0:b0 + batch]
+        h, c = _hidden(body, [p + list(n) for p in chunk for n in maximal], _first(chunk))
+        for qi, p in enumerate(chunk):
+            logp = {}  # node -> restricted log-softmax over its children (scored nodes only)
+            for mi, n in enumerate(maximal):
+                row = h[qi * len(maximal) + mi]
+                for d in range(len(n) + 1):
+                    node = n[:d]
+                    if node not in logp and (d == 0 or len(kids[node]) > 1):
+                        lg = lm_head(row[len(p) - 1 + d - c]).float()[kids[node]]
+                        logp[node] = dict(zip(kids[node], (lg - torch.logsumexp(lg, 0)).tolist()))
+            s = [sum(logp[tuple(path[:d])][path[d]] for d in range(len(path)) if tuple(path[:d]) in logp)
+                 for path in trie.paths]
+            node = ()
+            while list(node) not in trie.paths:  # greedy walk down the trie
+                k = kids[node]
+                node = node + ((max(k, key=lambda t: logp[node][t]) if len(k) > 1 else k[0]),)
+            scores.append(s)
+            best.append(trie.paths.index(list(node)))
+    return torch.tensor(scores), best
+
+
+@torch.no_grad()
+def head_decisions(body, head, prompts, batch=16):
+    out = []
+    for b0 in range(0, len(prompts), batch):
+        chunk = prompts[b0:b0 + batch]
+        h, c = _hidden(body, chunk, _first(chunk))
+        last = h[torch.arange(len(chunk)), torch.tensor([len(p) - 1 - c for p in chunk])]
+        out.append(torch.log_softmax(head(last).float(), -1))
+    scores = torch.cat(out)
+    return scores, scores.argmax(-1).tolist()
+
+
+def _batch_loss(body, lm_head, head, prompts, paths, gold):
+    """Mean cross-entropy of a batch: over the label tokens (full vocabulary, "label") or over the
+    N labels at the read-out row ("head"). The vocabulary head runs only on the rows that need it."""
+    if head is None:
+        seqs = [p + path[:-1] for p, path in zip(prompts, paths)]  # the last token is only a target
+        h, c = _hidden(body, seqs, _first(prompts))
+        rows = [(i, len(p) - 1 + d - c) for i, (p, path) in enumerate(zip(prompts, paths)) for d in range(len(path))]
+        sel = h[torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])]
+        target = torch.tensor([t for path in paths for t in path])
+        return F.cross_entropy(lm_head(sel).float(), target)
+    h, c = _hidden(body, prompts, _first(prompts))
+    last = h[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - c for p in prompts])]
+    return F.cross_entropy(head(last).float(), torch.tensor(gold))
+
+
+def finetune(data, *, model=None, template=None, labels=None, chat=None, objective="label", rank=8,
+             alpha=16, lr=None, epochs=None, seed=0, val_fraction=0.2, patience=None, batch_size=None,
+             teacher=None, progress=True, output=None, query_column="query", label_column="label",
+             input_format="auto", log=None) -> Adapter:
+    """Fine-tune LoRA adapters (and a head, objective "head") for a labeled data set -> Adapter
+    (loading.Adapter; written to `output` too when given). data: CSV/JSONL path with query and
+    label columns, or (query, label) pairs. model: None (bundled), a HF folder or a .gguf file.
+    teacher: a Classifier whose decisions replace the labels (then data needs only queries).
+    Deterministic for a seed on CPU. Early stopping on validation accuracy (then loss)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from tqdm.auto import tqdm
+
+    from ..heads import split_indices
+    from ..labels import LabelTrie, check_labels
+    from ..loading import base_hash, load
+    from ..prompt import SEED_LABELS, SEED_TEMPLATE, Prompt, check_template
+    from .adapter import from_peft, save_adapter
+
+    lr = DEFAULTS["lr"] if lr is None else lr
+    epochs = DEFAULTS["epochs"] if epochs is None else epochs
+    patience = DEFAULTS["patience"] if patience is None else patience
+    batch_size = DEFAULTS["batch_size"] if batch_size is None else batch_size
+    if objective not in ADAPTER_OBJECTIVES:
+        raise ConfigError(f"unknown objective {objective!r}: use {' or '.join(ADAPTER_OBJECTIVES)}")
+    if min(rank, epochs, patience, batch_size) < 1 or lr <= 0 or alpha <= 0 or not 0 <= val_fraction < 1:
+        raise ConfigError("rank, epochs, patience, batch_size, lr and alpha must be positive and "
+                          "val_fraction in [0, 1)")
+    template = SEED_TEMPLATE if template is None else template
+    labels = check_labels(SEED_LABELS if labels is None else labels)
+    if len(labels) < 2:
+        raise ConfigError("a classifier needs at least two labels")
+    check_template(template, ("query",))
+    queries, gold = read_data(data, labels, query_column, label_column, input_format, teacher is None)
+    if output is not None:
+        from ..io import check_output
+
+        check_output(str(output))
+    say = log or (lambda m: print(m, file=sys.stderr))
+    t0 = time.perf_counter()
+
+    loaded = load(model if model is None else getattr(model, "name", model), "cpu", torch.float32)
+    ident, tok, name = base_hash(loaded), loaded.tokenizer, loaded.name
+    prompt = Prompt(tok, template, chat=chat)
+    trie = LabelTrie.build(tok, labels, prompt.render(query="x"), prompt.encode_text)
+    prompts = [e.ids for e in prompt.encode_many([{"query": q} for q in queries])]
+    if teacher is not None:  # distillation: the teacher's decisions are the targets
+        gold = [labels.index(r.label) for r in teacher.classify_batch(queries)]
+    del loaded  # the engine's copy; training runs on the HF model below
+
+    folder = hf_folder(model)
+    tr, va = split_indices(gold, val_fraction, seed)
+    with torch.random.fork_rng(devices=[]):  # seeded init and order, the global RNG untouched
+        torch.manual_seed(seed)
+        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=TARGETS)
+        net = get_peft_model(base, cfg)
+        inner = net.get_base_model()
+        body, lm_head = inner.model, inner.lm_head
+        head = None
+        if objective == "head":  # zero init: training starts at the uniform prediction
+            head = torch.nn.Linear(inner.config.hidden_size, len(labels))
+            torch.nn.init.zeros_(head.weight)
+            torch.nn.init.zeros_(head.bias)
+        params = [p for p in net.parameters() if p.requires_grad]
+        groups = [{"params": params, "lr": lr}]
+        if head is not None:  # the head starts from zero on unit-scale features: a faster rate
+            groups.append({"params": list(head.parameters()), "lr": lr * 10})
+        opt = torch.optim.AdamW(groups, weight_decay=0.0)
+        steps = epochs * math.ceil(len(tr) / batch_size)
+        sched = torch.optim.lr_scheduler.LambdaLR(  # short warm-up, then linear decay to zero
+            opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.0, 1 - s / steps))
+        gen = torch.Generator().manual_seed(seed)
+        trainable = lambda: {k: v.detach().clone() for k, v in net.state_dict().items() if "lora_" in k}
+
+        def evaluate():
+            net.eval()
+            p = [prompts[i] for i in va]
+            if head is None:
+                scores, best = trie_decisions(body, lm_head, p, trie)
+            else:
+                scores, best = head_decisions(body, head, p)
+            g = [gold[i] for i in va]
+            acc = sum(b == y for b, y in zip(best, g)) / len(va)
+            loss = -scores[torch.arange(len(va)), torch.tensor(g)].mean().item()
+            return acc, loss
+
+        best = (-1.0, math.inf)
+        best_state, best_head, best_epoch, stale, hist = None, None, 0, 0, []
+        bar = tqdm(total=steps, desc="fine-tune", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        for epoch in range(1, epochs + 1):
+            net.train()
+            order = torch.tensor(tr)[torch.randperm(len(tr), generator=gen)]
+            total = 0.0
+            for b in order.split(batch_size):
+                idx = b.tolist()
+                loss = _batch_loss(body, lm_head, head, [prompts[i] for i in idx],
+                                   [trie.paths[gold[i]] for i in idx], [gold[i] for i in idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                total += loss.item() * len(idx)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            rec = {"epoch": epoch, "train_loss": round(total / len(tr), 5)}
+            if va:
+                acc, vloss = evaluate()
+                rec |= {"val_acc": round(acc, 5), "val_loss": round(vloss, 5)}
+                bar.set_postfix(loss=f"{rec['train_loss']:.3f}", val_acc=f"{acc:.3f}")
+                if (acc, -vloss) > (best[0], -best[1]):
+                    best, best_state, best_epoch, stale = (acc, vloss), trainable(), epoch, 0
+                    best_head = copy.deepcopy(head.state_dict()) if head is not None else None
+                else:
+                    stale += 1
+            hist.append(rec)
+            if va and stale >= patience:
+                say(f"early stop after epoch {epoch}: no better validation accuracy for {patience} epochs")
+                break
+        bar.close()
+        if best_state is not None:  # keep the best epoch's weights
+            net.load_state_dict(best_state, strict=False)
+            if head is not None:
+                head.load_state_dict(best_head)
+    training = {"rows": len(queries), "train_rows": len(tr), "val_rows": len(va), "seed": seed,
+                "lr": lr, "epochs": epochs, "patience": patience, "batch_size": batch_size,
+                "epochs_run": len(hist), "best_epoch": best_epoch or len(hist), "history": hist,
+                "seconds": round(time.perf_counter() - t0, 1), "teacher": teacher is not None,
+                **({"val_acc": best[0], "val_loss": best[1]} if va else {})}
+    meta = {"base_hash": ident, "base_model": name, "template": template, "chat": prompt.chat,
+            "labels": labels, "objective": objective, "rank": rank, "alpha": float(alpha),
+            "training": training}
+    hd = ({"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()}
+          if head is not None else None)
+    adapter = from_peft(net, meta, hd)
+    if output is not None:
+        save_adapter(output, adapter)
+    return adapter
