@@ -321,3 +321,17 @@ def test_allow_special_tokens(model, monkeypatch, tmp_path):
     text = " ".join(sub.choices["classify"].format_help().split())
     assert ("--allow-special-tokens parse special-token text such as <|im_end|> inside queries as "
             "control tokens (default: plain text)") in text
+
+
+def test_decide_encoded_equals_classify_encoded(model):
+    """The engine loop's compact form (label indices, score rows) is classify_encoded's answers,
+    bit for bit, over several flat batches and for one request alone."""
+    clf = Classifier(model, device="cpu", max_batch_tokens=64)
+    encoded = clf.encode_many(random_queries(40, seed=21))
+    want = clf.classify_encoded(encoded)
+    best, scores = clf.decide_encoded(encoded)
+    assert [clf.labels[b] for b in best] == [r.label for r in want]
+    assert scores == [list(r.scores.values()) for r in want]
+    one = clf.classify_encoded(encoded[:1])[0]  # alone: CPU rounds a row by its batch's size
+    one_best, one_scores = clf.decide_encoded(encoded[:1])
+    assert clf.labels[one_best[0]] == one.label and one_scores[0] == list(one.scores.values())

@@ -237,11 +237,11 @@ def test_engine_thread_base_exception(clf):
     """A BaseException in the engine thread: requests get 503 (none hangs), /healthz unhealthy;
     with restart_engine a new thread serves again."""
     class Dying(Wrapped):
-        def classify_encoded(self, encoded, progress=None):
+        def decide_encoded(self, encoded):
             if self.fail_once:
                 self.fail_once = False
                 raise Fatal("injected")
-            return super().classify_encoded(encoded, progress)
+            return super().decide_encoded(encoded)
 
     for restart in (False, True):
         wrapped = Dying(clf)

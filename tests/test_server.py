@@ -81,7 +81,7 @@ class Wrapped:
     def __getattr__(self, name):
         return getattr(self.clf, name)
 
-    def classify_encoded(self, encoded, progress=None):
+    def decide_encoded(self, encoded):  # what the engine loop calls
         if self.gate is not None:
             self.held = len(encoded)
             self.gate.wait(30)
@@ -93,7 +93,7 @@ class Wrapped:
             self.fail_once = False
             raise RuntimeError("device lost once")
         self.batches.append(len(encoded))
-        return self.clf.classify_encoded(encoded)
+        return self.clf.decide_encoded(encoded)
 
 
 def check(results, reference):
@@ -365,9 +365,9 @@ def test_engine_cpu(clf):
         def __getattr__(self, name):
             return getattr(clf, name)
 
-        def classify_encoded(self, encoded, progress=None):
+        def decide_encoded(self, encoded):
             seen.append(os.sched_getaffinity(0))
-            return clf.classify_encoded(encoded, progress)
+            return clf.decide_encoded(encoded)
 
     cpu = min(cpus)
     with running(create_app(Recording(), engine_cpu=cpu)) as (base, _):

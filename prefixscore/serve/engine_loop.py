@@ -5,7 +5,8 @@ processes), drops what expired or was aborted, runs every classify request in on
 `classify_encoded` call (flat batches, CUDA graphs), answers each front end with one message, then
 runs queued multi-item scoring requests. The same loop runs on a thread of the server process
 (`--workers 1`, client.InprocClient) or as the main loop of an engine process (engine_proc.py); a
-`source` gives it messages and a reply function per message.
+`source` gives it messages and a reply function per message. It calls `Classifier.decide_encoded`
+(label indices and score rows, no Result objects): the tests' seam for a slow or failing engine.
 """
 from __future__ import annotations
 
@@ -67,7 +68,6 @@ class EngineLoop:
         self.source = source or QueueSource()
         self.metrics = metrics
         self.N = len(clf.labels)
-        self.index = {l: i for i, l in enumerate(clf.labels)}
         self.aborted: set[tuple[int, int]] = set()
 
     def ready(self, tokenizer_path: str = "", model: str = "") -> P.ReadyOut:
@@ -82,7 +82,7 @@ class EngineLoop:
 
     def warmup(self) -> None:
         """One real batch proves the path (the Classifier built the prefix and captured graphs)."""
-        self.clf.classify_encoded([self.clf.encode("warm up")])
+        self.clf.decide_encoded([self.clf.encode("warm up")])
 
     def run(self) -> None:
         """Serve until STOP. An EngineFault (or anything else) propagates to the owner, after the
@@ -130,7 +130,7 @@ class EngineLoop:
             status.append(st)
         t0 = time.perf_counter()
         try:
-            results = self.clf.classify_encoded(todo) if todo else []
+            best_all, scores_all = self.clf.decide_encoded(todo) if todo else ([], [])
         except Exception as e:
             for k, (m, reply) in enumerate(msgs):
                 reply(P.ClassifyOut(m.rids, [P.FAULT] * len(m.rids), [0] * len(m.rids),
@@ -143,10 +143,9 @@ class EngineLoop:
             self.metrics.engine_batch(len(todo), forward)
         best = [np.zeros(len(m.rids), dtype=np.int64) for m, _ in msgs]
         scores = [np.zeros((len(m.rids), self.N), dtype=np.float32) for m, _ in msgs]
-        index = self.index
-        for (k, i), r in zip(where, results):
-            best[k][i] = index[r.label]
-            scores[k][i] = list(r.scores.values())
+        for (k, i), d, sc in zip(where, best_all, scores_all):
+            best[k][i] = d
+            scores[k][i] = sc
         queued = self.source.pending()
         for k, (m, reply) in enumerate(msgs):
             reply(P.ClassifyOut(m.rids, status[k], best[k].tolist(), scores[k].tobytes(), {},
