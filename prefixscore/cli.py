@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 from .errors import InputError, PrefixScoreError
+from .io import read_text
 from .prompt import SEED_LABELS
 
 
@@ -37,19 +38,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
 
 
-def _read_text(path: str, what: str) -> str:
-    try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not text
-            return f.read()
-    except OSError as e:
-        raise InputError(f"cannot read {what} file {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise InputError(f"{what} file {path}: not valid UTF-8") from None
-
-
 def _labels(a) -> list[str] | None:
     if a.labels_file:
-        return [l.strip() for l in _read_text(a.labels_file, "labels").splitlines() if l.strip()]
+        return [l.strip() for l in read_text(a.labels_file, "labels").splitlines() if l.strip()]
     if a.labels is not None:
         return [l.strip() for l in a.labels.split(",")]
     return None
@@ -57,7 +48,7 @@ def _labels(a) -> list[str] | None:
 
 def _template(a) -> str | None:
     if a.template_file:
-        return _read_text(a.template_file, "template").rstrip("\n")
+        return read_text(a.template_file, "template").rstrip("\n")
     return a.template
 
 

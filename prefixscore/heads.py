@@ -624,9 +624,9 @@ def cmd_fit_head(a) -> int:
     if a.teacher:
         tt = a.teacher_template
         if a.teacher_template_file:
-            from .cli import _read_text
+            from .io import read_text
 
-            tt = _read_text(a.teacher_template_file, "teacher template").rstrip("\n")
+            tt = read_text(a.teacher_template_file, "teacher template").rstrip("\n")
         teacher = Classifier(clf.loaded, tt, labels, chat=a.teacher_chat, truncate=a.truncate,
                              max_batch_tokens=a.batch_tokens)
         _err(f"teacher: prompt mode, prefix {teacher.prefix_len} tokens; labeling {len(queries)} queries")

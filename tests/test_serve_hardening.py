@@ -19,8 +19,8 @@ from prefixscore import Classifier, ConfigError
 from prefixscore.scorer import Scorer
 from prefixscore.serve import create_app
 from prefixscore.serve.config import api_key_from
-from prefixscore.serve.launch import uvicorn_server
 from test_server import SCORE_TEMPLATE, Wrapped, check, metric, ready
+from test_server import running as serving
 
 
 @pytest.fixture(scope="module")
@@ -30,29 +30,9 @@ def clf(tiny_model):
 
 @contextmanager
 def running(app, wait_ready=True):
-    """`prefixscore serve`'s uvicorn server (bounded protocol, draining shutdown) in a thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(512)
-    fe = app.state.frontend
-    server = uvicorn_server(app, fe.cfg, fe)
-    server.config.log_level = "warning"
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    port = sock.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        if wait_ready:
-            ready(base)
-        yield base, port, server
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    """test_server's running(), with the port for raw sockets."""
+    with serving(app, wait_ready) as (base, server):
+        yield base, int(base.rsplit(":", 1)[1]), server
 
 
 def raw(port, data: bytes, timeout=5.0) -> bytes:

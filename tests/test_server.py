@@ -14,7 +14,6 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-import uvicorn
 
 from conftest import random_queries
 from prefixscore import Classifier, ConfigError, InputError
@@ -33,11 +32,16 @@ def clf(tiny_model):
 
 @contextmanager
 def running(app, wait_ready=True):
-    """uvicorn in a thread on a free loopback port; stopped (gracefully) on exit."""
+    """The server `prefixscore serve` runs (uvicorn with its bounded protocol and draining
+    shutdown) in a thread on a free loopback port; stopped (gracefully) on exit."""
+    from prefixscore.serve.launch import uvicorn_server
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=10))
+    sock.listen(512)
+    fe = app.state.frontend
+    server = uvicorn_server(app, fe.cfg, fe)
+    server.config.log_level = "warning"
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -51,17 +55,9 @@ def running(app, wait_ready=True):
         yield base, server
     finally:
         server.should_exit = True
-        thread.join(20)
+        thread.join(40)
         sock.close()
         assert not thread.is_alive(), "server thread still running"
-
-
-def uvicorn_server(app, **kw):
-    """The server `prefixscore serve` runs (its bounded protocol and draining shutdown)."""
-    from prefixscore.serve.launch import uvicorn_server as make
-
-    fe = app.state.frontend
-    return make(app, fe.cfg, fe)
 
 
 def ready(base, timeout=30):
