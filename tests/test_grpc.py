@@ -45,12 +45,12 @@ class Gated:
     def __getattr__(self, name):
         return getattr(self.clf, name)
 
-    def classify_encoded(self, encoded, progress=None):
+    def decide_encoded(self, encoded):  # what the engine loop calls
         if self.hold:
             self.entered.set()
             assert self.release.wait(30)
         self.batches.append(len(encoded))
-        return self.clf.classify_encoded(encoded)
+        return self.clf.decide_encoded(encoded)
 
 
 class Conn:
