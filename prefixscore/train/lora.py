@@ -32,7 +32,7 @@ def hf_folder(model) -> Path:
     bundled model included) the safetensors copy the first load converts, else the folder itself."""
     from ..loading import converted_folder, load, resolve
 
-    path = resolve(None if model is None else getattr(model, "name", model))
+    path = resolve(_model_path(model))
     if path.is_file() and path.suffix == ".gguf":
         folder = converted_folder(path)
         if not (folder / "model.safetensors").is_file():
@@ -41,6 +41,14 @@ def hf_folder(model) -> Path:
     if not path.is_dir():
         raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
     return path
+
+
+def _model_path(model):
+    """A path or None; a LoadedModel stands for the files it was loaded from (training needs the
+    Hugging Face model and fp32 weights, so it is loaded afresh)."""
+    from ..loading import LoadedModel
+
+    return model.name if isinstance(model, LoadedModel) else model
 
 
 def read_data(data, labels, query_col="query", label_col="label", fmt="auto", need_labels=True):
@@ -237,7 +245,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     say = log or (lambda m: print(m, file=sys.stderr))
     t0 = time.perf_counter()
 
-    loaded = load(model if model is None else getattr(model, "name", model), "cpu", torch.float32)
+    loaded = load(_model_path(model), "cpu", torch.float32)
     ident, tok, name = base_hash(loaded), loaded.tokenizer, loaded.name
     prompt = Prompt(tok, template, chat=chat)
     trie = LabelTrie.build(tok, labels, prompt.render(query="x"), prompt.encode_text)

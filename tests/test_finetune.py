@@ -1,0 +1,225 @@
+"""LoRA fine-tuning (prefixscore.train) and adapters merged at load (prefixscore.loading), on the
+tiny random Llama: a keyword task the random model cannot do is learned; the merged engine scores
+equal the unmerged peft model's; mismatched adapters and bad data are refused."""
+import csv
+import random
+
+import pytest
+import torch
+
+from hf_reference import hf_generate, hf_scores
+from prefixscore import Classifier
+from prefixscore.errors import ConfigError, InputError, ModelLoadError
+from prefixscore.loading import base_hash, check_adapter, load, merge_adapter, read_adapter
+from prefixscore.train import finetune, save_adapter
+from prefixscore.train.__main__ import main as train_main
+from prefixscore.train.lora import TARGETS
+
+TEMPLATE = "q: {query}\na:"
+LABELS = ["Dress", "T-shirt", "Trench Coat"]  # T-shirt / Trench Coat share a first token: a branch
+KEYWORD = {"Dress": "dress", "T-shirt": "tee", "Trench Coat": "trench"}
+FAST = dict(template=TEMPLATE, labels=LABELS, chat=False, lr=2e-2, batch_size=8, progress=False)
+
+
+def keyword_rows(n=60, seed=0):
+    """The label is the keyword in the query; the rest is filler shared by all labels."""
+    rng = random.Random(seed)
+    filler = "blue red size xl cotton women men summer vintage black".split()
+    rows = []
+    for i in range(n):
+        label = LABELS[i % len(LABELS)]
+        words = [rng.choice(filler) for _ in range(rng.randint(1, 3))]
+        words.insert(rng.randint(0, len(words)), KEYWORD[label])
+        rows.append((" ".join(words), label))
+    return rows
+
+
+ROWS = keyword_rows()
+
+
+def accuracy(clf, rows):
+    res = clf.classify_batch([q for q, _ in rows])
+    return sum(r.label == l for r, (_, l) in zip(res, rows)) / len(rows)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def trained(llama, tmp_path_factory):
+    """(adapter file, adapter) of the label objective on the keyword task."""
+    adapter = finetune(ROWS, model=llama, epochs=5, **FAST)
+    path = tmp_path_factory.mktemp("adapter") / "kw.adapter.safetensors"
+    save_adapter(path, adapter)
+    return path, adapter
+
+
+def merged(folder, adapter):
+    lm = load(folder, "cpu", torch.float32)
+    check_adapter(adapter, base_hash(lm), TEMPLATE, LABELS, False)
+    return merge_adapter(lm, adapter)
+
+
+def test_label_objective_learns_the_task(llama, trained):
+    path, adapter = trained
+    base = Classifier(load(llama, "cpu", torch.float32), TEMPLATE, LABELS, chat=False, graphs=False)
+    assert accuracy(base, ROWS) < 0.7  # the random model cannot do it
+    t = adapter.meta["training"]
+    assert t["val_rows"] > 0 and t["val_acc"] == 1.0 and t["history"][0]["epoch"] == 1
+    clf = Classifier(merged(llama, read_adapter(path)), TEMPLATE, LABELS, chat=False, graphs=False)
+    assert accuracy(clf, ROWS) == 1.0
+    assert accuracy(clf, keyword_rows(30, seed=1)) == 1.0  # new queries
+
+
+def _peft_model(folder, adapter):
+    """The unmerged reference: HF model + peft LoRA layers holding the adapter's A/B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    m = adapter.meta
+    net = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                         LoraConfig(r=m["rank"], lora_alpha=m["alpha"], target_modules=TARGETS))
+    n = 0
+    with torch.no_grad():
+        for name, mod in net.named_modules():
+            if hasattr(mod, "lora_A") and "default" in mod.lora_A:
+                A, B = adapter.lora[f"layers.{name.split('.layers.')[1].split('.')[0]}.{name.split('.')[-1]}"]
+                mod.lora_A["default"].weight.copy_(A)
+                mod.lora_B["default"].weight.copy_(B)
+                n += 1
+    assert n == len(adapter.lora) == 2 * len(TARGETS)
+    return net.eval()
+
+
+def test_merged_scores_equal_peft_model(llama, trained):
+    path, _ = trained
+    adapter = read_adapter(path)  # the round trip through the file
+    assert all(B.abs().max() > 0 for _, B in adapter.lora.values())  # trained: the merge matters
+    clf = Classifier(merged(llama, adapter), TEMPLATE, LABELS, chat=False, graphs=False)
+    queries = [q for q, _ in ROWS[:24]] + ["trench dress tee", "红色 dress"]
+    res = clf.classify_batch(queries)
+    ours = torch.tensor([[r.scores[l] for l in LABELS] for r in res])
+    net = _peft_model(llama, adapter)
+    prompts = [e.ids for e in clf.encode_many(queries)]
+    ref = torch.tensor(hf_scores(net, prompts, clf.trie))
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
+    eos = clf.loaded.tokenizer.eos_token_id
+    assert [LABELS.index(r.label) for r in res] == hf_generate(net, prompts, clf.trie, eos)
+    base = Classifier(load(llama, "cpu", torch.float32), TEMPLATE, LABELS, chat=False, graphs=False)
+    unmerged = torch.tensor([[r.scores[l] for l in LABELS] for r in base.classify_batch(queries)])
+    assert (unmerged - ours).abs().max() > 0.1
+
+
+def test_deterministic_for_a_seed(llama):
+    a = finetune(ROWS[:24], model=llama, epochs=1, seed=3, **FAST)
+    b = finetune(ROWS[:24], model=llama, epochs=1, seed=3, **FAST)
+    c = finetune(ROWS[:24], model=llama, epochs=1, seed=4, **FAST)
+    for k, (A, B) in a.lora.items():
+        assert torch.equal(A, b.lora[k][0]) and torch.equal(B, b.lora[k][1])
+    assert any(not torch.equal(A, c.lora[k][0]) for k, (A, _) in a.lora.items())
+
+
+def test_head_objective(llama, tmp_path):
+    adapter = finetune(ROWS, model=llama, epochs=5, objective="head", **FAST)
+    save_adapter(tmp_path / "h.safetensors", adapter)
+    adapter = read_adapter(tmp_path / "h.safetensors")
+    assert adapter.meta["objective"] == "head" and adapter.head["weight"].shape == (3, 64)
+    clf = Classifier(merged(llama, adapter), TEMPLATE, LABELS, chat=False, graphs=False)
+    head = adapter.head_weights()
+    pred = head.logits(clf.features([q for q, _ in ROWS])).argmax(-1).tolist()
+    assert pred == [LABELS.index(l) for _, l in ROWS]
+
+
+def test_base_hash_same_weights_any_dtype(llama, tiny_model):
+    h = base_hash(load(llama, "cpu", torch.float32))
+    assert base_hash(load(llama, "cpu", torch.bfloat16)) == h
+    assert base_hash(load(tiny_model("qwen2"), "cpu", torch.float32)) != h
+
+
+def test_mismatched_adapter_refused(llama, tiny_model, trained):
+    _, adapter = trained
+    lm = load(llama, "cpu", torch.float32)
+    h = base_hash(lm)
+    check_adapter(adapter, h, TEMPLATE, LABELS, False)
+    other = base_hash(load(tiny_model("qwen2"), "cpu", torch.float32))
+    with pytest.raises(ConfigError, match="another base model"):
+        check_adapter(adapter, other, TEMPLATE, LABELS, False)
+    with pytest.raises(ConfigError, match="template"):
+        check_adapter(adapter, h, "{query}", LABELS, False)
+    with pytest.raises(ConfigError, match="chat"):
+        check_adapter(adapter, h, TEMPLATE, LABELS, True)
+    with pytest.raises(ConfigError, match="labels"):
+        check_adapter(adapter, h, TEMPLATE, LABELS[::-1], False)
+    merge_adapter(lm, adapter)
+    with pytest.raises(ConfigError, match="already merged"):
+        merge_adapter(lm, adapter)
+    with pytest.raises(ConfigError, match="before merging"):
+        base_hash(lm)
+
+
+def test_unreadable_adapter_files(tmp_path, trained):
+    with pytest.raises(ModelLoadError, match="not found"):
+        read_adapter(tmp_path / "none.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors at all")
+    with pytest.raises(ModelLoadError, match="not a readable"):
+        read_adapter(tmp_path / "junk.safetensors")
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ModelLoadError, match="not a prefixscore adapter"):
+        read_adapter(tmp_path / "plain.safetensors")
+    path, _ = trained  # a damaged file: one B tensor missing
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    t.pop(next(k for k in t if k.endswith("lora_B")))
+    save_file(t, str(tmp_path / "damaged.safetensors"), metadata=meta)
+    with pytest.raises(ModelLoadError, match="damaged"):
+        read_adapter(tmp_path / "damaged.safetensors")
+
+
+def _csv(path, rows, header=("query", "label")):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return str(path)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("unknown", "not in the label set"), ("empty", "no rows"), ("column", "no column 'label'"),
+    ("one_class", "at least two classes"), ("pairs_empty", "no rows"),
+])
+def test_bad_data(llama, tmp_path, case, match):
+    data = {"unknown": lambda: _csv(tmp_path / "d.csv", ROWS[:5] + [("a coat", "Coat")]),
+            "empty": lambda: _csv(tmp_path / "d.csv", []),
+            "column": lambda: _csv(tmp_path / "d.csv", ROWS[:5], header=("query", "category")),
+            "one_class": lambda: _csv(tmp_path / "d.csv", [r for r in ROWS if r[1] == "Dress"]),
+            "pairs_empty": lambda: []}[case]()
+    with pytest.raises(InputError, match=match):
+        finetune(data, model=llama, epochs=1, **FAST)
+
+
+def test_bad_options(llama):
+    with pytest.raises(ConfigError, match="objective"):
+        finetune(ROWS, model=llama, objective="lm", **FAST)
+    with pytest.raises(ConfigError, match="positive"):
+        finetune(ROWS, model=llama, rank=0, **FAST)
+
+
+def test_command_line(llama, tmp_path, capsys):
+    data = _csv(tmp_path / "d.csv", ROWS[:24])
+    out = tmp_path / "cli.adapter.safetensors"
+    args = ["finetune", data, "-o", str(out), "--model", str(llama), "--template", TEMPLATE,
+            "--no-chat", "--labels", ",".join(LABELS), "--epochs", "1", "--quiet"]
+    assert train_main(args) == 0
+    assert "saved" in capsys.readouterr().out
+    m = read_adapter(out).meta
+    assert (m["template"], m["chat"], m["labels"], m["objective"], m["rank"]) == (TEMPLATE, False, LABELS, "label", 8)
+    bad = _csv(tmp_path / "bad.csv", [("x", "Dress")])
+    assert train_main(["finetune", bad, "-o", str(out), "--model", str(llama), "--template", TEMPLATE,
+                       "--no-chat", "--labels", ",".join(LABELS), "--quiet"]) == 2
+    assert "at least two classes" in capsys.readouterr().err
