@@ -3,14 +3,15 @@
     python -m bench.server_stub [--requests 3000]             # instant stub: the bare server path
     python -m bench.server_stub --stub gpu [--rounds 5]       # GPU-like stub: server overhead, as W5
 
-Serves the real app (`prefixscore.server.serve_app`: uvicorn, httptools, uvloop when installed) in a
-child process with a stub in place of the model, and times, one request at a time on a keep-alive
-connection from this process, GET /healthz (the bare HTTP round trip) and POST /v1/classify.
+Serves the real app as `prefixscore serve --workers 1` runs it (`prefixscore.serve.create_app` and
+`launch.uvicorn_server`: uvicorn, httptools, uvloop when installed) in a child process with a stub
+in place of the model, and times, one request at a time on a keep-alive connection from a load
+process (bench/loadgen.py), GET /healthz (the bare HTTP round trip) and POST /v1/classify.
 
 --stub instant  tokenize and classify return at once: classify - healthz is the classify path's
                 cost apart from the model (parse, validate, queue, engine-thread hand-offs, JSON).
 --stub gpu      a call shaped like `classify(q)` on the H200 host: ~50 us of pure-Python work in
-                encode_many (the tokenizer), ~100 us in classify_encoded (plan, copies), then ~650
+                encode_many (the tokenizer), ~100 us in decide_encoded (plan, copies), then ~650
                 us busy with the GIL released (a CUDA sync: torch drops the GIL, the driver
                 spin-waits on a core). The busy wait is one hashlib call over a buffer sized at
                 start-up, so it occupies a core and takes the GIL back once, as the sync does.
@@ -23,7 +24,6 @@ Writes $OUT/server_stub.json (bench/results/server_stub.json without OUT).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import multiprocessing as mp
@@ -32,9 +32,10 @@ import statistics
 import time
 from pathlib import Path
 
-from prefixscore.server import engine_spin_ms
+from prefixscore.serve.engine_proc import spin_seconds
 
-from .http import GET_HEALTHZ, Conn, call_times, free_port, pct, post, serial
+from .http import call_times, free_port, pct
+from .loadgen import LoadGen
 
 OUT = Path(os.environ.get("OUT") or "bench/results")
 QUERIES = ["red dress", "levis 501 straight leg", "beige trench coat women", "running shoes"]
@@ -47,22 +48,37 @@ class Encoded:
         self.values, self.ids, self.start = {"query": q}, [1, 2, 3], 0
 
 
+class StubPrompt:
+    """What a front end reads of the classifier's Prompt."""
+    prefix_ids, context_limit, template, chat, special_tokens, tokenizer = [], 0, "{query}", False, False, None
+
+    def __init__(self, work=lambda: None):
+        self.work = work
+
+    def encode_many(self, values, truncate=False):
+        self.work()
+        return [Encoded(v["query"]) for v in values]
+
+
 class InstantStub:
-    prefix_len, labels = 0, ["a", "b"]
+    """The classifier's surface that the server uses, answering at once."""
+    prefix_len, labels, mode, truncate, max_batch_tokens = 0, ["a", "b"], "logprobs", False, 16384
+
+    class engine:
+        class device:
+            type = "cpu"
+
+    def __init__(self):
+        self.prompt = StubPrompt()
 
     def encode(self, q):
         return Encoded(q)
 
-    def encode_many(self, qs):
-        return [Encoded(q) for q in qs]
-
-    def classify_encoded(self, encoded, progress=None):
-        from prefixscore.classifier import Result
-
-        return [Result(e.values["query"], "a", {"a": -0.1, "b": -2.3}) for e in encoded]
+    def decide_encoded(self, encoded):
+        return [0] * len(encoded), [[-0.1, -2.3]] * len(encoded)
 
     def classify(self, q):
-        return self.classify_encoded(self.encode_many([q]))[0]
+        return self.decide_encoded(self.prompt.encode_many([{"query": q}]))
 
 
 def py_work(n: int) -> int:
@@ -81,15 +97,12 @@ def gil_free_wait(buf: bytes) -> None:
 class GpuStub(InstantStub):
     def __init__(self, tok_n: int, plan_n: int, wait_bytes: int):
         self.tok_n, self.plan_n, self.buf = tok_n, plan_n, b"\0" * wait_bytes
+        self.prompt = StubPrompt(lambda: py_work(self.tok_n))
 
-    def encode_many(self, qs):
-        py_work(self.tok_n)
-        return super().encode_many(qs)
-
-    def classify_encoded(self, encoded, progress=None):
+    def decide_encoded(self, encoded):
         py_work(self.plan_n)
         gil_free_wait(self.buf)
-        return super().classify_encoded(encoded)
+        return super().decide_encoded(encoded)
 
 
 def median_us(fn, arg, reps=31) -> float:
@@ -116,34 +129,40 @@ def calibrate(tok_us: float, plan_us: float, wait_us: float) -> dict:
 # ---------------------------------------------------------------- server and client
 
 def serve(port, sizes, spin_ms):
-    from prefixscore.server import create_app, serve_app
+    import sys
+
+    from prefixscore.serve import create_app
+    from prefixscore.serve.launch import bind, uvicorn_server
 
     stub = GpuStub(**sizes) if sizes else InstantStub()
-    app = create_app(stub, max_tokens=512, engine_spin_ms=spin_ms)
-    serve_app(app, host="127.0.0.1", port=port, log_level="error")
+    app = create_app(stub, max_tokens=512, engine_spin_ms=spin_ms, log_level="error")
+    fe = app.state.frontend
+    sys.setswitchinterval(0.0005)  # as prefixscore serve --workers 1
+    uvicorn_server(app, fe.cfg, fe).run(sockets=[bind("127.0.0.1", port)])
 
 
-async def http_phases(port, n, warm) -> dict:
+def http_phases(gen: LoadGen, port, n, warm) -> dict:
     """p50/p99 (us) of GET /healthz and POST /v1/classify, one at a time on one connection, and
     the p50 of the server's own timing of the classify requests."""
-    for _ in range(300):  # until the server listens
+    for _ in range(300):  # until the server answers
         try:
-            (await Conn.open(port)).close()
-            break
-        except OSError:
-            await asyncio.sleep(0.2)
+            if gen.serial(port, 1, 2.0, payload="healthz")["status"][0] == 200:
+                break
+        except Exception:
+            pass
+        time.sleep(0.2)
     else:
         raise SystemExit("server did not start")
     out = {}
-    raws = [post("/v1/classify", {"query": q}) for q in QUERIES]
-    for name, reqs in (("healthz", [GET_HEALTHZ]), ("classify", raws)):
-        await serial(port, reqs, warm)
-        ms, timing = await serial(port, reqs, n)
-        lat = [1e3 * x for x in ms]
+    for name in ("healthz", "classify"):
+        gen.serial(port, warm, 10.0, payload=name)
+        r = gen.serial(port, n, 10.0, payload=name, bodies=name == "classify")
+        lat = [1e3 * x for x in r["lat"]]
         out[name] = {"p50_us": statistics.median(lat), "p99_us": pct(lat, 99), "n": n}
-        if timing:
-            out["server_timing_p50_us"] = {k.replace("_ms", ""): 1e3 * statistics.median(t[k] for t in timing)
-                                           for k in timing[0]}
+        if r.get("timing"):
+            t = r["timing"]
+            out["server_timing_p50_us"] = {k.replace("_ms", ""): 1e3 * statistics.median(x[k] for x in t)
+                                           for k in t[0]}
     return out
 
 
@@ -176,18 +195,20 @@ def main():
         pass
     sizes = calibrate(a.tokenize_us, a.plan_us, a.wait_us) if a.stub == "gpu" else None
     port = free_port()
-    spin = (a.engine_spin_ms if a.engine_spin_ms is not None
-            else engine_spin_ms("auto", "cuda" if sizes else "cpu"))  # as `prefixscore serve`
+    spin = (a.engine_spin_ms if a.engine_spin_ms is not None  # as `prefixscore serve`
+            else 1e3 * spin_seconds("auto", "cuda" if sizes else "cpu"))
     p = mp.Process(target=serve, args=(port, sizes, spin), daemon=True)
     p.start()
     rounds = []
+    gen = LoadGen(1, "http", QUERIES)
     try:
         for _ in range(a.rounds):
-            r = asyncio.run(http_phases(port, a.requests, warm=300))
+            r = http_phases(gen, port, a.requests, warm=300)
             if sizes:
                 r.update(local_phases(GpuStub(**sizes), a.requests))
             rounds.append(r)
     finally:
+        gen.close()
         p.terminate()
         p.join()
     phases = [k for k in ("inproc", "worker", "classify", "healthz") if k in rounds[0]]
