@@ -154,6 +154,14 @@ class BaseClient:
             if not fut.done():
                 fut.set_exception(EngineDead(error))
 
+    def _fail_rids(self, rids, error: str) -> None:
+        """These requests fail now with EngineDead (503), the engine staying as it is."""
+        for rid in rids:
+            job, _ = self.jobs.pop(rid, (None, None))
+            fut = job.future if isinstance(job, ClassifyJob) else job
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineDead(error))
+
     def wait_s(self, n: int) -> float:
         """Seconds the engine needs for what is queued plus n more requests (Retry-After)."""
         return (len(self.jobs) + self.queued + n) / self.rate if self.rate else 1.0
@@ -276,8 +284,9 @@ class ZmqClient(BaseClient):
     def _send(self, msg) -> None:
         try:
             self.sock.send(P.encoder.encode(msg), self.zmq.NOBLOCK)
-        except self.zmq.Again:  # the engine's queue is full or it is gone: fail this message
-            log.warning("engine socket full: message dropped")
+        except self.zmq.Again:  # the engine's queue is full or it is gone: nothing may hang on it
+            self._fail_rids(getattr(msg, "rids", None) or [getattr(msg, "rid", None)],
+                            "the engine's input queue is full; retry later")
         self._readable()  # the FD is edge-triggered: a send can consume the readable edge
 
     def _readable(self) -> None:
