@@ -40,6 +40,7 @@ class ClassifyJob:
     errors: dict = field(default_factory=dict)
     forward_s: float = 0.0
     batch_size: int = 0
+    n_done: int = 0
 
 
 class BaseClient:
@@ -131,7 +132,7 @@ class BaseClient:
                 if rid in out.errors:
                     job.errors[row] = out.errors[rid]
                 job.forward_s, job.batch_size = out.forward_s, out.batch_size
-                job.n_done = getattr(job, "n_done", 0) + 1
+                job.n_done += 1
                 if job.n_done == job.n and not job.future.done():
                     job.future.set_result(job)
         elif isinstance(out, P.ScoreOut):
