@@ -223,3 +223,19 @@ def test_command_line(llama, tmp_path, capsys):
     assert train_main(["finetune", bad, "-o", str(out), "--model", str(llama), "--template", TEMPLATE,
                        "--no-chat", "--labels", ",".join(LABELS), "--quiet"]) == 2
     assert "at least two classes" in capsys.readouterr().err
+
+
+class _KeywordTeacher:
+    """Stands in for a prompted Classifier: its decisions are the targets (distillation)."""
+    labels = LABELS
+
+    def classify_batch(self, queries):
+        from prefixscore.classifier import Result
+
+        return [Result(q, next(l for l, k in KEYWORD.items() if k in q.split()), {}) for q in queries]
+
+
+def test_teacher_targets(llama):
+    queries = [q for q, _ in ROWS]
+    adapter = finetune(queries, model=llama, epochs=5, teacher=_KeywordTeacher(), **FAST)
+    assert adapter.meta["training"]["teacher"] and adapter.meta["training"]["val_acc"] == 1.0

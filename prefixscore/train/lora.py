@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,6 +38,9 @@ def hf_folder(model) -> Path:
         folder = converted_folder(path)
         if not (folder / "model.safetensors").is_file():
             load(path, "cpu", torch.float32)  # converts once and caches the folder
+        if not (folder / "model.safetensors").is_file():
+            raise ModelLoadError(f"{path}: fine-tuning reads the converted safetensors copy, which "
+                                 f"could not be written under {folder.parent} (set PREFIXSCORE_CACHE)")
         return folder
     if not path.is_dir():
         raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
@@ -61,7 +65,8 @@ def read_data(data, labels, query_col="query", label_col="label", fmt="auto", ne
         rows = read_rows(str(data), fmt, cols)
         where = str(data)
     else:
-        rows = [r if isinstance(r, dict) else dict(zip(cols, r)) for r in data]
+        rows = [r if isinstance(r, dict) else {query_col: r} if isinstance(r, str) else dict(zip(cols, r))
+                for r in data]  # dicts, (query, label) pairs, or bare queries (teacher)
         where = "data"
         if not rows:
             raise InputError("data: no rows")
@@ -251,7 +256,11 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     trie = LabelTrie.build(tok, labels, prompt.render(query="x"), prompt.encode_text)
     prompts = [e.ids for e in prompt.encode_many([{"query": q} for q in queries])]
     if teacher is not None:  # distillation: the teacher's decisions are the targets
+        if list(teacher.labels) != labels:
+            raise ConfigError(f"the teacher's labels {teacher.labels} differ from {labels}")
         gold = [labels.index(r.label) for r in teacher.classify_batch(queries)]
+        if len(set(gold)) < 2:
+            raise InputError(f"the teacher labels every row {labels[gold[0]]!r}: nothing to learn")
     del loaded  # the engine's copy; training runs on the HF model below
 
     folder = hf_folder(model)
@@ -260,7 +269,9 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
         torch.manual_seed(seed)
         base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=TARGETS)
-        net = get_peft_model(base, cfg)
+        with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
+            warnings.simplefilter("ignore", FutureWarning)
+            net = get_peft_model(base, cfg)
         inner = net.get_base_model()
         body, lm_head = inner.model, inner.lm_head
         head = None
