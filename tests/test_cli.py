@@ -135,7 +135,7 @@ def test_score_options_refused(tmp_path, capsys):
 
 
 def test_bom_and_encoding(model, tmp_path, capsys):
-    from prefixscore.cli import _read_text
+    from prefixscore.io import read_text as _read_text
     from prefixscore.io import read_rows
 
     bom = "\ufeff"
