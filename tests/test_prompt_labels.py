@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import random_queries
+from conftest import Lowering, random_queries
 from hf_reference import hf_scores
 from prefixscore import Classifier, ConfigError, InputError
 from prefixscore.labels import LabelTrie, check_labels
@@ -83,16 +83,6 @@ def test_batch_encoding_and_backend_fallback(smol_tokenizer):
     with pytest.raises(InputError) as err:
         p.encode_many([{"query": "ok"}, {"query": "fine"}, {"query": " "}])
     assert err.value.index == 2
-
-    class Lowering:  # a tokenizer that edits text in Python before its Rust backend sees it
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __call__(self, text, **kw):
-            return self.inner([t.lower() for t in text] if isinstance(text, list) else text.lower(), **kw)
 
     q = Prompt(Lowering(smol_tokenizer), TEMPLATES["colon"], chat=True)
     assert q.backend is None  # its backend disagrees with its own call: the call is kept

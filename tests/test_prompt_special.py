@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import dev_queries, random_queries
+from conftest import Lowering, dev_queries, random_queries
 from prefixscore import InputError
 from prefixscore.prompt import SEED_TEMPLATE, Prompt
 
@@ -174,16 +174,6 @@ def test_the_slower_exact_forms(smol_tokenizer):
     start of any text specially (no resume point: whole runs)."""
     from tokenizers import Tokenizer, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    class Lowering:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-        def __call__(self, text, **kw):
-            return self.inner([t.lower() for t in text] if isinstance(text, list) else text.lower(), **kw)
 
     tok = smol_tokenizer
     p = Prompt(Lowering(tok), SEED_TEMPLATE, chat=True)
