@@ -25,7 +25,8 @@ from ..errors import ConfigError, InputError, ModelLoadError
 from ..loading import ADAPTER_OBJECTIVES, Adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DEFAULTS = dict(lr=5e-4, epochs=4, patience=2, batch_size=16)
+# Measured on one fold of intent_dev (SmolLM2-135M, "{query}" no chat): lr 2e-3 peaked at epoch 4
+DEFAULTS = dict(lr=2e-3, epochs=6, patience=2, batch_size=16)
 
 
 def hf_folder(model) -> Path:
