@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(e)
     e.set_defaults(func=cmd_eval)
     # Other commands live beside what they drive: each module adds its own subcommand.
-    for name in ("scorer", "server", "heads"):
+    for name in ("scorer", "server", "heads", "train.__main__"):
         if importlib.util.find_spec(f"prefixscore.{name}") is not None:
             importlib.import_module(f"prefixscore.{name}").add_command(sub, _model_args)
     return p

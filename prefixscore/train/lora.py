@@ -219,7 +219,10 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     label columns, or (query, label) pairs. model: None (bundled), a HF folder or a .gguf file.
     teacher: a Classifier whose decisions replace the labels (then data needs only queries).
     Deterministic for a seed on CPU. Early stopping on validation accuracy (then loss)."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("fine-tuning needs peft: pip install 'prefixscore[train]'") from None
     from transformers import AutoModelForCausalLM
     from tqdm.auto import tqdm
 
