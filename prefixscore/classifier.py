@@ -142,13 +142,29 @@ class Classifier:
 
     allow_special_tokens: parse special-token text inside a query (`<|im_end|>` becomes the control
     token, as in the template). Default False: a query is plain text, so it cannot forge chat turns.
+    adapter: a LoRA adapter file (prefixscore finetune, objective label), merged into the weights
+    once at load (same kernels and graphs as the base model); its template, labels and chat flag
+    are the defaults, and another base model, template or label set is refused.
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, device=None,
                  dtype=None, chat: bool | None = None, mode: str = "logprobs", truncate: bool = False,
                  max_batch_tokens: int = 16384, graphs: bool = True, head=None,
-                 allow_special_tokens: bool = False):
-        head_file = None
+                 allow_special_tokens: bool = False, adapter=None):
+        head_file = adapter_file = None
+        if adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights
+            from .loading import LoadedModel, read_adapter
+
+            adapter_file = read_adapter(adapter)  # unreadable file: ModelLoadError before loading
+            if adapter_file.meta["objective"] != "label" or head is not None:
+                raise ConfigError(f"{adapter}: only adapters of the 'label' objective load this way "
+                                  f"so far, and not together with a head")
+            if isinstance(model, LoadedModel):
+                raise ConfigError("an adapter is merged into the weights it loads with: pass the "
+                                  "model's path, not a loaded model (whose weights others share)")
+            template = adapter_file.meta["template"] if template is None else template
+            labels = adapter_file.meta["labels"] if labels is None else labels
+            chat = adapter_file.meta["chat"] if chat is None else chat
         if head is not None:  # a trained head (heads.py): template, labels, chat default to its own
             from .heads import read_head
 
@@ -172,6 +188,12 @@ class Classifier:
         self.engine = Engine(self.loaded)
         tok = self.loaded.tokenizer
         self.prompt = Prompt(tok, template, chat=chat, special_tokens=allow_special_tokens)
+        if adapter_file is not None:  # before the prefix and graphs are computed from the weights
+            from .loading import base_hash, check_adapter, merge_adapter
+
+            check_adapter(adapter_file, base_hash(self.loaded), template, labels, self.prompt.chat,
+                          str(adapter))
+            merge_adapter(self.loaded, adapter_file)
         self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)
         # Branch tokens follow the suffix, so the prompt itself must leave room for them.
         limit = self.engine.config.context_limit

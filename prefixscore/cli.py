@@ -34,6 +34,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="parse special-token text such as <|im_end|> inside queries as control tokens "
                         "(default: plain text)")
     g.add_argument("--batch-tokens", type=int, default=16384, help="max new tokens per forward batch")
+    g.add_argument("--adapter", default=None,
+                   help="LoRA adapter (prefixscore finetune), merged into the weights at load; its "
+                        "template, labels and chat flag are the defaults")
     g.add_argument("--head", default=None,
                    help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
 
@@ -58,7 +61,8 @@ def make_classifier(a):
     t0 = time.perf_counter()
     clf = Classifier(a.model, _template(a), _labels(a), device=a.device, dtype=a.dtype, chat=a.chat,
                      mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
-                     head=getattr(a, "head", None), allow_special_tokens=a.allow_special_tokens)
+                     head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
+                     allow_special_tokens=a.allow_special_tokens)
     _err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")

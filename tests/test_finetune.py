@@ -239,3 +239,30 @@ def test_teacher_targets(llama):
     queries = [q for q, _ in ROWS]
     adapter = finetune(queries, model=llama, epochs=5, teacher=_KeywordTeacher(), **FAST)
     assert adapter.meta["training"]["teacher"] and adapter.meta["training"]["val_acc"] == 1.0
+
+
+def test_classifier_loads_an_adapter(llama, trained, tmp_path):
+    """Classifier(model_path, adapter=file) merges at load: the same scores as merging by hand,
+    the adapter's template/labels/chat as defaults, and a mismatch refused before any work."""
+    path, _ = trained
+    want = Classifier(merged(llama, read_adapter(path)), TEMPLATE, LABELS, chat=False, graphs=False)
+    clf = Classifier(llama, adapter=path, graphs=False)  # template, labels, chat from the file
+    assert clf.labels == LABELS and clf.prompt.template == TEMPLATE and clf.prompt.chat is False
+    queries = [q for q, _ in ROWS[:12]]
+    assert [(r.label, r.scores) for r in clf.classify_batch(queries)] == \
+        [(r.label, r.scores) for r in want.classify_batch(queries)]
+    with pytest.raises(ConfigError, match="labels"):
+        Classifier(llama, labels=list(reversed(LABELS)), adapter=path, graphs=False)
+    with pytest.raises(ConfigError, match="path"):
+        Classifier(load(llama, "cpu", torch.float32), adapter=path, graphs=False)
+
+
+def test_cli_classify_with_an_adapter(llama, trained, capsys):
+    path, _ = trained
+    from prefixscore.cli import main
+
+    want = Classifier(llama, adapter=path, graphs=False).classify("trench dress tee")
+    assert main(["classify", "--model", str(llama), "--device", "cpu", "--adapter", str(path),
+                 "trench dress tee"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1].split(",")
+    assert row[:2] == ["trench dress tee", want.label]

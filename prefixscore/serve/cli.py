@@ -153,7 +153,8 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     engine = EngineConfig(
         model=a.model, template=template, labels=tuple(labels) if labels else None, device=a.device,
         dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate, batch_tokens=a.batch_tokens,
-        head=getattr(a, "head", None), allow_special_tokens=getattr(a, "allow_special_tokens", False),
+        head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
+        allow_special_tokens=getattr(a, "allow_special_tokens", False),
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
         served_model_name=a.served_model_name)

@@ -23,6 +23,7 @@ class EngineConfig:
     truncate: bool = False
     batch_tokens: int = 16384
     head: str | None = None
+    adapter: str | None = None
     allow_special_tokens: bool = False
     score_template: str | None = None
     score_labels: tuple[str, ...] | None = None

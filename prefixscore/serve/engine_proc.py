@@ -32,7 +32,8 @@ def build(cfg: EngineConfig):
     kw = {"allow_special_tokens": True} if cfg.allow_special_tokens else {}
     clf = Classifier(cfg.model, cfg.template, list(cfg.labels) if cfg.labels else None,
                      device=cfg.device, dtype=cfg.dtype, chat=cfg.chat, mode=cfg.mode,
-                     truncate=cfg.truncate, max_batch_tokens=cfg.batch_tokens, head=cfg.head, **kw)
+                     truncate=cfg.truncate, max_batch_tokens=cfg.batch_tokens, head=cfg.head,
+                     adapter=cfg.adapter, **kw)
     scorer = None
     if cfg.score_template:
         from ..scorer import Scorer
