@@ -142,23 +142,9 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
 
 def read_head(path) -> HeadWeights:
     """The head file as written (CPU, fp32), metadata parsed into head.meta; no compatibility check."""
-    from safetensors import SafetensorError, safe_open
+    from .loading import read_tagged
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except FileNotFoundError:
-        raise ModelLoadError(f"head file not found: {path}") from None
-    except IsADirectoryError:
-        raise ModelLoadError(f"head path is a directory, not a file: {path}") from None
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
-    if meta.get("format") != FORMAT:
-        raise ModelLoadError(f"{path}: not a prefixscore head file (no '{FORMAT}' metadata)")
-    if meta.get("version") != VERSION:
-        raise ModelLoadError(f"{path}: head file version {meta.get('version')!r}, this prefixscore "
-                             f"reads version {VERSION}: fit the head again")
+    meta, tensors = read_tagged(path, "head", FORMAT, VERSION, "fit the head again")
     try:
         kind, labels = meta["kind"], json.loads(meta["labels"])
         parsed = {"template": meta["template"], "chat": json.loads(meta["chat"]), "model": meta["model"],

@@ -312,27 +312,36 @@ def base_hash(loaded: LoadedModel) -> str:
     return h.hexdigest()
 
 
-def read_adapter(path) -> Adapter:
-    """The adapter file (CPU, fp32), metadata parsed; ModelLoadError for anything unreadable."""
-    import json
-
+def read_tagged(path, what: str, fmt: str, version: str, again: str) -> tuple[dict, dict]:
+    """(metadata, tensors) of one of our safetensors files (a trained head, an adapter), whose
+    metadata names its format and version; ModelLoadError for anything else, naming `what` the
+    file is and what to do `again` for another version."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k).float() for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
     except FileNotFoundError:
-        raise ModelLoadError(f"adapter file not found: {path}") from None
+        raise ModelLoadError(f"{what} file not found: {path}") from None
     except IsADirectoryError:
-        raise ModelLoadError(f"adapter path is a directory, not a file: {path}") from None
+        raise ModelLoadError(f"{what} path is a directory, not a file: {path}") from None
     except (SafetensorError, OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
-    if meta.get("format") != ADAPTER_FORMAT:
-        raise ModelLoadError(f"{path}: not a prefixscore adapter file (no '{ADAPTER_FORMAT}' metadata)")
-    if meta.get("version") != ADAPTER_VERSION:
-        raise ModelLoadError(f"{path}: adapter file version {meta.get('version')!r}, this prefixscore "
-                             f"reads version {ADAPTER_VERSION}: fine-tune again")
+    if meta.get("format") != fmt:
+        raise ModelLoadError(f"{path}: not a prefixscore {what} file (no '{fmt}' metadata)")
+    if meta.get("version") != version:
+        raise ModelLoadError(f"{path}: {what} file version {meta.get('version')!r}, this prefixscore "
+                             f"reads version {version}: {again}")
+    return meta, tensors
+
+
+def read_adapter(path) -> Adapter:
+    """The adapter file (CPU, fp32), metadata parsed; ModelLoadError for anything unreadable."""
+    import json
+
+    meta, tensors = read_tagged(path, "adapter", ADAPTER_FORMAT, ADAPTER_VERSION, "fine-tune again")
+    tensors = {k: v.float() for k, v in tensors.items()}
     try:
         parsed = {"base_hash": meta["base_hash"], "base_model": meta["base_model"],
                   "template": meta["template"], "chat": json.loads(meta["chat"]),
