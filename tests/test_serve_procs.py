@@ -114,7 +114,7 @@ def test_workers_answer_like_in_process(model, clf):
 def test_engine_killed_then_restarted(model, clf):
     """Killing the engine process: requests in flight and after get 503 within a second (none
     hangs), /healthz is unhealthy; with --restart-engine a new engine serves again."""
-    with serve(model, "--restart-engine", "--batch-window-ms", "3000") as (base, _):
+    with serve(model, "--restart-engine", "--batch-window-ms", "3000") as (base, proc):
         pid = httpx.get(base + "/healthz").json()["engine"]["pid"]
 
         async def go():
@@ -133,7 +133,7 @@ def test_engine_killed_then_restarted(model, clf):
         assert took < 1.0 and "engine" in responses[0].json()["detail"]
         h = httpx.get(base + "/healthz")
         assert h.status_code == 503
-        after = wait_healthy(base, subprocess.Popen(["sleep", "120"]), timeout=90)
+        after = wait_healthy(base, proc, timeout=90)
         assert after["engine"]["pid"] != pid
         r = httpx.post(base + "/v1/classify", json={"query": "red dress"})
         assert r.status_code == 200
