@@ -12,7 +12,7 @@ import time
 from collections import Counter
 
 from .errors import InputError, PrefixScoreError
-from .io import read_text
+from .io import labels_option, template_option
 from .prompt import SEED_LABELS
 
 
@@ -41,25 +41,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
 
 
-def _labels(a) -> list[str] | None:
-    if a.labels_file:
-        return [l.strip() for l in read_text(a.labels_file, "labels").splitlines() if l.strip()]
-    if a.labels is not None:
-        return [l.strip() for l in a.labels.split(",")]
-    return None
-
-
-def _template(a) -> str | None:
-    if a.template_file:
-        return read_text(a.template_file, "template").rstrip("\n")
-    return a.template
-
-
 def make_classifier(a):
     from .classifier import Classifier
 
     t0 = time.perf_counter()
-    clf = Classifier(a.model, _template(a), _labels(a), device=a.device, dtype=a.dtype, chat=a.chat,
+    clf = Classifier(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype, chat=a.chat,
                      mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
                      head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
                      allow_special_tokens=a.allow_special_tokens)
@@ -150,7 +136,7 @@ def cmd_eval(a) -> int:
 
     check_output(a.json)
     rows = read_rows(a.data, a.input_format, (a.column, a.label_column))
-    labels = _labels(a) or (None if getattr(a, "head", None) else SEED_LABELS)
+    labels = labels_option(a) or (None if getattr(a, "head", None) else SEED_LABELS)
     if labels is not None:  # fail before loading the model when we can
         _check_gold(rows, a, labels)
     clf = make_classifier(a)

@@ -587,7 +587,8 @@ def _labeled(path, fmt, column, label_column, labels) -> tuple[list[str], list[s
 
 
 def cmd_fit_head(a) -> int:
-    from .cli import _labels, _template, make_classifier, run_batches
+    from .cli import make_classifier, run_batches
+    from .io import labels_option, template_option
     from .classifier import Classifier
     from .io import check_output, read_rows
     from .prompt import SEED_LABELS, SEED_TEMPLATE
@@ -596,12 +597,12 @@ def cmd_fit_head(a) -> int:
     if a.soft and not a.teacher:
         raise ConfigError("--soft fits the teacher's label distribution: it needs --teacher")
     check_output(a.output)
-    labels = _labels(a) or SEED_LABELS
+    labels = labels_option(a) or SEED_LABELS
     if a.teacher:  # unlabeled queries: the prompted model's decisions are the targets
         queries = [r[a.column] for r in read_rows(a.data, a.input_format, (a.column,))]
     else:
         queries, gold = _labeled(a.data, a.input_format, a.column, a.label_column, labels)
-    template = _template(a)
+    template = template_option(a)
     if a.examples:
         ex_q, ex_l = _labeled(a.examples, "auto", a.column, a.label_column, labels)
         template = few_shot_template(template or SEED_TEMPLATE, list(zip(ex_q, ex_l)), a.shots, labels, a.seed)
@@ -639,13 +640,13 @@ def cmd_fit_head(a) -> int:
 
 
 def cmd_eval_modes(a) -> int:
-    from .cli import _labels, _template
+    from .io import labels_option, template_option
     from .io import Output, check_output
     from .loading import obtain
     from .prompt import SEED_LABELS, SEED_TEMPLATE
 
-    labels = _labels(a) or SEED_LABELS
-    shots, opts, template = _shots(a.shots), _fit_options(a), _template(a) or SEED_TEMPLATE
+    labels = labels_option(a) or SEED_LABELS
+    shots, opts, template = _shots(a.shots), _fit_options(a), template_option(a) or SEED_TEMPLATE
     check_compare_options(labels, a.folds, a.latency_queries)  # all before the model loads
     check_output(a.json)
     queries, gold = _labeled(a.data, a.input_format, a.column, a.label_column, labels)

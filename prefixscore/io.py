@@ -201,3 +201,19 @@ def read_text(path: str, what: str) -> str:
         raise InputError(f"cannot read {what} file {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise InputError(f"{what} file {path}: not valid UTF-8") from None
+
+
+def labels_option(a) -> list[str] | None:
+    """--labels-file (one per line) or --labels (comma-separated) of a command, or None."""
+    if a.labels_file:
+        return [l.strip() for l in read_text(a.labels_file, "labels").splitlines() if l.strip()]
+    if a.labels is not None:
+        return [l.strip() for l in a.labels.split(",")]
+    return None
+
+
+def template_option(a) -> str | None:
+    """--template-file or --template of a command, or None."""
+    if a.template_file:
+        return read_text(a.template_file, "template").rstrip("\n")
+    return a.template

@@ -680,7 +680,8 @@ def _read_requests(path: str) -> list[tuple[int, dict]]:
 def cmd_score(a) -> int:
     from tqdm import tqdm
 
-    from .cli import _err, _labels, _template
+    from .cli import _err
+    from .io import labels_option, template_option
     from .io import Output, check_output
 
     if a.truncate:
@@ -695,7 +696,7 @@ def cmd_score(a) -> int:
         raise InputError("no requests: pass --input FILE (JSONL) or pipe JSONL on stdin")
     rows = _read_requests(src)
     t0 = time.perf_counter()
-    sc = Scorer(a.model, _template(a), _labels(a), device=a.device, dtype=a.dtype, chat=a.chat,
+    sc = Scorer(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype, chat=a.chat,
                 mode=a.mode, layout=a.layout, max_items=a.max_items, max_batch_tokens=a.batch_tokens,
                 allow_special_tokens=a.allow_special_tokens)
     _err(f"model ready in {time.perf_counter() - t0:.1f} s: {sc.loaded.name} on {sc.engine.device} "

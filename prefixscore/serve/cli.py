@@ -137,14 +137,10 @@ def apply_config(a, parser) -> None:
 def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     """The flags as the two processes' configs (every value checked here, before any model loads)."""
     from ..classifier import classifier_labels
-    from ..io import read_text
+    from ..io import labels_option, template_option
     from ..prompt import check_template
 
-    template = read_text(a.template_file, "template").rstrip("\n") if a.template_file else a.template
-    if a.labels_file:
-        labels = [l.strip() for l in read_text(a.labels_file, "labels").splitlines() if l.strip()]
-    else:
-        labels = None if a.labels is None else [l.strip() for l in a.labels.split(",")]
+    template, labels = template_option(a), labels_option(a)
     if template is not None:
         check_template(template, ("query",))
     if labels is not None:

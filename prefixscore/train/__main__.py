@@ -13,12 +13,12 @@ from .lora import DEFAULTS
 
 
 def cmd_finetune(a) -> int:
-    from ..cli import _labels, _template
+    from ..io import labels_option, template_option
     from ..io import check_output
     from .lora import finetune
 
     check_output(a.output)  # before minutes of training
-    adapter = finetune(a.data, model=a.model, template=_template(a), labels=_labels(a), chat=a.chat,
+    adapter = finetune(a.data, model=a.model, template=template_option(a), labels=labels_option(a), chat=a.chat,
                        objective=a.objective, rank=a.rank, alpha=a.alpha, lr=a.lr, epochs=a.epochs,
                        seed=a.seed, val_fraction=a.val_fraction, patience=a.patience,
                        batch_size=a.batch_size, progress=not a.quiet, output=a.output,
