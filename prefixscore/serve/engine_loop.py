@@ -11,6 +11,7 @@ runs queued multi-item scoring requests. The same loop runs on a thread of the s
 from __future__ import annotations
 
 import logging
+import os
 import time
 from queue import Empty, SimpleQueue
 
@@ -78,7 +79,7 @@ class EngineLoop:
             labels=list(clf.labels), mode=clf.mode, truncate=clf.truncate,
             prefix_ids=list(clf.prompt.prefix_ids), context_limit=clf.prompt.context_limit or 0,
             max_batch_tokens=clf.max_batch_tokens, scorer=self.scorer is not None,
-            device=str(clf.engine.device), pid=_pid())
+            device=str(clf.engine.device), pid=os.getpid())
 
     def warmup(self) -> None:
         """One real batch proves the path (the Classifier built the prefix and captured graphs)."""
@@ -166,9 +167,3 @@ class EngineLoop:
             log.error("engine fault in multi-item scoring", exc_info=e)
             return P.ScoreOut(m.rid, P.FAULT, None, f"engine fault: {type(e).__name__}: {e}")
         return P.ScoreOut(m.rid, P.OK, out, None)
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()
