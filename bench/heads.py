@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from prefixscore.loading import obtain
-from prefixscore.heads import FitOptions, compare_modes, format_confusion_all
+from prefixscore.train.commands import format_confusion_all
+from prefixscore.train.heads import FitOptions, compare_modes
 from prefixscore.prompt import SEED_LABELS, SEED_TEMPLATE
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "intent_dev.csv"

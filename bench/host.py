@@ -99,7 +99,8 @@ def main():
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:split])
-    from prefixscore.cli import build_parser, make_classifier
+    from prefixscore.cli import build_parser
+    from prefixscore.cmdline import make_classifier
 
     clf = make_classifier(build_parser().parse_args(["serve", *argv[split + 1:]]))
     queries = itertools.cycle(load_queries(a.queries))

@@ -142,8 +142,8 @@ class Classifier:
 
     allow_special_tokens: parse special-token text inside a query (`<|im_end|>` becomes the control
     token, as in the template). Default False: a query is plain text, so it cannot forge chat turns.
-    adapter: a LoRA adapter file (prefixscore finetune, objective label), merged into the weights
-    once at load (same kernels and graphs as the base model); its template, labels and chat flag
+    adapter: a LoRA adapter file (prefixscore finetune), merged into the weights
+    once at load (objective "head": its trained head decides, as head= would) (same kernels and graphs as the base model); its template, labels and chat flag
     are the defaults, and another base model, template or label set is refused.
     """
 
@@ -156,9 +156,9 @@ class Classifier:
             from .loading import LoadedModel, read_adapter
 
             adapter_file = read_adapter(adapter)  # unreadable file: ModelLoadError before loading
-            if adapter_file.meta["objective"] != "label" or head is not None:
-                raise ConfigError(f"{adapter}: only adapters of the 'label' objective load this way "
-                                  f"so far, and not together with a head")
+            if head is not None:
+                raise ConfigError(f"pass an adapter or a head, not both: {adapter} brings its own "
+                                  f"decision rule (objective {adapter_file.meta['objective']!r})")
             if isinstance(model, LoadedModel):
                 raise ConfigError("an adapter is merged into the weights it loads with: pass the "
                                   "model's path, not a loaded model (whose weights others share)")
@@ -194,6 +194,8 @@ class Classifier:
             check_adapter(adapter_file, base_hash(self.loaded), template, labels, self.prompt.chat,
                           str(adapter))
             merge_adapter(self.loaded, adapter_file)
+            if adapter_file.head is not None:  # objective "head": its linear head decides
+                head_file = adapter_file.head_weights()
         self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)
         # Branch tokens follow the suffix, so the prompt itself must leave room for them.
         limit = self.engine.config.context_limit
@@ -204,7 +206,8 @@ class Classifier:
         if head_file is not None:  # refuse a head trained for another model, template or labels
             from .heads import check_head
 
-            check_head(head_file, self, head)
+            if adapter_file is None:  # an adapter's head was checked with the adapter, unmerged
+                check_head(head_file, self, head)
             self.head = head_file.to(self.engine.device, self.engine.dtype)
         if mode == "logits" and not self.trie.first_distinct and self.head is None:
             raise ConfigError("mode 'logits' needs labels whose first tokens differ; these share a "

@@ -128,8 +128,16 @@ def test_head_objective(llama, tmp_path):
     assert adapter.meta["objective"] == "head" and adapter.head["weight"].shape == (3, 64)
     clf = Classifier(merged(llama, adapter), TEMPLATE, LABELS, chat=False, graphs=False)
     head = adapter.head_weights()
-    pred = head.logits(clf.features([q for q, _ in ROWS])).argmax(-1).tolist()
-    assert pred == [LABELS.index(l) for _, l in ROWS]
+    logits = head.logits(clf.features([q for q, _ in ROWS]))
+    assert logits.argmax(-1).tolist() == [LABELS.index(l) for _, l in ROWS]
+    # Classifier(adapter=) merges the LoRA and decides with the adapter's head: the same log-softmax
+    loaded = Classifier(llama, adapter=tmp_path / "h.safetensors", graphs=False)
+    res = loaded.classify_batch([q for q, _ in ROWS])
+    assert [r.label for r in res] == [l for _, l in ROWS]
+    got = torch.tensor([[r.scores[l] for l in LABELS] for r in res])
+    torch.testing.assert_close(got, torch.log_softmax(logits, -1), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ConfigError, match="not both"):
+        Classifier(llama, adapter=tmp_path / "h.safetensors", head=tmp_path / "h.safetensors")
 
 
 def test_base_hash_same_weights_any_dtype(llama, tiny_model):

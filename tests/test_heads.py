@@ -9,9 +9,8 @@ import torch
 
 from prefixscore import Classifier, ConfigError, InputError, ModelLoadError
 from prefixscore.cli import main
-from prefixscore.heads import (FitOptions, classify_with_head, compare_modes, few_shot_template,
-                               fit_head, head_scores, load_head, read_head, save_head,
-                               stratified_folds)
+from prefixscore.heads import classify_with_head, head_scores, load_head, read_head, save_head
+from prefixscore.train.heads import FitOptions, compare_modes, few_shot_template, fit_head, stratified_folds
 from prefixscore.loading import load
 
 LABELS = ["Alpha", "Beta", "Gamma"]

@@ -26,7 +26,8 @@ from ..loading import ADAPTER_OBJECTIVES, Adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Measured on one fold of intent_dev (SmolLM2-135M, "{query}" no chat): lr 2e-3 peaked at epoch 4
-DEFAULTS = dict(lr=2e-3, epochs=6, patience=2, batch_size=16)
+DEFAULTS = dict(lr=2e-3, epochs=6, patience=2, batch_size=16, dropout=0.0, label_smoothing=0.0,
+                weight_decay=0.0)
 
 
 def hf_folder(model) -> Path:
@@ -195,7 +196,7 @@ def head_decisions(body, head, prompts, batch=16):
     return scores, scores.argmax(-1).tolist()
 
 
-def _batch_loss(body, lm_head, head, prompts, paths, gold):
+def _batch_loss(body, lm_head, head, prompts, paths, gold, smoothing=0.0):
     """Mean cross-entropy of a batch: over the label tokens (full vocabulary, "label") or over the
     N labels at the read-out row ("head"). The vocabulary head runs only on the rows that need it."""
     if head is None:
@@ -204,16 +205,17 @@ def _batch_loss(body, lm_head, head, prompts, paths, gold):
         rows = [(i, len(p) - 1 + d - c) for i, (p, path) in enumerate(zip(prompts, paths)) for d in range(len(path))]
         sel = h[torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])]
         target = torch.tensor([t for path in paths for t in path])
-        return F.cross_entropy(lm_head(sel).float(), target)
+        return F.cross_entropy(lm_head(sel).float(), target, label_smoothing=smoothing)
     h, c = _hidden(body, prompts, _first(prompts))
     last = h[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - c for p in prompts])]
-    return F.cross_entropy(head(last).float(), torch.tensor(gold))
+    return F.cross_entropy(head(last).float(), torch.tensor(gold), label_smoothing=smoothing)
 
 
 def finetune(data, *, model=None, template=None, labels=None, chat=None, objective="label", rank=8,
              alpha=16, lr=None, epochs=None, seed=0, val_fraction=0.2, patience=None, batch_size=None,
              teacher=None, progress=True, output=None, query_column="query", label_column="label",
-             input_format="auto", log=None) -> Adapter:
+             input_format="auto", log=None, dropout=None, label_smoothing=None,
+             weight_decay=None) -> Adapter:
     """Fine-tune LoRA adapters (and a head, objective "head") for a labeled data set -> Adapter
     (loading.Adapter; written to `output` too when given). data: CSV/JSONL path with query and
     label columns, or (query, label) pairs. model: None (bundled), a HF folder or a .gguf file.
@@ -226,7 +228,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     from transformers import AutoModelForCausalLM
     from tqdm.auto import tqdm
 
-    from ..heads import split_indices
+    from .heads import split_indices
     from ..labels import LabelTrie, check_labels
     from ..loading import base_hash, load
     from ..prompt import SEED_LABELS, SEED_TEMPLATE, Prompt, check_template
@@ -236,11 +238,16 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     epochs = DEFAULTS["epochs"] if epochs is None else epochs
     patience = DEFAULTS["patience"] if patience is None else patience
     batch_size = DEFAULTS["batch_size"] if batch_size is None else batch_size
+    dropout = DEFAULTS["dropout"] if dropout is None else dropout
+    label_smoothing = DEFAULTS["label_smoothing"] if label_smoothing is None else label_smoothing
+    weight_decay = DEFAULTS["weight_decay"] if weight_decay is None else weight_decay
     if objective not in ADAPTER_OBJECTIVES:
         raise ConfigError(f"unknown objective {objective!r}: use {' or '.join(ADAPTER_OBJECTIVES)}")
     if min(rank, epochs, patience, batch_size) < 1 or lr <= 0 or alpha <= 0 or not 0 <= val_fraction < 1:
         raise ConfigError("rank, epochs, patience, batch_size, lr and alpha must be positive and "
                           "val_fraction in [0, 1)")
+    if not (0 <= dropout < 1 and 0 <= label_smoothing < 1 and weight_decay >= 0):
+        raise ConfigError("dropout and label_smoothing must be in [0, 1) and weight_decay >= 0")
     template = SEED_TEMPLATE if template is None else template
     labels = check_labels(SEED_LABELS if labels is None else labels)
     if len(labels) < 2:
@@ -272,7 +279,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     with torch.random.fork_rng(devices=[]):  # seeded init and order, the global RNG untouched
         torch.manual_seed(seed)
         base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", target_modules=TARGETS)
+        cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none", target_modules=TARGETS)
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
             warnings.simplefilter("ignore", FutureWarning)
             net = get_peft_model(base, cfg)
@@ -287,7 +294,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
         groups = [{"params": params, "lr": lr}]
         if head is not None:  # the head starts from zero on unit-scale features: a faster rate
             groups.append({"params": list(head.parameters()), "lr": lr * 10})
-        opt = torch.optim.AdamW(groups, weight_decay=0.0)
+        opt = torch.optim.AdamW(groups, weight_decay=weight_decay)
         steps = epochs * math.ceil(len(tr) / batch_size)
         sched = torch.optim.lr_scheduler.LambdaLR(  # short warm-up, then linear decay to zero
             opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.0, 1 - s / steps))
@@ -316,7 +323,8 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
             for b in order.split(batch_size):
                 idx = b.tolist()
                 loss = _batch_loss(body, lm_head, head, [prompts[i] for i in idx],
-                                   [trie.paths[gold[i]] for i in idx], [gold[i] for i in idx])
+                                   [trie.paths[gold[i]] for i in idx], [gold[i] for i in idx],
+                                   label_smoothing)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -345,6 +353,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
                 head.load_state_dict(best_head)
     training = {"rows": len(queries), "train_rows": len(tr), "val_rows": len(va), "seed": seed,
                 "lr": lr, "epochs": epochs, "patience": patience, "batch_size": batch_size,
+                "dropout": dropout, "label_smoothing": label_smoothing, "weight_decay": weight_decay,
                 "epochs_run": len(hist), "best_epoch": best_epoch or len(hist), "history": hist,
                 "seconds": round(time.perf_counter() - t0, 1), "teacher": teacher is not None,
                 **({"val_acc": best[0], "val_loss": best[1]} if va else {})}
