@@ -27,6 +27,7 @@ import torch
 from prefixscore import Classifier
 from prefixscore.train.heads import stratified_folds
 from prefixscore.prompt import SEED_LABELS, SEED_TEMPLATE
+from prefixscore.report import confusion_report
 from prefixscore.train import finetune, save_adapter
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "intent_dev.csv"
@@ -37,21 +38,12 @@ def chinese(q: str) -> bool:
     return bool(HAN.search(q)) and not KANA.search(q)
 
 
-def macro_f1(gold, pred, labels) -> float:
-    f = []
-    for l in labels:
-        tp = sum(g == l and p == l for g, p in zip(gold, pred))
-        fp = sum(g != l and p == l for g, p in zip(gold, pred))
-        fn = sum(g == l and p != l for g, p in zip(gold, pred))
-        f.append(2 * tp / (2 * tp + fp + fn) if tp else 0.0)
-    return sum(f) / len(f)
-
-
 def metrics(rows, pred, labels) -> dict:
     gold = [l for _, l in rows]
     zh = [i for i, (q, _) in enumerate(rows) if chinese(q)]
-    return {"rows": len(rows), "accuracy": sum(g == p for g, p in zip(gold, pred)) / len(rows),
-            "macro_f1": macro_f1(gold, pred, labels), "chinese_rows": len(zh),
+    rep = confusion_report(gold, pred, labels)
+    return {"rows": len(rows), "accuracy": rep["accuracy"], "macro_f1": rep["macro_f1"],
+            "f1": rep["f1"], "confusion": rep["confusion"], "chinese_rows": len(zh),
             "chinese_accuracy": sum(gold[i] == pred[i] for i in zh) / max(1, len(zh))}
 
 
@@ -64,6 +56,7 @@ def main():
     ap.add_argument("--template", default="{query}", help="a template, or 'seed' for the seed prompt")
     ap.add_argument("--chat", action="store_true", help="wrap in the chat template (default: off)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--refit", action="store_true", default=None)
     for k, t in (("objective", str), ("rank", int), ("alpha", float), ("lr", float), ("epochs", int),
                  ("patience", int), ("batch_size", int), ("val_fraction", float), ("dropout", float),
                  ("label_smoothing", float), ("weight_decay", float)):
@@ -77,7 +70,7 @@ def main():
     which = range(a.folds) if a.only_folds is None else [int(x) for x in a.only_folds.split(",")]
     recipe = {k: getattr(a, k) for k in ("objective", "rank", "alpha", "lr", "epochs", "patience",
                                          "batch_size", "val_fraction", "dropout", "label_smoothing",
-                                         "weight_decay") if getattr(a, k) is not None}
+                                         "weight_decay", "refit") if getattr(a, k) is not None}
     out_dir = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / f"finetune_cv_{a.tag}.json"

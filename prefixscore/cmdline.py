@@ -31,7 +31,10 @@ def model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-tokens", type=int, default=16384, help="max new tokens per forward batch")
     g.add_argument("--adapter", default=None,
                    help="LoRA adapter (prefixscore finetune), merged into the weights at load; its "
-                        "template, labels and chat flag are the defaults")
+                        "template, labels and chat flag are the defaults. 'seed': the shipped one, "
+                        "which classify, eval and serve use by default on the bundled model")
+    g.add_argument("--no-adapter", action="store_true",
+                   help="the raw model with the seed prompt, not the shipped seed adapter")
     g.add_argument("--head", default=None,
                    help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
 
@@ -71,3 +74,29 @@ def run_batches(clf, queries: list[str]):
     t0 = time.perf_counter()
     results = [r for batch in classify_batches(clf, queries) for r in batch]
     return results, time.perf_counter() - t0
+
+
+# Flags that describe another task than the seed one: with any of them the raw model runs as asked.
+_OWN_TASK = ("model", "template", "template_file", "labels", "labels_file", "head", "chat",
+             "score_template")
+
+
+def seed_adapter_default(a) -> None:
+    """The default task (the bundled model, the seed labels, no template, head or adapter given) runs
+    with the shipped seed adapter, fine-tuned for it: the raw 135M model answers "Dress" for almost
+    everything. Sets a.adapter = "seed" and says so on stderr; --no-adapter keeps the raw model."""
+    from .errors import ConfigError
+    from .loading import SEED_ADAPTER
+
+    if getattr(a, "no_adapter", False):
+        if a.adapter is not None:
+            raise ConfigError("--adapter and --no-adapter: pass one")
+        return
+    if a.adapter is not None or any(getattr(a, k, None) is not None for k in _OWN_TASK):
+        return
+    if not SEED_ADAPTER.is_file():
+        err(f"note: the shipped seed adapter is missing ({SEED_ADAPTER}); the raw model runs")
+        return
+    a.adapter = "seed"
+    err("using the shipped seed adapter (fine-tuned on the bundled intent data; its prompt replaces "
+        "the seed instruction): --no-adapter for the raw model and the seed prompt")

@@ -257,6 +257,9 @@ def _convert_gguf(path: Path):
 # The fast path then runs the base model's kernels unchanged. Writing lives in prefixscore/train.
 
 ADAPTER_FORMAT = "prefixscore-adapter"
+# The adapter shipped for the bundled model and the seed labels (prefixscore/adapters/README.md
+# says how it was made); `adapter="seed"` / `--adapter seed` name it.
+SEED_ADAPTER = Path(__file__).resolve().parent / "adapters" / "seed.safetensors"
 ADAPTER_VERSION = "1"
 ADAPTER_OBJECTIVES = ("label", "head")
 # HF projection name -> (module, the fused runtime weight it lives in, its row block in that weight)
@@ -337,9 +340,15 @@ def read_tagged(path, what: str, fmt: str, version: str, again: str) -> tuple[di
 
 
 def read_adapter(path) -> Adapter:
-    """The adapter file (CPU, fp32), metadata parsed; ModelLoadError for anything unreadable."""
+    """The adapter file (CPU, fp32; "seed": the shipped one), metadata parsed; ModelLoadError for
+    anything unreadable."""
     import json
 
+    if str(path) == "seed":
+        if not SEED_ADAPTER.is_file():
+            raise ModelLoadError(f"the shipped seed adapter is missing from this install ({SEED_ADAPTER}): "
+                                 f"reinstall prefixscore, or pass --no-adapter for the raw model")
+        path = SEED_ADAPTER
     meta, tensors = read_tagged(path, "adapter", ADAPTER_FORMAT, ADAPTER_VERSION, "fine-tune again")
     tensors = {k: v.float() for k, v in tensors.items()}
     try:

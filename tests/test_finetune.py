@@ -274,3 +274,81 @@ def test_cli_classify_with_an_adapter(llama, trained, capsys):
                  "trench dress tee"]) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1].split(",")
     assert row[:2] == ["trench dress tee", want.label]
+
+
+def test_refit_trains_again_on_every_row(llama):
+    """--refit: after early stopping picks the best epoch on the validation rows, a fresh run on all
+    rows for that many epochs; the result still solves the task and differs from the first run."""
+    first = finetune(ROWS, model=llama, epochs=4, **FAST)
+    again = finetune(ROWS, model=llama, epochs=4, refit=True, **FAST)
+    t = again.meta["training"]
+    assert t["refit"] and len(t["refit_history"]) == t["best_epoch"] == first.meta["training"]["best_epoch"]
+    assert all("val_acc" not in r for r in t["refit_history"])
+    assert any(not torch.equal(a[1], first.lora[k][1]) for k, a in again.lora.items())
+    lm = load(llama, "cpu", torch.float32)
+    check_adapter(again, base_hash(lm), TEMPLATE, LABELS, False)
+    clf = Classifier(merge_adapter(lm, again), TEMPLATE, LABELS, chat=False, graphs=False)
+    assert accuracy(clf, keyword_rows(30, seed=7)) == 1.0
+
+
+def test_bfloat16_file_is_half_the_size(trained, tmp_path):
+    """save_dtype bfloat16 (the shipped seed adapter): half the bytes, the same weights to bf16
+    precision (relative 2^-8), read back as fp32."""
+    path, adapter = trained
+    small = tmp_path / "bf16.safetensors"
+    save_adapter(small, adapter, torch.bfloat16)
+    assert small.stat().st_size < 0.6 * path.stat().st_size
+    back = read_adapter(small)
+    for k, (A, B) in adapter.lora.items():
+        assert back.lora[k][0].dtype == torch.float32
+        torch.testing.assert_close(back.lora[k][0], A, rtol=2 ** -8, atol=1e-6)
+        torch.testing.assert_close(back.lora[k][1], B, rtol=2 ** -8, atol=1e-6)
+
+
+def test_eval_puts_zero_shot_and_adapter_side_by_side(llama, trained, tmp_path, capsys):
+    import json
+
+    from prefixscore.cli import main
+
+    path, _ = trained
+    data = _csv(tmp_path / "d.csv", ROWS[:30])
+    rep = tmp_path / "rep.json"
+    assert main(["eval", data, "--model", str(llama), "--device", "cpu", "--adapter", str(path),
+                 "--json", str(rep)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[2].startswith("zero-shot") and lines[3].startswith(f"adapter {path}"), out
+    r = json.loads(rep.read_text())
+    assert [m["mode"] for m in r["modes"]] == ["zero-shot", f"adapter {path}"]
+    assert r["mode"] == f"adapter {path}" and r["accuracy"] == 1.0 == r["modes"][1]["accuracy"]
+    assert r["modes"][0]["accuracy"] < 1.0  # the random model without the adapter cannot do it
+    assert "confusion of adapter" in out
+
+
+def test_seed_adapter_is_the_default_task_only(tmp_path, monkeypatch, capsys):
+    """classify/eval/serve with no model, template, labels, head or adapter flag use the shipped
+    seed adapter (and say so); any of those flags, or --no-adapter, keeps the raw model."""
+    import argparse
+
+    from prefixscore import cmdline, loading
+
+    fake = tmp_path / "seed.safetensors"
+    fake.write_bytes(b"x")
+    monkeypatch.setattr(loading, "SEED_ADAPTER", fake)
+    base = dict(model=None, template=None, template_file=None, labels=None, labels_file=None,
+                head=None, chat=None, adapter=None, no_adapter=False)
+
+    def choose(**kw):
+        a = argparse.Namespace(**(base | kw))
+        cmdline.seed_adapter_default(a)
+        return a.adapter
+
+    assert choose() == "seed" and "shipped seed adapter" in capsys.readouterr().err
+    for flag in ("model", "template", "labels", "head", "score_template"):
+        assert choose(**{flag: "x"}) is None, flag
+    assert choose(chat=False) is None and choose(no_adapter=True) is None
+    assert choose(adapter="mine.safetensors") == "mine.safetensors"
+    with pytest.raises(ConfigError, match="--no-adapter"):
+        choose(adapter="mine.safetensors", no_adapter=True)
+    fake.unlink()
+    assert choose() is None and "missing" in capsys.readouterr().err

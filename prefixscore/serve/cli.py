@@ -137,9 +137,11 @@ def apply_config(a, parser) -> None:
 def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     """The flags as the two processes' configs (every value checked here, before any model loads)."""
     from ..classifier import classifier_labels
+    from ..cmdline import seed_adapter_default
     from ..io import labels_option, template_option
     from ..prompt import check_template
 
+    seed_adapter_default(a)
     template, labels = template_option(a), labels_option(a)
     if template is not None:
         check_template(template, ("query",))

@@ -18,17 +18,19 @@ import torch
 from ..loading import ADAPTER_FORMAT, ADAPTER_VERSION, Adapter
 
 
-def adapter_tensors(adapter: Adapter) -> dict[str, torch.Tensor]:
+def adapter_tensors(adapter: Adapter, dtype=torch.float32) -> dict[str, torch.Tensor]:
     out = {}
     for key, (A, B) in adapter.lora.items():
-        out[f"{key}.lora_A"] = A.detach().float().cpu().contiguous()
-        out[f"{key}.lora_B"] = B.detach().float().cpu().contiguous()
-    if adapter.head is not None:
+        out[f"{key}.lora_A"] = A.detach().to(dtype).cpu().contiguous()
+        out[f"{key}.lora_B"] = B.detach().to(dtype).cpu().contiguous()
+    if adapter.head is not None:  # the head stays fp32: it is small and its logits are the scores
         out |= {f"head.{k}": v.detach().float().cpu().contiguous() for k, v in adapter.head.items()}
     return out
 
 
-def save_adapter(path, adapter: Adapter) -> None:
+def save_adapter(path, adapter: Adapter, dtype=torch.float32) -> None:
+    """Write `adapter` to `path`. dtype bfloat16 halves the file (the shipped seed adapter); the
+    reader computes the merge in fp32 either way."""
     from safetensors.torch import save
 
     from ..io import cannot_write
@@ -39,7 +41,7 @@ def save_adapter(path, adapter: Adapter) -> None:
             "labels": json.dumps(list(m["labels"]), ensure_ascii=False), "objective": m["objective"],
             "rank": str(m["rank"]), "alpha": repr(float(m["alpha"])),
             "training": json.dumps(m.get("training", {}), ensure_ascii=False)}
-    data = save(adapter_tensors(adapter), metadata=meta)  # in memory: I/O errors stay OSErrors
+    data = save(adapter_tensors(adapter, dtype), metadata=meta)  # in memory: I/O errors stay OSErrors
     try:
         with open(path, "wb") as f:
             f.write(data)

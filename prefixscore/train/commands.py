@@ -27,7 +27,8 @@ def cmd_finetune(a) -> int:
     adapter = finetune(a.data, model=a.model, template=template_option(a), labels=labels_option(a), chat=a.chat,
                        objective=a.objective, rank=a.rank, alpha=a.alpha, lr=a.lr, epochs=a.epochs,
                        seed=a.seed, val_fraction=a.val_fraction, patience=a.patience,
-                       batch_size=a.batch_size, progress=not a.quiet, output=a.output,
+                       batch_size=a.batch_size, progress=not a.quiet, output=a.output, refit=a.refit,
+                       save_dtype=getattr(torch, a.save_dtype),
                        query_column=a.column, label_column=a.label_column, input_format=a.input_format)
     t = adapter.meta["training"]
     val = f", val accuracy {t['val_acc']:.3f} (epoch {t['best_epoch']})" if "val_acc" in t else ""
@@ -62,7 +63,11 @@ def add_finetune_command(sub, model_args) -> None:
                    help="early stopping: epochs without a better validation accuracy")
     g.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"])
     g.add_argument("--val-fraction", type=float, default=0.2, help="stratified validation share (0: none)")
+    g.add_argument("--refit", default=DEFAULTS["refit"], action=argparse.BooleanOptionalAction,
+                   help="after early stopping, train again on every row for the best epoch count")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the LoRA weights' dtype in the file (bfloat16: half the size)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     model_args(p)
     p.set_defaults(func=cmd_finetune)

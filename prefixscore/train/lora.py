@@ -11,11 +11,13 @@ Validation accuracy is the engine's decision rule computed on the peft model (tr
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ from ..loading import ADAPTER_OBJECTIVES, Adapter
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Measured on one fold of intent_dev (SmolLM2-135M, "{query}" no chat): lr 2e-3 peaked at epoch 4
 DEFAULTS = dict(lr=2e-3, epochs=6, patience=2, batch_size=16, dropout=0.0, label_smoothing=0.0,
-                weight_decay=0.0)
+                weight_decay=0.0, refit=False)
 
 
 def hf_folder(model) -> Path:
@@ -215,18 +217,14 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
              alpha=16, lr=None, epochs=None, seed=0, val_fraction=0.2, patience=None, batch_size=None,
              teacher=None, progress=True, output=None, query_column="query", label_column="label",
              input_format="auto", log=None, dropout=None, label_smoothing=None,
-             weight_decay=None) -> Adapter:
+             weight_decay=None, refit=None, save_dtype=torch.float32) -> Adapter:
     """Fine-tune LoRA adapters (and a head, objective "head") for a labeled data set -> Adapter
     (loading.Adapter; written to `output` too when given). data: CSV/JSONL path with query and
     label columns, or (query, label) pairs. model: None (bundled), a HF folder or a .gguf file.
     teacher: a Classifier whose decisions replace the labels (then data needs only queries).
     Deterministic for a seed on CPU. Early stopping on validation accuracy (then loss)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ConfigError("fine-tuning needs peft: pip install 'prefixscore[train]'") from None
-    from transformers import AutoModelForCausalLM
-    from tqdm.auto import tqdm
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError("fine-tuning needs peft: pip install 'prefixscore[train]'")
 
     from .heads import split_indices
     from ..labels import LabelTrie, check_labels
@@ -241,6 +239,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     dropout = DEFAULTS["dropout"] if dropout is None else dropout
     label_smoothing = DEFAULTS["label_smoothing"] if label_smoothing is None else label_smoothing
     weight_decay = DEFAULTS["weight_decay"] if weight_decay is None else weight_decay
+    refit = DEFAULTS["refit"] if refit is None else refit
     if objective not in ADAPTER_OBJECTIVES:
         raise ConfigError(f"unknown objective {objective!r}: use {' or '.join(ADAPTER_OBJECTIVES)}")
     if min(rank, epochs, patience, batch_size) < 1 or lr <= 0 or alpha <= 0 or not 0 <= val_fraction < 1:
@@ -276,29 +275,82 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
 
     folder = hf_folder(model)
     tr, va = split_indices(gold, val_fraction, seed)
+    spec = _Spec(folder, rank, alpha, dropout, objective, len(labels), lr, batch_size, label_smoothing,
+                 weight_decay, seed)
+    net, head, hist, best, best_epoch = _fit(spec, prompts, gold, trie, tr, va, epochs, patience,
+                                             progress, say)
+    refit_hist = None
+    if refit and va:  # the validation rows carry information too: train again on every row
+        del net, head
+        say(f"refit on all {len(tr) + len(va)} rows for {best_epoch} epochs (the best on validation)")
+        net, head, refit_hist, _, _ = _fit(spec, prompts, gold, trie, sorted(tr + va), [], best_epoch,
+                                           patience, progress, say)
+    training = {"rows": len(queries), "train_rows": len(tr), "val_rows": len(va), "seed": seed,
+                "lr": lr, "epochs": epochs, "patience": patience, "batch_size": batch_size,
+                "dropout": dropout, "label_smoothing": label_smoothing, "weight_decay": weight_decay,
+                "epochs_run": len(hist), "best_epoch": best_epoch or len(hist), "history": hist,
+                "refit": refit_hist is not None, **({"refit_history": refit_hist} if refit_hist else {}),
+                "seconds": round(time.perf_counter() - t0, 1), "teacher": teacher is not None,
+                **({"val_acc": best[0], "val_loss": best[1]} if va else {})}
+    meta = {"base_hash": ident, "base_model": name, "template": template, "chat": prompt.chat,
+            "labels": labels, "objective": objective, "rank": rank, "alpha": float(alpha),
+            "training": training}
+    hd = ({"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()}
+          if head is not None else None)
+    adapter = from_peft(net, meta, hd)
+    if output is not None:
+        save_adapter(output, adapter, save_dtype)
+    return adapter
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a training run is, apart from its rows and epochs."""
+    folder: Path
+    rank: int
+    alpha: float
+    dropout: float
+    objective: str
+    num_labels: int
+    lr: float
+    batch_size: int
+    smoothing: float
+    weight_decay: float
+    seed: int
+
+
+def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, say):
+    """LoRA (and a head) trained on rows `tr` from a fresh, seeded start -> (peft model, head or
+    None, history, (best val accuracy, its loss), best epoch). With validation rows `va`: early
+    stopping on validation accuracy (then loss), the best epoch's weights kept."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from tqdm.auto import tqdm
+
     with torch.random.fork_rng(devices=[]):  # seeded init and order, the global RNG untouched
-        torch.manual_seed(seed)
-        base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none", target_modules=TARGETS)
+        torch.manual_seed(spec.seed)
+        base = AutoModelForCausalLM.from_pretrained(spec.folder, dtype=torch.float32)
+        cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
+                         target_modules=TARGETS)
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
             warnings.simplefilter("ignore", FutureWarning)
             net = get_peft_model(base, cfg)
         inner = net.get_base_model()
         body, lm_head = inner.model, inner.lm_head
         head = None
-        if objective == "head":  # zero init: training starts at the uniform prediction
-            head = torch.nn.Linear(inner.config.hidden_size, len(labels))
+        if spec.objective == "head":  # zero init: training starts at the uniform prediction
+            head = torch.nn.Linear(inner.config.hidden_size, spec.num_labels)
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
         params = [p for p in net.parameters() if p.requires_grad]
-        groups = [{"params": params, "lr": lr}]
+        groups = [{"params": params, "lr": spec.lr}]
         if head is not None:  # the head starts from zero on unit-scale features: a faster rate
-            groups.append({"params": list(head.parameters()), "lr": lr * 10})
-        opt = torch.optim.AdamW(groups, weight_decay=weight_decay)
-        steps = epochs * math.ceil(len(tr) / batch_size)
+            groups.append({"params": list(head.parameters()), "lr": spec.lr * 10})
+        opt = torch.optim.AdamW(groups, weight_decay=spec.weight_decay)
+        steps = epochs * math.ceil(len(tr) / spec.batch_size)
         sched = torch.optim.lr_scheduler.LambdaLR(  # short warm-up, then linear decay to zero
             opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.0, 1 - s / steps))
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(spec.seed)
         trainable = lambda: {k: v.detach().clone() for k, v in net.state_dict().items() if "lora_" in k}
 
         def evaluate():
@@ -320,11 +372,11 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
             net.train()
             order = torch.tensor(tr)[torch.randperm(len(tr), generator=gen)]
             total = 0.0
-            for b in order.split(batch_size):
+            for b in order.split(spec.batch_size):
                 idx = b.tolist()
                 loss = _batch_loss(body, lm_head, head, [prompts[i] for i in idx],
                                    [trie.paths[gold[i]] for i in idx], [gold[i] for i in idx],
-                                   label_smoothing)
+                                   spec.smoothing)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -351,18 +403,4 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
             net.load_state_dict(best_state, strict=False)
             if head is not None:
                 head.load_state_dict(best_head)
-    training = {"rows": len(queries), "train_rows": len(tr), "val_rows": len(va), "seed": seed,
-                "lr": lr, "epochs": epochs, "patience": patience, "batch_size": batch_size,
-                "dropout": dropout, "label_smoothing": label_smoothing, "weight_decay": weight_decay,
-                "epochs_run": len(hist), "best_epoch": best_epoch or len(hist), "history": hist,
-                "seconds": round(time.perf_counter() - t0, 1), "teacher": teacher is not None,
-                **({"val_acc": best[0], "val_loss": best[1]} if va else {})}
-    meta = {"base_hash": ident, "base_model": name, "template": template, "chat": prompt.chat,
-            "labels": labels, "objective": objective, "rank": rank, "alpha": float(alpha),
-            "training": training}
-    hd = ({"weight": head.weight.detach().clone(), "bias": head.bias.detach().clone()}
-          if head is not None else None)
-    adapter = from_peft(net, meta, hd)
-    if output is not None:
-        save_adapter(output, adapter)
-    return adapter
+    return net, head, hist, best, best_epoch or len(hist)
