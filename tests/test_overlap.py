@@ -301,7 +301,7 @@ def test_allow_special_tokens(model, monkeypatch, tmp_path):
     # The command line: the flag reaches Classifier (make_classifier) and Scorer (score).
     import argparse
 
-    from prefixscore import cli, scorer as scorer_mod
+    from prefixscore import cli, score_command as scorer_mod
 
     seen = []
 
