@@ -352,3 +352,12 @@ def test_seed_adapter_is_the_default_task_only(tmp_path, monkeypatch, capsys):
         choose(adapter="mine.safetensors", no_adapter=True)
     fake.unlink()
     assert choose() is None and "missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("objective", ["label", "head"])
+def test_bfloat16_base_weights_train(llama, objective):
+    """dtype bfloat16 (a GPU's default: frozen base weights in bf16, LoRA and head in fp32), run on
+    CPU: the mixed-dtype path trains and learns the keyword task."""
+    adapter = finetune(ROWS, model=llama, epochs=5, objective=objective, dtype="bfloat16", **FAST)
+    assert adapter.meta["training"]["val_acc"] >= 0.9
+    assert all(A.dtype == torch.float32 for A, _ in adapter.lora.values())

@@ -28,7 +28,7 @@ def cmd_finetune(a) -> int:
                        objective=a.objective, rank=a.rank, alpha=a.alpha, lr=a.lr, epochs=a.epochs,
                        seed=a.seed, val_fraction=a.val_fraction, patience=a.patience,
                        batch_size=a.batch_size, progress=not a.quiet, output=a.output, refit=a.refit,
-                       save_dtype=getattr(torch, a.save_dtype),
+                       save_dtype=getattr(torch, a.save_dtype), device=a.device, dtype=a.dtype,
                        query_column=a.column, label_column=a.label_column, input_format=a.input_format)
     t = adapter.meta["training"]
     val = f", val accuracy {t['val_acc']:.3f} (epoch {t['best_epoch']})" if "val_acc" in t else ""

@@ -101,14 +101,18 @@ def _children(trie) -> dict:
     return {n: sorted(k) for n, k in kids.items()}  # token order: argmax ties as the engine's
 
 
-def _pad(seqs, pad=0):
+def _pad(seqs, device, pad=0):
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad, dtype=torch.long)
     mask = torch.zeros(len(seqs), L, dtype=torch.long)
     for i, s in enumerate(seqs):  # right padding: positions 0.. as the engine's, padding masked
         ids[i, :len(s)] = torch.tensor(s)
         mask[i, :len(s)] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
+
+
+def _device(module) -> torch.device:
+    return next(module.parameters()).device
 
 
 def _hidden(body, seqs, first_needed):
@@ -118,20 +122,21 @@ def _hidden(body, seqs, first_needed):
     running every row whole, at a fraction of the cost; gradients flow back through the shared K/V.
     first_needed: the first position any caller reads (the shared part stops before it)."""
     c = min(common_prefix(seqs), first_needed)
+    dev = _device(body)
     if len(seqs) == 1 or c < 8:
-        ids, mask = _pad(seqs)
+        ids, mask = _pad(seqs, dev)
         return body(input_ids=ids, attention_mask=mask).last_hidden_state, 0
     from transformers import DynamicCache
 
     key = _cache_kwarg(body)
-    out = body(input_ids=torch.tensor([seqs[0][:c]]), use_cache=True)
+    out = body(input_ids=torch.tensor([seqs[0][:c]], device=dev), use_cache=True)
     shared = getattr(out, "cache", None) or out.past_key_values
     cache = DynamicCache(config=body.config)
     for i, layer in enumerate(shared.layers):
         cache.update(layer.keys.expand(len(seqs), -1, -1, -1), layer.values.expand(len(seqs), -1, -1, -1), i)
-    ids, mask = _pad([s[c:] for s in seqs])
-    mask = torch.cat([torch.ones(len(seqs), c, dtype=mask.dtype), mask], 1)
-    pos = torch.arange(c, c + ids.shape[1]).expand(len(seqs), -1)
+    ids, mask = _pad([s[c:] for s in seqs], dev)
+    mask = torch.cat([torch.ones(len(seqs), c, dtype=mask.dtype, device=dev), mask], 1)
+    pos = torch.arange(c, c + ids.shape[1], device=dev).expand(len(seqs), -1)
     return body(input_ids=ids, attention_mask=mask, position_ids=pos, **{key: cache}).last_hidden_state, c
 
 
@@ -193,7 +198,7 @@ def head_decisions(body, head, prompts, batch=16):
         chunk = prompts[b0:b0 + batch]
         h, c = _hidden(body, chunk, _first(chunk))
         last = h[torch.arange(len(chunk)), torch.tensor([len(p) - 1 - c for p in chunk])]
-        out.append(torch.log_softmax(head(last).float(), -1))
+        out.append(torch.log_softmax(head(last.to(head.weight.dtype)).float(), -1).cpu())
     scores = torch.cat(out)
     return scores, scores.argmax(-1).tolist()
 
@@ -206,29 +211,32 @@ def _batch_loss(body, lm_head, head, prompts, paths, gold, smoothing=0.0):
         h, c = _hidden(body, seqs, _first(prompts))
         rows = [(i, len(p) - 1 + d - c) for i, (p, path) in enumerate(zip(prompts, paths)) for d in range(len(path))]
         sel = h[torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])]
-        target = torch.tensor([t for path in paths for t in path])
+        target = torch.tensor([t for path in paths for t in path], device=h.device)
         return F.cross_entropy(lm_head(sel).float(), target, label_smoothing=smoothing)
     h, c = _hidden(body, prompts, _first(prompts))
     last = h[torch.arange(len(prompts)), torch.tensor([len(p) - 1 - c for p in prompts])]
-    return F.cross_entropy(head(last).float(), torch.tensor(gold), label_smoothing=smoothing)
+    logits = head(last.to(head.weight.dtype)).float()  # the head is fp32 over bf16 features on a GPU
+    return F.cross_entropy(logits, torch.tensor(gold, device=h.device), label_smoothing=smoothing)
 
 
 def finetune(data, *, model=None, template=None, labels=None, chat=None, objective="label", rank=8,
              alpha=16, lr=None, epochs=None, seed=0, val_fraction=0.2, patience=None, batch_size=None,
              teacher=None, progress=True, output=None, query_column="query", label_column="label",
              input_format="auto", log=None, dropout=None, label_smoothing=None,
-             weight_decay=None, refit=None, save_dtype=torch.float32) -> Adapter:
+             weight_decay=None, refit=None, save_dtype=torch.float32, device=None, dtype=None) -> Adapter:
     """Fine-tune LoRA adapters (and a head, objective "head") for a labeled data set -> Adapter
     (loading.Adapter; written to `output` too when given). data: CSV/JSONL path with query and
     label columns, or (query, label) pairs. model: None (bundled), a HF folder or a .gguf file.
     teacher: a Classifier whose decisions replace the labels (then data needs only queries).
+    device: "cpu", "cuda", "cuda:N" (default: cuda when available); dtype: the frozen base weights'
+    (default fp32 on CPU, bf16 on a GPU; the LoRA weights and a head are fp32 either way).
     Deterministic for a seed on CPU. Early stopping on validation accuracy (then loss)."""
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("fine-tuning needs peft: pip install 'prefixscore[train]'")
 
     from .heads import split_indices
     from ..labels import LabelTrie, check_labels
-    from ..loading import base_hash, load
+    from ..loading import base_hash, load, resolve_device, resolve_dtype
     from ..prompt import SEED_LABELS, SEED_TEMPLATE, Prompt, check_template
     from .adapter import from_peft, save_adapter
 
@@ -260,7 +268,9 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     say = log or (lambda m: print(m, file=sys.stderr))
     t0 = time.perf_counter()
 
-    loaded = load(_model_path(model), "cpu", torch.float32)
+    dev = resolve_device(device)
+    dtype = resolve_dtype(dtype, dev)  # fp32 on CPU, bf16 on a GPU (the LoRA weights stay fp32)
+    loaded = load(_model_path(model), dev, dtype)
     ident, tok, name = base_hash(loaded), loaded.tokenizer, loaded.name
     prompt = Prompt(tok, template, chat=chat)
     trie = LabelTrie.build(tok, labels, prompt.render(query="x"), prompt.encode_text)
@@ -276,7 +286,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     folder = hf_folder(model)
     tr, va = split_indices(gold, val_fraction, seed)
     spec = _Spec(folder, rank, alpha, dropout, objective, len(labels), lr, batch_size, label_smoothing,
-                 weight_decay, seed)
+                 weight_decay, seed, dev, dtype)
     net, head, hist, best, best_epoch = _fit(spec, prompts, gold, trie, tr, va, epochs, patience,
                                              progress, say)
     refit_hist = None
@@ -317,6 +327,8 @@ class _Spec:
     smoothing: float
     weight_decay: float
     seed: int
+    device: torch.device
+    dtype: torch.dtype
 
 
 def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, say):
@@ -327,9 +339,10 @@ def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, s
     from transformers import AutoModelForCausalLM
     from tqdm.auto import tqdm
 
-    with torch.random.fork_rng(devices=[]):  # seeded init and order, the global RNG untouched
+    cuda = [spec.device] if spec.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # seeded init and order, the global RNGs untouched
         torch.manual_seed(spec.seed)
-        base = AutoModelForCausalLM.from_pretrained(spec.folder, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(spec.folder, dtype=spec.dtype).to(spec.device)
         cfg = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
                          target_modules=TARGETS)
         with warnings.catch_warnings():  # peft calls a transformers method deprecated in v5
@@ -339,7 +352,7 @@ def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, s
         body, lm_head = inner.model, inner.lm_head
         head = None
         if spec.objective == "head":  # zero init: training starts at the uniform prediction
-            head = torch.nn.Linear(inner.config.hidden_size, spec.num_labels)
+            head = torch.nn.Linear(inner.config.hidden_size, spec.num_labels, device=spec.device)
             torch.nn.init.zeros_(head.weight)
             torch.nn.init.zeros_(head.bias)
         params = [p for p in net.parameters() if p.requires_grad]
