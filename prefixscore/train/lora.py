@@ -382,6 +382,7 @@ def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, s
         best_state, best_head, best_epoch, stale, hist = None, None, 0, 0, []
         bar = tqdm(total=steps, desc="fine-tune", disable=not progress, file=sys.stderr, dynamic_ncols=True)
         for epoch in range(1, epochs + 1):
+            t_epoch = time.perf_counter()
             net.train()
             order = torch.tensor(tr)[torch.randperm(len(tr), generator=gen)]
             total = 0.0
@@ -397,7 +398,8 @@ def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, s
                 total += loss.item() * len(idx)
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-            rec = {"epoch": epoch, "train_loss": round(total / len(tr), 5)}
+            rec = {"epoch": epoch, "train_loss": round(total / len(tr), 5),
+                   "train_seconds": round(time.perf_counter() - t_epoch, 2)}
             if va:
                 acc, vloss = evaluate()
                 rec |= {"val_acc": round(acc, 5), "val_loss": round(vloss, 5)}
