@@ -361,3 +361,22 @@ def test_bfloat16_base_weights_train(llama, objective):
     adapter = finetune(ROWS, model=llama, epochs=5, objective=objective, dtype="bfloat16", **FAST)
     assert adapter.meta["training"]["val_acc"] >= 0.9
     assert all(A.dtype == torch.float32 for A, _ in adapter.lora.values())
+
+
+def test_command_line_teacher(llama, tmp_path, capsys):
+    """finetune --teacher MODEL: a file with only a query column, targets from the teacher's
+    zero-shot decisions. Student = teacher's model and prompt: it starts at full agreement (LoRA
+    starts at zero), so the validation accuracy against the teacher is 1.0."""
+    data = tmp_path / "q.csv"
+    data.write_text("query\n" + "\n".join(q for q, _ in ROWS[:24]) + "\n")
+    out = tmp_path / "t.adapter.safetensors"
+    flags = ["--template", TEMPLATE, "--no-chat", "--labels", ",".join(LABELS)]
+    assert train_main(["finetune", str(data), "-o", str(out), "--model", str(llama), *flags,
+                       "--teacher", str(llama), "--teacher-template", TEMPLATE, "--no-teacher-chat",
+                       "--epochs", "1", "--lr", "1e-6", "--quiet"]) == 0
+    assert "teacher:" in capsys.readouterr().err
+    t = read_adapter(out).meta["training"]
+    assert t["teacher"] and t["val_acc"] == 1.0
+    assert train_main(["finetune", str(data), "-o", str(out), "--model", str(llama), *flags,
+                       "--quiet"]) == 2  # no label column and no teacher
+    assert "label" in capsys.readouterr().err

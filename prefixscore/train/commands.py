@@ -20,11 +20,21 @@ from .lora import DEFAULTS
 
 
 def cmd_finetune(a) -> int:
-    from ..io import check_output, labels_option, template_option
+    from ..io import check_output, labels_option, read_text, template_option
     from .lora import finetune
 
     check_output(a.output)  # before minutes of training
-    adapter = finetune(a.data, model=a.model, template=template_option(a), labels=labels_option(a), chat=a.chat,
+    labels, teacher = labels_option(a), None
+    if a.teacher:  # a (bigger) prompted model's decisions are the targets: the data needs only queries
+        from ..classifier import Classifier
+
+        tt = read_text(a.teacher_template_file, "teacher template").rstrip("\n") \
+            if a.teacher_template_file else a.teacher_template
+        teacher = Classifier(a.teacher, tt, labels, device=a.device, chat=a.teacher_chat,
+                             truncate=a.truncate)
+        err(f"teacher: {teacher.loaded.name}, prompt mode, prefix {teacher.prefix_len} tokens")
+    adapter = finetune(a.data, model=a.model, template=template_option(a), labels=labels, chat=a.chat,
+                       teacher=teacher,
                        objective=a.objective, rank=a.rank, alpha=a.alpha, lr=a.lr, epochs=a.epochs,
                        seed=a.seed, val_fraction=a.val_fraction, patience=a.patience,
                        batch_size=a.batch_size, progress=not a.quiet, output=a.output, refit=a.refit,
@@ -66,6 +76,13 @@ def add_finetune_command(sub, model_args) -> None:
     g.add_argument("--refit", default=DEFAULTS["refit"], action=argparse.BooleanOptionalAction,
                    help="after early stopping, train again on every row for the best epoch count")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--teacher", default=None, metavar="MODEL",
+                   help="label the data's queries with this model's zero-shot decisions first "
+                        "(distillation; the data then needs only a query column)")
+    g.add_argument("--teacher-template", default=None, help="the teacher's prompt (default: the seed prompt)")
+    g.add_argument("--teacher-template-file", default=None)
+    g.add_argument("--teacher-chat", default=None, action=argparse.BooleanOptionalAction,
+                   help="wrap the teacher's prompt in its chat template (default: if it has one)")
     g.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the LoRA weights' dtype in the file (bfloat16: half the size)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
