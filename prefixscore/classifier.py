@@ -152,6 +152,7 @@ class Classifier:
                  max_batch_tokens: int = 16384, graphs: bool = True, head=None,
                  allow_special_tokens: bool = False, adapter=None):
         head_file = adapter_file = None
+        self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)
         if adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights
             from .loading import LoadedModel, read_adapter
 
@@ -194,6 +195,7 @@ class Classifier:
             check_adapter(adapter_file, base_hash(self.loaded), template, labels, self.prompt.chat,
                           str(adapter))
             merge_adapter(self.loaded, adapter_file)
+            self.adapter_meta = adapter_file.meta
             if adapter_file.head is not None:  # objective "head": its linear head decides
                 head_file = adapter_file.head_weights()
         self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)

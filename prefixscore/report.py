@@ -26,3 +26,13 @@ def format_confusion(rep: dict) -> str:
     for l, row in zip(labels, rep["confusion"]):
         lines.append(l[: w + 2].ljust(w + 2) + "".join(str(v).rjust(w) for v in row))
     return "\n".join(lines)
+
+
+def rows_digest(queries: list[str], labels: list[str]) -> str:
+    """sha256 of a labeled data set, row order ignored: an adapter records the rows it was trained
+    on, so `eval` can say when it is scoring an adapter on its own training data."""
+    import hashlib
+    import json
+
+    rows = sorted(json.dumps([q, l], ensure_ascii=False) for q, l in zip(queries, labels))
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()

@@ -319,10 +319,14 @@ def test_eval_puts_zero_shot_and_adapter_side_by_side(llama, trained, tmp_path, 
     lines = out.splitlines()
     assert lines[2].startswith("zero-shot") and lines[3].startswith(f"adapter {path}"), out
     r = json.loads(rep.read_text())
-    assert [m["mode"] for m in r["modes"]] == ["zero-shot", f"adapter {path}"]
+    assert [m["mode"] for m in r["modes"]] == ["zero-shot", f"adapter {path}"]  # not its training rows
     assert r["mode"] == f"adapter {path}" and r["accuracy"] == 1.0 == r["modes"][1]["accuracy"]
     assert r["modes"][0]["accuracy"] < 1.0  # the random model without the adapter cannot do it
     assert "confusion of adapter" in out
+    # on exactly the rows it was trained on (any order), eval says so
+    assert main(["eval", _csv(tmp_path / "all.csv", list(reversed(ROWS))), "--model", str(llama),
+                 "--device", "cpu", "--adapter", str(path)]) == 0
+    assert f"adapter {path} (trained on these rows)" in capsys.readouterr().out
 
 
 def test_seed_adapter_is_the_default_task_only(tmp_path, monkeypatch, capsys):
