@@ -8,43 +8,53 @@ import importlib.util
 import json
 import os
 import sys
-import time
-from collections import Counter
 
 from .errors import InputError, PrefixScoreError
-from .cmdline import classify_batches, err, make_classifier, model_args, run_batches, seed_adapter_default
+from .cmdline import err, make_classifier, model_args, run_batches, seed_adapter_default
 from .io import labels_option
-from .report import confusion_report, format_confusion
+from .report import confusion_report, format_confusion, rows_digest
 from .prompt import SEED_LABELS
+from .stream import CHUNK_ROWS
 
 
 def cmd_classify(a) -> int:
-    from .io import ResultWriter, check_output, read_rows
+    """Rows stream in chunks (stream.py): read, tokenized one chunk ahead, classified, written and
+    flushed; memory stays flat however long the input. Output row N answers input row N."""
+    from .io import RowReader
+    from .stream import ClassifyJob
 
     if a.queries and a.input:
         raise InputError("give queries as arguments or --input, not both")
     if a.queries:
-        queries = a.queries
+        reader = RowReader(column=a.column, queries=a.queries)
     elif a.input or not sys.stdin.isatty():
-        queries = [r[a.column] for r in read_rows(a.input or "-", a.input_format, (a.column,))]
+        reader = RowReader(a.input or "-", a.input_format, a.column)
     else:
         raise InputError("no queries: pass them as arguments, with --input FILE, or on stdin")
-    for i, q in enumerate(queries):
-        if not q.strip():
-            raise InputError(f"query {i + 1} is empty")
-    check_output(a.output)  # a bad path must fail now, not after the whole run
-    seed_adapter_default(a)
-    clf = make_classifier(a)
-    t0 = time.perf_counter()
-    counts = Counter()
-    with ResultWriter(a.output, a.format, clf.labels) as out:
-        for batch in classify_batches(clf, queries):  # streamed: a crash or Ctrl-C keeps what is done
-            out.write_results(batch)
-            counts.update(r.label for r in batch)
-    secs = time.perf_counter() - t0
-    err(f"classified {len(queries)} queries in {secs:.2f} s ({1e3 * secs / len(queries):.1f} ms/query); "
-         + ", ".join(f"{l}: {n}" for l, n in counts.most_common()))
-    return 0
+    with reader:
+        flags = {k: getattr(a, k) for k in ("batch_tokens", "mode", "truncate", "allow_special_tokens")}
+        job = ClassifyJob(reader, a.output, a.format, _keep_columns(a.keep_columns), a.chunk_rows,
+                          a.resume, a.strict, flags)
+        seed_adapter_default(a)
+        clf = make_classifier(a)
+        model = {"model": clf.loaded.name, "adapter": _path_or_name(a.adapter),
+                 "head": _path_or_name(a.head), "template": clf.prompt.template,
+                 "chat": clf.prompt.chat, "dtype": str(clf.engine.dtype).removeprefix("torch."),
+                 "device": clf.engine.device.type}
+        return job.run(clf, model, err)
+
+
+def _keep_columns(value: str):
+    if value in ("all", "none"):
+        return value
+    names = [c.strip() for c in value.split(",")]
+    if not all(names):
+        raise InputError(f"--keep-columns: all, none, or a comma-separated list of columns, got {value!r}")
+    return names
+
+
+def _path_or_name(v):
+    return os.path.abspath(v) if v is not None and os.path.exists(v) else v
 
 
 def cmd_eval(a) -> int:
@@ -75,6 +85,9 @@ def cmd_eval(a) -> int:
         rep = confusion_report(gold, [r.label for r in results], clf.labels)
         rep |= {"mode": name, "template": clf.prompt.template, "chat": clf.prompt.chat,
                 "ms_per_query": 1e3 * secs / len(rows)}
+        trained = clf.adapter_meta or {}
+        if trained.get("training", {}).get("data_sha256") == rows_digest(queries, gold):
+            rep["mode"] += " (trained on these rows)"  # a training-set score, not a held-out one
         reps.append(rep)
         del clf, results  # one model in memory at a time
     print(f"{a.data}: {len(rows)} rows")
@@ -101,11 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("classify", help="classify queries (arguments, a file, or stdin)")
     c.add_argument("queries", nargs="*", help="queries to classify")
     c.add_argument("-i", "--input", help="file with queries (txt: one per line, csv, jsonl); - for stdin")
-    c.add_argument("--input-format", default="auto", choices=["auto", "txt", "csv", "jsonl"])
+    c.add_argument("--input-format", default="auto", choices=["auto", "txt", "csv", "jsonl"],
+                   help="default: from the file's extension; txt for stdin")
     c.add_argument("--column", default="query", help="query column for CSV/JSONL input")
     c.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
     c.add_argument("--format", default="auto", choices=["auto", "csv", "jsonl"],
                    help="output format (default: from the output file's extension, else csv)")
+    c.add_argument("--keep-columns", default="all",
+                   help="the input's other columns to carry into the output beside row, query, "
+                        "label and scores: all (default), none, or a comma-separated list")
+    c.add_argument("--strict", action="store_true",
+                   help="refuse a blank or invalid row (exit 2, naming its line) instead of writing "
+                        "it as a row with an error")
+    c.add_argument("--resume", action="store_true",
+                   help="continue the interrupted output file -o from the first input row it lacks")
+    c.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS,
+                   help=f"rows read, classified and written at a time (default {CHUNK_ROWS}; the "
+                        "first chunks are shorter); --resume needs the same value")
     model_args(c)
     c.set_defaults(func=cmd_classify)
     e = sub.add_parser("eval", help="accuracy and confusion matrix against a label column")

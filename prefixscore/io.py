@@ -6,7 +6,9 @@ import errno
 import io
 import json
 import os
+import stat
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
@@ -67,10 +69,10 @@ def read_rows(path: str, fmt: str = "auto", columns: tuple[str, ...] = ("query",
     return rows
 
 
-def iter_csv(f, path: str):
-    """(line number, fields) for each non-blank CSV record; the line is where the record starts (a
-    quoted field may span lines). Strict: a stray or unclosed quote is an error naming the line, not
-    a field that silently swallows the rows after it."""
+def iter_csv(f, path: str, blanks: bool = False):
+    """(line number, fields) for each non-blank CSV record (blank ones too, as [], with `blanks`);
+    the line is where the record starts (a quoted field may span lines). Strict: a stray or unclosed
+    quote is an error naming the line, not a field that silently swallows the rows after it."""
     # csv's default limit of 128 KiB per field guards memory that reading the whole file spends
     # anyway; a query that long then gets the context-limit error (or --truncate) like any other.
     csv.field_size_limit(max(csv.field_size_limit(), 2 ** 31 - 1))
@@ -84,7 +86,7 @@ def iter_csv(f, path: str):
         except csv.Error as e:
             hint = "; a quote opened here is never closed" if "end of data" in str(e) else ""
             raise InputError(f"{path}:{start}: malformed CSV ({e}{hint})") from None
-        if fields:
+        if fields or blanks:
             yield start, fields
 
 
@@ -101,6 +103,132 @@ def iter_jsonl(f, path: str):
         if not isinstance(obj, dict):
             raise InputError(f"{path}:{n}: expected a JSON object per line")
         yield n, obj
+
+
+BLANK = "blank line"
+
+
+@dataclass(slots=True)
+class Row:
+    """One input row. Output row n answers input row n: a row that cannot be classified keeps its
+    place as an error row, never skipped."""
+    n: int                    # 1-based data row (a CSV header is not one)
+    line: int                 # the input line it starts on, for messages
+    fields: dict              # its columns as read; {column: text} for plain lines
+    query: str | None = None  # None when `error` says why there is nothing to classify
+    error: str | None = None
+
+
+class RowReader:
+    """The rows of a file ('-': stdin) or of a list of queries, read one at a time, so memory does
+    not grow with the input. Lines are read as bytes: `pos` (bytes read) over `size` (a regular
+    file's) is the progress. Blank or invalid rows come as Rows with an `error`; an InputError only
+    for what leaves the file unreadable: a missing query column, or a malformed CSV record or
+    invalid UTF-8 in CSV (where the next record starts is then unknown)."""
+
+    def __init__(self, path: str | None = None, fmt: str = "auto", column: str = "query",
+                 queries: list | None = None):
+        self.column, self.pos, self.size, self.f = column, 0, None, None
+        self.total = None if queries is None else len(queries)
+        if queries is not None:
+            self.fmt, self.name, self.columns = "args", "arguments", [column]
+            self._rows = (self._checked(n, n, {column: q}) for n, q in enumerate(queries, 1))
+            return
+        self.fmt, self.name = _format(path, fmt), "<stdin>" if path == "-" else path
+        if self.fmt not in ("txt", "csv", "jsonl"):
+            raise InputError(f"unknown input format {self.fmt!r}: use txt, csv or jsonl")
+        if path == "-":
+            self.f = sys.stdin.buffer
+        else:
+            try:
+                self.f = open(path, "rb")
+            except FileNotFoundError:
+                raise InputError(f"input file not found: {path}") from None
+            except IsADirectoryError:
+                raise InputError(f"input is a directory, not a file: {path}") from None
+            st = os.fstat(self.f.fileno())
+            self.size = st.st_size if stat.S_ISREG(st.st_mode) else None
+        self.columns = None if self.fmt == "jsonl" else [column]  # JSONL: each object its own
+        if self.fmt == "csv":
+            self._records = iter_csv(self._csv_lines(), self.name, blanks=True)
+            self.columns = next((fields for _, fields in self._records if fields), [])
+            if column not in self.columns:
+                raise InputError(f"{self.name}: no column {column!r} (columns: "
+                                 f"{', '.join(self.columns) or 'none, the file is empty'})")
+        self._rows = {"txt": self._txt, "csv": self._csv, "jsonl": self._jsonl}[self.fmt]()
+
+    def __iter__(self):
+        return self._rows
+
+    def where(self, row: Row) -> str:
+        return f"query {row.n}" if self.fmt == "args" else f"{self.name}:{row.line}"
+
+    def _lines(self):
+        """(line number, bytes) of each line; a byte-order mark (Excel, Notepad) is not text."""
+        for n, raw in enumerate(self.f, 1):
+            self.pos += len(raw)
+            yield n, raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw
+
+    def _csv_lines(self):
+        for n, raw in self._lines():
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{self.name}:{n}: not valid UTF-8") from None
+
+    def _txt(self):
+        for n, raw in self._lines():
+            try:
+                text = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                yield Row(n, n, {}, error="not valid UTF-8")
+                continue
+            yield self._checked(n, n, {self.column: text})
+
+    def _csv(self):
+        width = len(self.columns)
+        for n, (line, fields) in enumerate(self._records, 1):
+            row = self._checked(n, line, dict(zip(self.columns, fields)))
+            if not fields:
+                row.error = BLANK
+            elif len(fields) > width:  # csv.DictReader would drop the extra fields
+                row.query, row.error = None, (f"{len(fields)} fields but the header has {width} "
+                                              f"(quote a field that contains a comma)")
+            yield row
+
+    def _jsonl(self):
+        for n, raw in self._lines():
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield Row(n, n, {}, error="not valid UTF-8")
+                continue
+            except json.JSONDecodeError as e:
+                yield Row(n, n, {}, error=BLANK if not raw.strip() else f"invalid JSON ({e.msg})")
+                continue
+            if not isinstance(obj, dict):
+                yield Row(n, n, {}, error="expected a JSON object per line")
+                continue
+            yield self._checked(n, n, obj)
+
+    def _checked(self, n: int, line: int, fields: dict) -> Row:
+        q = fields.get(self.column)
+        if q is not None and not isinstance(q, str):  # JSONL: a number, a list...
+            return Row(n, line, fields, error=f"{self.column!r} must be a string, got {type(q).__name__}")
+        if not q or not q.strip():
+            why = {"txt": BLANK, "args": "empty query"}.get(self.fmt, f"{self.column!r} is missing or empty")
+            return Row(n, line, fields, error=why)
+        return Row(n, line, fields, q)
+
+    def close(self) -> None:
+        if self.f is not None and self.f is not sys.stdin.buffer:
+            self.f.close()
+
+    def __enter__(self) -> "RowReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _checked(row: dict, columns, path, n) -> dict:
@@ -144,10 +272,10 @@ class Output:
     flushed, so what is written survives a crash or Ctrl-C later on. An OSError on the file is an
     InputError naming it; stdout's own (a closed pipe) are left to the caller."""
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, mode: str = "w"):
         self.path = None if path in (None, "-") else path
         self.f = sys.stdout if self.path is None else self._io(
-            open, self.path, "w", newline="", encoding="utf-8")
+            open, self.path, mode, newline="", encoding="utf-8")
 
     def _io(self, fn, *args, **kw):
         try:
@@ -169,27 +297,91 @@ class Output:
             self._io(self.f.close)
 
 
-class ResultWriter(Output):
-    """Classifier results as CSV (a header, then a row per result) or JSONL, written batch by batch."""
+# Output names of ours; an input column so named is written as "input:NAME".
+RESERVED = ("row", "query", "label", "scores", "error")
 
-    def __init__(self, path: str | None, fmt: str, labels: list[str]):
-        fmt = _format(path, fmt)
-        self.fmt, self.labels = "csv" if fmt == "txt" else fmt, labels
-        super().__init__(path)
+
+def output_name(column: str) -> str:
+    return f"input:{column}" if column in RESERVED or column.startswith("score:") else column
+
+
+def output_format(path: str | None, fmt: str) -> str:
+    fmt = _format(path, fmt)
+    return "csv" if fmt == "txt" else fmt
+
+
+class RowFormat:
+    """How rows and their results are written: CSV (a header, then a line per row) or JSONL. Each
+    row: `row` (the input row number), `query` (whatever the input's query column is called), the
+    input's other columns (`keep`: "all", "none" or a list), `label`, the scores and `error`:
+    empty, or why the row could not be classified (its label and scores then empty: "" in CSV, null
+    in JSONL). CSV's other columns are those of its header (`names`): the input's header, else the
+    first chunk's first valid JSONL object's."""
+
+    def __init__(self, fmt: str, labels: list[str], column: str = "query", keep="all",
+                 columns: list[str] | None = None):
+        self.fmt, self.labels, self.column, self.keep, self.columns = fmt, labels, column, keep, columns
+        self.names = None
+
+    def kept(self, fields: dict) -> dict:
+        """The input's other columns written for a row, by their input names."""
+        if self.keep == "all":
+            return {k: v for k, v in fields.items() if k != self.column}
+        return {} if self.keep == "none" else {k: fields.get(k) for k in self.keep if k != self.column}
+
+    def input_part(self, row: Row):
+        """What a row's line starts with, from the input alone: a CSV row's first cells, a JSONL
+        object's first keys (--resume checks what is written against it)."""
+        query = row.fields.get(self.column)
         if self.fmt == "csv":
-            self._rows([["query", "label"] + [f"score:{l}" for l in labels]])
+            kept = self.kept(row.fields)
+            return [str(row.n), _cell(query)] + [_cell(kept.get(k)) for k in self.names]
+        return {"row": row.n, "query": query} | {output_name(k): v for k, v in self.kept(row.fields).items()}
 
-    def _rows(self, rows) -> None:
-        buf = io.StringIO()
-        csv.writer(buf).writerows(rows)
-        self.write(buf.getvalue())
+    def header(self) -> list[str]:
+        return (["row", "query"] + [output_name(k) for k in self.names] + ["label"]
+                + [f"score:{l}" for l in self.labels] + ["error"])
 
-    def write_results(self, results) -> None:
+    def lines(self, rows: list[Row], results) -> str:
+        """Rows in input order and their Results (None for an error row); CSV's header first."""
         if self.fmt == "jsonl":
-            self.write("".join(json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in results))
-        else:
-            self._rows([r.query, r.label] + [f"{r.scores[l]:.6g}" for l in self.labels]
-                       for r in results)
+            return "".join(json.dumps(self.input_part(row) | _result(r, row, self.labels),
+                                      ensure_ascii=False) + "\n" for row, r in zip(rows, results))
+        out = []
+        if self.names is None:
+            first = next((r.fields for r in rows if r.error is None), {})
+            self.names = list(self.kept(dict.fromkeys(self.columns) if self.columns else first))
+            out.append(self.header())
+        for row, r in zip(rows, results):
+            tail = [r.label, *(f"{r.scores[l]:.6g}" for l in self.labels), ""] if r else \
+                ["", *("" for _ in self.labels), row.error]
+            out.append(self.input_part(row) + tail)
+        buf = io.StringIO()
+        csv.writer(buf).writerows(out)
+        return buf.getvalue()
+
+
+class ResultWriter(Output):
+    """Output in a RowFormat, a chunk of rows per flushed write; `append` continues a file (whose
+    CSV header the format's `names` then already hold)."""
+
+    def __init__(self, path: str | None, form: RowFormat, append: bool = False):
+        self.form = form
+        super().__init__(path, "a" if append else "w")
+
+    def write_rows(self, rows: list[Row], results) -> None:
+        self.write(self.form.lines(rows, results))
+
+
+def _result(r, row: Row, labels) -> dict:
+    if r is None:
+        return {"label": None, "scores": None, "error": row.error}
+    return {"label": r.label, "scores": {l: r.scores[l] for l in labels}, "error": None}
+
+
+def _cell(v) -> str:
+    """A CSV cell for an input value: text as it is, JSONL's numbers and objects as JSON."""
+    return "" if v is None else v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
 def read_text(path: str, what: str) -> str:

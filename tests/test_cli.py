@@ -20,14 +20,24 @@ def model(tiny_model):
     return str(tiny_model("qwen2"))
 
 
+README_QUERIES = {"beige trench coat women": "Trench Coat", "levis 501 straight leg": "Jeans",
+                  "红色连衣裙": "Dress"}
+
+
 def test_default_model_just_works(bundled):
-    p = run("classify", "beige trench coat women")
+    """The README's first command: the bundled model with the shipped seed adapter (said on
+    stderr) gets its three example queries right; --no-adapter runs the raw model and the seed
+    prompt, which answers for the nine labels too (wrongly, mostly: zero-shot is 10%)."""
+    p = run("classify", *README_QUERIES)
     assert p.returncode == 0, p.stderr
     rows = list(csv.DictReader(p.stdout.splitlines()))
-    assert rows[0]["query"] == "beige trench coat women"
+    assert {r["query"]: r["label"] for r in rows} == README_QUERIES, p.stdout
+    assert "shipped seed adapter" in p.stderr and "classified 3 queries" in p.stderr
+    p = run("classify", "--no-adapter", "beige trench coat women")
+    assert p.returncode == 0 and "shipped seed adapter" not in p.stderr, p.stderr
+    rows = list(csv.DictReader(p.stdout.splitlines()))
     assert rows[0]["label"] in {"Dress", "Jeans", "Shirt", "Trench Coat", "Skirt", "T-shirt", "Hoodie",
                                 "Knitwear", "Other"}
-    assert "classified 1 queries" in p.stderr
 
 
 def test_files_in_and_out(model, tmp_path):
@@ -40,9 +50,11 @@ def test_files_in_and_out(model, tmp_path):
     got = [json.loads(l) for l in out.read_text().splitlines()]
     assert [g["query"] for g in got] == ["red dress", "jeans, blue", "连衣裙"]
     assert all(set(g["scores"]) == {"Dress", "Jeans", "Other"} for g in got)
-    p = run("classify", "--model", model, "--format", "jsonl", stdin="a\n\nb\n")  # stdin, blank skipped
+    p = run("classify", "--model", model, "--format", "jsonl", stdin="a\n\nb\n")  # stdin, blank kept
     assert p.returncode == 0, p.stderr
-    assert len(p.stdout.splitlines()) == 2
+    got = [json.loads(l) for l in p.stdout.splitlines()]
+    assert [(g["row"], g["query"], g["error"]) for g in got] == [(1, "a", None), (2, "", "blank line"),
+                                                                 (3, "b", None)]
 
 
 def test_eval_reports_accuracy_and_confusion(model, tmp_path):
@@ -61,7 +73,7 @@ def test_eval_reports_accuracy_and_confusion(model, tmp_path):
     (["classify", "x", "--labels", "A,A"], "duplicate"),
     (["classify", "x", "--template", "no slot here"], "slot"),
     (["classify", "x", "--model", "/nonexistent/model"], "does not exist"),
-    (["classify", "   "], "empty"),
+    (["classify", "   ", "--strict"], "query 1: empty query"),
 ])
 def test_errors_are_one_line_and_exit_2(args, msg, capsys):
     assert main(args) == 2  # in-process: same code path as the console script, without a new process
@@ -85,7 +97,7 @@ def test_bad_data_files(model, tmp_path, capsys):
     assert "empty" in fails("eval", str(bad), "--model", model)
     j = tmp_path / "bad.jsonl"
     j.write_text('{"query": "ok"}\n{not json}\n')
-    assert ":2: invalid JSON" in fails("classify", "-i", str(j), "--model", model)
+    assert ":2: invalid JSON" in fails("classify", "-i", str(j), "--model", model, "--strict")
 
 
 NO_MODEL = ["--model", "/nonexistent/model"]  # an error about anything else came before the model load
@@ -149,7 +161,7 @@ def test_bom_and_encoding(model, tmp_path, capsys):
             stdin=bom + "red dress\n")
     assert p.returncode == 0, p.stderr
     header, row = p.stdout.splitlines()
-    assert header == "query,label,score:Dress,score:Jeans" and row.startswith("red dress,")
+    assert header == "row,query,label,score:Dress,score:Jeans,error" and row.startswith("1,red dress,")
     (tmp_path / "latin1.txt").write_bytes("Caf\xe9\n".encode("latin-1"))
     for flag, what in (("--labels-file", "labels"), ("--template-file", "template")):
         assert f"{what} file {tmp_path / 'latin1.txt'}: not valid UTF-8" in fails(
@@ -183,7 +195,8 @@ def test_malformed_csv(tmp_path):
 def test_misleading_messages(tmp_path, capsys):
     j = tmp_path / "n.jsonl"
     j.write_text('{"query": "ok"}\n{"query": 5}\n')
-    assert f"{j}:2: 'query' must be a string, got int" in fails(capsys, "classify", "-i", str(j), *NO_MODEL)
+    assert f"{j}:2: 'query' must be a string, got int" in fails(capsys, "classify", "-i", str(j), "--strict",
+                                                               *NO_MODEL)
     d = tmp_path / "d.csv"
     d.write_text("query,label\nlevis 501,Jeans \n")
     assert "gold labels not in the label set: 'Jeans '" in fails(
@@ -197,16 +210,18 @@ def test_misleading_messages(tmp_path, capsys):
 
 
 def expected_output(results, labels, fmt):
-    """The output format as the CLI has always written it (CSV with a header, or JSONL)."""
+    """The output format (CSV with a header, or JSONL): per row its 1-based input row number, the
+    query, label, scores and an empty error."""
     import io
 
     if fmt == "jsonl":
-        return "".join(json.dumps(r.to_dict(), ensure_ascii=False) + "\n" for r in results)
+        return "".join(json.dumps({"row": n, **r.to_dict(), "error": None}, ensure_ascii=False) + "\n"
+                       for n, r in enumerate(results, 1))
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["query", "label"] + [f"score:{l}" for l in labels])
-    for r in results:
-        w.writerow([r.query, r.label] + [f"{r.scores[l]:.6g}" for l in labels])
+    w.writerow(["row", "query", "label"] + [f"score:{l}" for l in labels] + ["error"])
+    for n, r in enumerate(results, 1):
+        w.writerow([n, r.query, r.label] + [f"{r.scores[l]:.6g}" for l in labels] + [""])
     return buf.getvalue()
 
 
@@ -219,13 +234,17 @@ def test_results_stream_to_the_output_file(model, tmp_path, monkeypatch, capsys)
     src.write_text("\n".join(queries) + "\n")
     args = ["classify", "-i", str(src), "--model", model, "--labels", ",".join(labels), "--no-chat",
             "--batch-tokens", "64"]
-    results = Classifier(model, labels=labels, chat=False, max_batch_tokens=64).classify_batch(queries)
+    # The CLI classifies chunks of rows (32, then up to 4096): the reference runs each chunk alone.
+    clf = Classifier(model, labels=labels, chat=False, max_batch_tokens=64)
+    results = clf.classify_batch(queries[:32]) + clf.classify_batch(queries[32:])
     for fmt in ("csv", "jsonl"):
         out = tmp_path / f"out.{fmt}"
         assert main(args + ["-o", str(out)]) == 0
         assert out.read_bytes().decode() == expected_output(results, labels, fmt)
     capsys.readouterr()
-    # Interrupted in the fourth batch: the three batches before it are on disk, in the same format.
+    # Stopped hard (a second Ctrl-C) in the fourth flat batch: the whole chunks of 10 rows before it
+    # are on disk, in the same format.
+    chunked = [r for i in range(0, len(queries), 10) for r in clf.classify_batch(queries[i:i + 10])]
     run_batch, calls = Classifier._run, []
 
     def interrupted(self, batch):
@@ -236,9 +255,10 @@ def test_results_stream_to_the_output_file(model, tmp_path, monkeypatch, capsys)
 
     monkeypatch.setattr(Classifier, "_run", interrupted)
     out = tmp_path / "out.csv"
-    assert main(args + ["-o", str(out)]) == 130
-    done = sum(calls[:3])
-    assert done > 0 and out.read_bytes().decode() == expected_output(results[:done], labels, "csv")
+    assert main(args + ["-o", str(out), "--chunk-rows", "10"]) == 130
+    done = out.read_bytes().count(b"\n") - 1
+    assert done > 0 and done % 10 == 0 and done < sum(calls)
+    assert out.read_bytes().decode() == expected_output(chunked[:done], labels, "csv")
 
 
 def test_closed_pipe_is_quiet(model, tmp_path):
@@ -247,7 +267,7 @@ def test_closed_pipe_is_quiet(model, tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "prefixscore.cli", "classify", "-i", str(src), "--model",
                           model, "--batch-tokens", "2048"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline().startswith("query,label")  # `| head -1`
+    assert p.stdout.readline().startswith("row,query,label")  # `| head -1`
     p.stdout.close()
     err = p.stderr.read()
     assert p.wait(timeout=600) in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err

@@ -273,7 +273,7 @@ def test_cli_classify_with_an_adapter(llama, trained, capsys):
     assert main(["classify", "--model", str(llama), "--device", "cpu", "--adapter", str(path),
                  "trench dress tee"]) == 0
     row = capsys.readouterr().out.strip().splitlines()[-1].split(",")
-    assert row[:2] == ["trench dress tee", want.label]
+    assert row[:3] == ["1", "trench dress tee", want.label]
 
 
 def test_refit_trains_again_on_every_row(llama):

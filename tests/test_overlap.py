@@ -155,15 +155,26 @@ def test_cli_file_mode_streams_and_names_the_query(model, tmp_path, capsys, smal
     args = ["classify", "-i", str(src), "-o", str(out), "--model", model, "--labels", ",".join(LABELS),
             "--no-chat", "--batch-tokens", "120"]
     assert main(args) == 0
-    ref = Classifier(model, labels=LABELS, chat=False, max_batch_tokens=120).classify_batch(queries)
-    assert [json.loads(line) for line in out.read_text().splitlines()] == [r.to_dict() for r in ref]
+    # The CLI classifies chunks of rows (32, then 64...): the reference runs each chunk alone.
+    clf = Classifier(model, labels=LABELS, chat=False, max_batch_tokens=120)
+    ref = [r for a, b in ((0, 32), (32, 96), (96, 120)) for r in clf.classify_batch(queries[a:b])]
+    want = [{"row": n, **r.to_dict(), "error": None} for n, r in enumerate(ref, 1)]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == want
     queries[80] = "coat " * 800
     src.write_text("\n".join(queries) + "\n")
     capsys.readouterr()
-    assert main(args) == 2
-    assert "prefixscore: error: query 81: prompt is" in capsys.readouterr().err
+    assert main(args + ["--strict"]) == 2  # refused, naming the line, after the chunks before it
+    assert f"prefixscore: error: {src}:81: prompt is" in capsys.readouterr().err
     written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert 0 < len(written) < 80 and written == [r.to_dict() for r in ref[:len(written)]]
+    assert 0 < len(written) < 80 and written == want[:len(written)]
+    assert main(args) == 0  # without --strict: an error row in its place, the rest classified
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert written[80]["error"].startswith("prompt is") and written[80]["label"] is None
+    # Its chunk ran without it: the reference too (a row's last bits depend on its flat batch).
+    mid = clf.classify_batch(queries[32:80] + queries[81:96])
+    ref = ref[:32] + mid[:48] + [None] + mid[48:] + ref[96:]
+    assert [w for w in written if w["row"] != 81] == \
+        [{"row": n, **r.to_dict(), "error": None} for n, r in enumerate(ref, 1) if r is not None]
 
 
 def test_tokenizer_runs_beside_the_engine(clf, small_chunks, monkeypatch):

@@ -1,0 +1,392 @@
+"""`prefixscore classify` over inputs of any size (issue 21). Rows are read lazily and classified a
+chunk at a time; while the engine runs chunk k, a worker thread reads and tokenizes chunk k+1
+(Classifier's run_ahead); each chunk's rows are written and flushed as it finishes, so memory is flat
+in the input's length. SIGINT/SIGTERM finish the chunk in flight; --resume continues the output file.
+
+Where chunks end is a function of the row number alone, never of timing: the engine rounds a row's
+scores by the flat batch it runs in, so a resumed run must cut the input exactly where the first run
+did to write the same bytes."""
+from __future__ import annotations
+
+import contextlib
+import csv
+import itertools
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from .classifier import run_ahead
+from .errors import InputError
+from .io import ResultWriter, Row, RowFormat, RowReader, check_output, output_format, output_name
+
+CHUNK_ROWS = 4096  # rows per chunk: thousands keep the GPU's flat batches full, the memory small
+FIRST_CHUNK_ROWS = 32  # the first chunks are short, so the first rows are out moments after the model
+PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
+
+
+@dataclass(slots=True)
+class Chunk:
+    rows: list[Row]
+    encoded: list  # Encoded of the rows without an error, in order
+    pos: int  # input bytes read when it was cut
+
+
+def encode_rows(clf, rows: list[Row], strict: bool, where) -> list:
+    """Tokenize the rows that have a query. One the tokenizer refuses (over the context limit, without
+    truncation) becomes an error row; with `strict`, the first bad row of either kind is an
+    InputError naming its line."""
+    first_bad = next((i for i, r in enumerate(rows) if r.error), len(rows)) if strict else len(rows)
+    todo, out = [r for r in rows[:first_bad] if r.error is None], []
+    while todo:
+        try:
+            out += clf.encode_many([r.query for r in todo])
+            break
+        except InputError as e:
+            i = getattr(e, "index", None)
+            if i is None:
+                raise
+            if strict:
+                raise InputError(f"{where(todo[i])}: {e}") from None
+            out += clf.encode_many([r.query for r in todo[:i]]) if i else []
+            todo[i].query, todo[i].error = None, str(e)
+            todo = todo[i + 1:]
+    if first_bad < len(rows):
+        raise InputError(f"{where(rows[first_bad])}: {rows[first_bad].error}")
+    return out
+
+
+def chunk_ends(chunk_rows: int):
+    """The last row number of each chunk: 32, 64, 128... rows doubling up to `chunk_rows` a chunk."""
+    end, size = 0, min(FIRST_CHUNK_ROWS, chunk_rows)
+    while True:
+        end += size
+        yield end
+        size = min(2 * size, chunk_rows)
+
+
+def tokenized_chunks(clf, rows, reader: RowReader, chunk_rows: int, strict: bool, start: int = 0):
+    """Chunks of the rows after row `start` (a chunk's end), each read and tokenized on a worker
+    thread one chunk ahead of the caller."""
+    rows = iter(rows)
+
+    def next_chunk(size):  # on the worker; run_ahead calls it in order, one at a time
+        batch = list(itertools.islice(rows, size))
+        return Chunk(batch, encode_rows(clf, batch, strict, reader.where), reader.pos) if batch else None
+
+    ends = (end for end in chunk_ends(chunk_rows) if end > start)
+    sizes = ((b - a,) for a, b in itertools.pairwise(itertools.chain([start], ends)))
+    with contextlib.closing(run_ahead(next_chunk, sizes, depth=1)) as chunks:
+        for chunk in chunks:
+            if chunk is None:
+                return
+            yield chunk
+
+
+class Progress:
+    """Rows done, on stderr, per chunk: a tqdm bar on a terminal, else a line every `every` seconds
+    (rows, rows/s, and the share done with an ETA when the input's size or row count is known:
+    a file's bytes read over its size)."""
+
+    def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float = PROGRESS_EVERY,
+                 clock=time.monotonic):
+        self.reader, self.start, self.every, self.clock = reader, start, every, clock
+        self.stream = sys.stderr if stream is None else stream
+        self.t0 = self.last = clock()
+        self.f0 = self._fraction(start, reader.pos)
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(initial=start, unit="row", file=self.stream, desc="classify", delay=1.0)
+
+    def _fraction(self, rows: int, pos: int):
+        if self.reader.size:
+            return pos / self.reader.size
+        return rows / self.reader.total if self.reader.total else None
+
+    def update(self, rows: int, errors: int, pos: int) -> None:
+        f, now = self._fraction(rows, pos), self.clock()
+        if self.bar is not None:
+            if f:
+                self.bar.total = max(rows, round(rows / f))  # an estimate where the input is a file
+            self.bar.update(rows - self.bar.n)
+            return
+        if now - self.last < self.every:
+            return
+        self.last, secs = now, now - self.t0
+        rate = (rows - self.start) / secs if secs > 0 else 0.0
+        line = f"classify: {rows} rows ({errors} errors), {rate:.0f} rows/s"
+        if f is not None and f > self.f0:
+            line += f", {100 * f:.0f}%, ETA {_duration(secs * (1 - f) / (f - self.f0))}"
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _duration(s: float) -> str:
+    s = round(s)
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class StopSignals:
+    """While rows stream, the first SIGINT or SIGTERM asks to stop once the chunk in flight is
+    written (`signum`); a second stops at once, as that signal's default does (SIGINT raises
+    KeyboardInterrupt, SIGTERM ends the process: --resume redoes what it tears). Handlers can only be
+    set on the main thread; elsewhere the defaults stay."""
+
+    def __init__(self):
+        self.signum, self.saved = None, {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+            return
+        self.__exit__()
+        signal.raise_signal(signum)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.saved[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        while self.saved:
+            signal.signal(*self.saved.popitem())
+
+
+# ---------------------------------------------------------------- resume
+
+def meta_path(output: str) -> str:
+    return output + ".meta.json"
+
+
+# The options a run is checked by lie in a sidecar file, OUT.meta.json, not in a header line of OUT:
+# then OUT is plain CSV or JSONL with one line per input row, as vLLM's and TEI's batch outputs are,
+# which pandas, DuckDB and jq read with no line to skip and whose line N stays row N.
+META_FORMAT = "prefixscore.classify.output"
+
+
+def write_meta(output: str, options: dict) -> None:
+    path = meta_path(output)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"format": META_FORMAT, "version": 1, "options": options}, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)  # never a half-written sidecar
+    except OSError as e:
+        raise InputError(f"cannot write output file {path}: {e.strerror or e}") from None
+
+
+def check_meta(output: str, options: dict) -> None:
+    """Refuse to resume `output` if it was written with other options than these."""
+    path = meta_path(output)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        assert meta["format"] == META_FORMAT and isinstance(meta["options"], dict)
+    except FileNotFoundError:
+        raise InputError(f"--resume: {output} has no {path}, so what it was written with cannot be "
+                         f"checked: write to a new file, or drop --resume to overwrite it") from None
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise InputError(f"--resume: {path} is not readable as prefixscore's record of {output}") from None
+    for k, v in options.items():
+        old = meta["options"].get(k)
+        if old != v:
+            raise InputError(f"--resume: {output} was written with {k} {_short(old)}, not {_short(v)} "
+                             f"(see {path}): give the options it was written with, or drop --resume "
+                             f"to start it over")
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str):
+    """Check what an interrupted run wrote against the input, row by row by the `row` column and the
+    input columns: -> (rows kept, bytes kept, input rows read past them). Only whole chunks are
+    kept: a chunk a crash tore is redone from its first row, so its flat batches, and its bytes,
+    are those of an uninterrupted run."""
+    rows, keep_rows, keep_bytes, redo = iter(rows), 0, 0, []
+    ends = chunk_ends(chunk_rows)
+    end_row = next(ends)
+    with open(output, "rb") as f:
+        for n, (end, got) in enumerate(_records(f, output, form), 1):
+            row = next(rows, None)
+            if row is None:
+                raise InputError(f"--resume: {output} has more rows than the input ({n - 1}): it was "
+                                 f"written from another input")
+            want = form.input_part(row)
+            same = got[:len(want)] == want if form.fmt == "csv" else \
+                all(got.get(k, ...) == v for k, v in want.items())
+            if not same:
+                raise InputError(f"--resume: row {n} of {output} is not input row {n} "
+                                 f"({where(row)}): written {_short(_head(got, want))}, "
+                                 f"the input gives {_short(want)}; resume with the input it was "
+                                 f"written from")
+            redo.append(row)
+            if n == end_row:
+                keep_rows, keep_bytes, redo, end_row = n, end, [], next(ends)
+    return keep_rows, keep_bytes, redo
+
+
+def _head(got, want):
+    return got[:len(want)] if isinstance(got, list) else {k: got.get(k) for k in want}
+
+
+def _records(f, output: str, form: RowFormat):
+    """(end offset, record) of each complete row of an output file, after adopting a CSV header's
+    columns; stops at a torn end: a last line without its newline, or a CSV record it leaves open."""
+    pos = 0
+
+    def lines():
+        nonlocal pos
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                return
+            pos += len(raw)
+            yield raw.decode("utf-8")
+
+    def unreadable():
+        return InputError(f"--resume: {output} is unreadable at byte {pos}: not an output of "
+                          f"prefixscore classify")
+
+    source = lines()
+    csv.field_size_limit(max(csv.field_size_limit(), 2 ** 31 - 1))  # a query's length is not ours to cap
+    try:
+        if form.fmt == "jsonl":
+            for line in source:
+                yield pos, json.loads(line)
+            return
+        records = csv.reader(source, strict=True)
+        header = next(records, None)
+        if header is None:
+            return
+        form.names = [_input_name(c) for c in header[2:len(header) - len(form.labels) - 2]]
+        if header != form.header():
+            raise InputError(f"--resume: {output} has the header {_short(header)}, not "
+                             f"{_short(form.header())}")
+        while True:
+            try:
+                rec = next(records)
+            except StopIteration:
+                return
+            except csv.Error:
+                if next(source, None) is None:  # an open quote at the end: a torn write
+                    return
+                raise unreadable() from None
+            yield pos, rec
+    except ValueError:  # JSON or UTF-8 that a complete line of ours never has
+        raise unreadable() from None
+
+
+def _input_name(name: str) -> str:
+    plain = name.removeprefix("input:")
+    return plain if plain != name and output_name(plain) == name else name
+
+
+# ---------------------------------------------------------------- the command
+
+class ClassifyJob:
+    """One `prefixscore classify` run. The constructor runs before the model loads: options are
+    checked, the input opened and its first chunk read (a strict error there fails fast), and an
+    output to resume checked against the options known so far; run() then classifies."""
+
+    def __init__(self, reader: RowReader, output: str | None, fmt: str = "auto", keep="all",
+                 chunk_rows: int = CHUNK_ROWS, resume: bool = False, strict: bool = False,
+                 flags: dict | None = None):
+        if chunk_rows < 1:
+            raise InputError(f"--chunk-rows must be at least 1, got {chunk_rows}")
+        if resume and output in (None, "-"):
+            raise InputError("--resume continues an output file: give it with -o")
+        if keep not in ("all", "none") and reader.columns is not None:
+            missing = [c for c in keep if c not in reader.columns]
+            if missing:
+                raise InputError(f"--keep-columns: the input has no column {missing[0]!r} (columns: "
+                                 f"{', '.join(reader.columns)})")
+        self.reader, self.output, self.keep, self.chunk_rows = reader, output, keep, chunk_rows
+        self.fmt, self.resume, self.strict = output_format(output, fmt), resume, strict
+        check_output(output)  # a bad path must fail now, not after the whole run
+        if reader.size is not None and output not in (None, "-") and os.path.exists(output) \
+                and os.path.samefile(reader.name, output):  # streaming: writing would erase it
+            raise InputError(f"the output file {output} is the input file: write to another file")
+        # The sidecar is for a regular output file: resuming into a device or a pipe means nothing.
+        self.regular = output not in (None, "-") and (not os.path.exists(output) or os.path.isfile(output))
+        if resume and not self.regular:
+            raise InputError(f"--resume continues a regular file, and {output} is not one")
+        self.resuming = resume and os.path.exists(output)
+        src = "arguments" if reader.fmt == "args" else "-" if reader.name == "<stdin>" else \
+            os.path.abspath(reader.name)
+        self.options = {"input": src, "input_format": reader.fmt, "column": reader.column,
+                        "keep_columns": keep, "format": self.fmt, "chunk_rows": chunk_rows} | (flags or {})
+        if self.resuming:
+            check_meta(output, self.options)
+        self.rows = iter(reader)
+        first = list(itertools.islice(self.rows, chunk_rows))
+        if strict:
+            bad = next((r for r in first if r.error), None)
+            if bad is not None:
+                raise InputError(f"{reader.where(bad)}: {bad.error}")
+        self.rows = itertools.chain(first, self.rows)
+
+    def run(self, clf, model: dict, err=None) -> int:
+        """Classify every row not yet written; -> the exit status (128 + the signal's number when
+        one stopped it)."""
+        self.options |= model | {"labels": clf.labels}
+        form = RowFormat(self.fmt, clf.labels, self.reader.column, self.keep, self.reader.columns)
+        done, keep_bytes = 0, 0
+        if self.resuming:
+            check_meta(self.output, self.options)
+            done, keep_bytes, redo = scan_output(self.output, form, self.rows, self.chunk_rows,
+                                                 self.reader.where)
+            os.truncate(self.output, keep_bytes)  # a torn chunk goes, and a torn last line with it
+            self.rows = itertools.chain(redo, self.rows)
+            if keep_bytes == 0:
+                form.names = None  # the file starts over: its header is written again
+        elif self.regular:
+            write_meta(self.output, self.options)
+        err = err or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        return self._stream(clf, ResultWriter(self.output, form, append=keep_bytes > 0), done, err)
+
+    def _stream(self, clf, writer, done: int, err) -> int:
+        t0, start, counts, errors = time.perf_counter(), done, Counter(), 0
+        progress = Progress(self.reader, done)
+        with writer, StopSignals() as stop, contextlib.closing(tokenized_chunks(
+                clf, self.rows, self.reader, self.chunk_rows, self.strict, done)) as chunks:
+            try:
+                for chunk in chunks:
+                    results = iter(clf.classify_encoded(chunk.encoded))
+                    out = [None if row.error else next(results) for row in chunk.rows]
+                    writer.write_rows(chunk.rows, out)
+                    done = chunk.rows[-1].n
+                    counts.update(r.label for r in out if r is not None)
+                    errors += sum(r is None for r in out)
+                    progress.update(done, errors, chunk.pos)
+                    if stop.signum is not None:
+                        break
+            finally:
+                progress.close()
+        secs, n = time.perf_counter() - t0, done - start
+        if stop.signum is not None:
+            where = f"in {self.output}" if self.output not in (None, "-") else "on stdout"
+            again = ("; the same command with --resume continues from there" if self.regular else
+                     "; write to a file (-o) to be able to --resume")
+            err(f"prefixscore: stopped by {signal.Signals(stop.signum).name}: rows 1-{done} are "
+                f"written {where}{again}")
+            return 128 + stop.signum
+        ok = n - errors
+        err((f"classified {ok} queries in {secs:.2f} s ({1e3 * secs / ok:.1f} ms/query)" if ok else
+             "classified no queries")
+            + "".join(f"; {l}: {c}" for l, c in counts.most_common())
+            + (f"; rows not classified: {errors} (see their error column)" if errors else "")
+            + (f"; resumed after row {start}" if self.resuming else ""))
+        return 0
