@@ -9,10 +9,12 @@ import json
 import os
 import sys
 
+from . import __version__
 from .errors import InputError, PrefixScoreError
-from .cmdline import err, make_classifier, model_args, run_batches, seed_adapter_default
+from .cmdline import (apply_sources, err, error, log, make_classifier, model_args, quiet, run_batches,
+                      seed_adapter_default, verbosity)
 from .io import labels_option
-from .report import confusion_report, format_confusion, rows_digest
+from .report import confusion_report, format_confusion, format_per_label, rows_digest
 from .prompt import SEED_LABELS
 from .stream import CHUNK_ROWS
 
@@ -25,6 +27,10 @@ def cmd_classify(a) -> int:
 
     if a.queries and a.input:
         raise InputError("give queries as arguments or --input, not both")
+    if a.top_k is not None and a.top_k < 1:
+        raise InputError(f"--top-k must be at least 1, got {a.top_k}")
+    if a.show_prompt:
+        return _show_prompt(a, a.queries[0] if a.queries else _first_query(a))
     if a.queries:
         reader = RowReader(column=a.column, queries=a.queries)
     elif a.input or not sys.stdin.isatty():
@@ -32,16 +38,42 @@ def cmd_classify(a) -> int:
     else:
         raise InputError("no queries: pass them as arguments, with --input FILE, or on stdin")
     with reader:
-        flags = {k: getattr(a, k) for k in ("batch_tokens", "mode", "truncate", "allow_special_tokens")}
+        flags = {k: getattr(a, k) for k in ("batch_tokens", "mode", "truncate", "allow_special_tokens",
+                                            "probs", "top_k")}
         job = ClassifyJob(reader, a.output, a.format, _keep_columns(a.keep_columns), a.chunk_rows,
-                          a.resume, a.strict, flags)
+                          a.resume, a.strict, flags, quiet=quiet())
         seed_adapter_default(a)
         clf = make_classifier(a)
         model = {"model": clf.loaded.name, "adapter": _path_or_name(a.adapter),
                  "head": _path_or_name(a.head), "template": clf.prompt.template,
                  "chat": clf.prompt.chat, "dtype": str(clf.engine.dtype).removeprefix("torch."),
                  "device": clf.engine.device.type}
-        return job.run(clf, model, err)
+        return job.run(clf, model, err, log.warning)
+
+
+def _first_query(a) -> str:
+    """--show-prompt's example: the first row of --input that has a query, else a stand-in."""
+    from .io import RowReader
+
+    if a.input:
+        with RowReader(a.input, a.input_format, a.column) as reader:
+            q = next((r.query for r in reader if r.error is None), None)
+            if q is not None:
+                return q
+    return "example query"
+
+
+def _show_prompt(a, query: str, flags=None) -> int:
+    """--show-prompt: what the model sees for `query` and how it is split, for each model the
+    command would run (eval: each mode it compares); nothing is classified."""
+    from .show import describe
+
+    seed_adapter_default(a)
+    for i, (name, fl) in enumerate(flags or [(None, {})]):
+        clf = make_classifier(argparse.Namespace(**(vars(a) | fl)), graphs=False)
+        print(("\n" if i else "") + (f"== {name} ==\n" if name else "") + describe(clf, query))
+        del clf
+    return 0
 
 
 def _keep_columns(value: str):
@@ -64,6 +96,7 @@ def cmd_eval(a) -> int:
     from .io import Output, check_output, read_rows
 
     check_output(a.json)
+    check_output(a.predictions)
     rows = read_rows(a.data, a.input_format, (a.column, a.label_column))
     head = getattr(a, "head", None)
     probe = argparse.Namespace(**(vars(a) | {"head": None}))  # a head is compared, not a new task
@@ -77,6 +110,8 @@ def cmd_eval(a) -> int:
     modes += [(f"head {head}", {"head": head, "adapter": None})] if head else []
     modes += [(f"adapter {adapter}", {"head": None, "adapter": adapter})] if adapter else []
     modes = modes or [("zero-shot", {})]
+    if a.show_prompt:
+        return _show_prompt(probe, queries[0], modes if len(modes) > 1 else None)
     reps = []
     for name, flags in modes:
         clf = make_classifier(argparse.Namespace(**(vars(a) | flags)))
@@ -89,17 +124,43 @@ def cmd_eval(a) -> int:
         if trained.get("training", {}).get("data_sha256") == rows_digest(queries, gold):
             rep["mode"] += " (trained on these rows)"  # a training-set score, not a held-out one
         reps.append(rep)
-        del clf, results  # one model in memory at a time
+        labels = clf.labels
+        del clf  # one model in memory at a time
     print(f"{a.data}: {len(rows)} rows")
     w = max(len(r["mode"]) for r in reps) + 2
     print("mode".ljust(w) + "accuracy  macro-F1  ms/query (batched)")
     for r in reps:
         print(r["mode"].ljust(w) + f"{r['accuracy']:8.3f}  {r['macro_f1']:8.3f}  {r['ms_per_query']:8.2f}")
     print(f"\nconfusion of {reps[-1]['mode']}:\n" + format_confusion(reps[-1]))
+    print(f"\nper label, {reps[-1]['mode']}:\n" + format_per_label(reps[-1]))
+    if a.predictions:  # the last mode's, as the confusion matrix is
+        _write_predictions(a.predictions, queries, gold, results, labels)
     if a.json:
         with Output(a.json) as f:
             f.write(json.dumps(reps[-1] | {"modes": reps}, indent=1))
     return 0
+
+
+def _write_predictions(path: str, queries, gold, results, labels) -> None:
+    """Each row's query, gold and predicted label and scores: CSV (score:LABEL columns to 6 digits,
+    as classify writes them) or, for a .jsonl path, JSONL."""
+    import csv
+    import io
+
+    from .io import Output, output_format
+
+    if output_format(path, "auto") == "jsonl":
+        text = "".join(json.dumps({"query": q, "gold": g, "predicted": r.label, "scores": r.scores},
+                                  ensure_ascii=False) + "\n" for q, g, r in zip(queries, gold, results))
+    else:
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["query", "gold", "predicted"] + [f"score:{l}" for l in labels])
+        w.writerows([q, g, r.label, *(f"{r.scores[l]:.6g}" for l in labels)]
+                    for q, g, r in zip(queries, gold, results))
+        text = buf.getvalue()
+    with Output(path) as f:
+        f.write(text)
 
 
 def _check_gold(rows, a, labels) -> None:
@@ -110,16 +171,26 @@ def _check_gold(rows, a, labels) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixscore", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command")
     c = sub.add_parser("classify", help="classify queries (arguments, a file, or stdin)")
     c.add_argument("queries", nargs="*", help="queries to classify")
     c.add_argument("-i", "--input", help="file with queries (txt: one per line, csv, jsonl); - for stdin")
-    c.add_argument("--input-format", default="auto", choices=["auto", "txt", "csv", "jsonl"],
+    c.add_argument("--input-format", default="auto", choices=["auto", "txt", "csv", "jsonl", "parquet"],
                    help="default: from the file's extension; txt for stdin")
     c.add_argument("--column", default="query", help="query column for CSV/JSONL input")
     c.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
-    c.add_argument("--format", default="auto", choices=["auto", "csv", "jsonl"],
+    c.add_argument("--format", default="auto", choices=["auto", "csv", "jsonl", "parquet"],
                    help="output format (default: from the output file's extension, else csv)")
+    c.add_argument("--probs", action="store_true",
+                   help="also the probabilities: softmax of the scores over the labels (CSV prob:LABEL "
+                        "columns, JSONL a probs object)")
+    c.add_argument("--top-k", type=int, default=None, metavar="K",
+                   help="only the K best labels by score per row, in place of every label's score "
+                        "(CSV label_1, score_1[, prob_1], ... columns; JSONL a top list)")
+    c.add_argument("--show-prompt", action="store_true",
+                   help="print the prompt for the first query (or an example) and its token split "
+                        "(cached prefix, suffix, label tokens), then exit without classifying")
     c.add_argument("--keep-columns", default="all",
                    help="the input's other columns to carry into the output beside row, query, "
                         "label and scores: all (default), none, or a comma-separated list")
@@ -139,12 +210,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--column", default="query")
     e.add_argument("--label-column", default="label")
     e.add_argument("--json", default=None, help="also write the report as JSON")
+    e.add_argument("--predictions", default=None, metavar="FILE",
+                   help="write each row's query, gold and predicted label and scores (of the last mode "
+                        "compared) to a CSV file, or JSONL for a .jsonl name")
+    e.add_argument("--show-prompt", action="store_true",
+                   help="print the prompt for the first row's query and its token split for each mode, "
+                        "then exit without classifying")
     model_args(e)
     e.set_defaults(func=cmd_eval)
     # Other commands live beside what they drive: each module adds its own subcommand.
     for name in ("score_command", "server", "train.commands"):
         if importlib.util.find_spec(f"prefixscore.{name}") is not None:
             importlib.import_module(f"prefixscore.{name}").add_command(sub, model_args)
+    for command in sub.choices.values():  # main() parses a command's words again (apply_sources)
+        command.set_defaults(command_parser=command)
     return p
 
 
@@ -152,17 +231,22 @@ def main(argv=None) -> int:
     p = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
-    a.argv = argv[1:]  # the command's own arguments (`serve --config` parses them again)
+    a.argv = argv[1:]  # the command's own arguments (apply_sources parses them again)
     if not getattr(a, "func", None):
         p.print_help()
         return 2
     try:
-        return a.func(a)
+        sources = apply_sources(a, a.command_parser)
+        # serve sets up logging in each of its processes: it takes the flags as its --log-level
+        with verbosity(a.verbosity, package_logging=a.command != "serve"):
+            for line in sources:
+                log.debug(line)
+            return a.func(a)
     except PrefixScoreError as e:
-        err(f"prefixscore: error: {e}")
+        error(f"prefixscore: error: {e}")
         return 2
     except KeyboardInterrupt:
-        err("prefixscore: interrupted")
+        error("prefixscore: interrupted")
         return 130
     except BrokenPipeError:  # the reader left (`prefixscore classify ... | head -1`): stop quietly
         # stdout to /dev/null, or the interpreter's last flush of it fails again on the way out

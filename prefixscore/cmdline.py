@@ -1,13 +1,18 @@
-"""What every `prefixscore` subcommand shares: the model and prompt flags, building a Classifier from
-them with a one-line report on stderr, and classifying a list of queries in streamed batches with a
-progress bar. cli.py and the modules that add their own subcommands (scorer, serve, train) import
-this; it imports no command."""
+"""What every `prefixscore` subcommand shares: the model and prompt flags, the command-line flags
+(--config, --quiet, --verbose) with the config file and PREFIXSCORE_* environment variables under
+them, the info/warning lines on stderr, building a Classifier from the flags with a one-line report,
+and classifying a list of queries in streamed batches with a progress bar. cli.py and the modules
+that add their own subcommands (scorer, serve, train) import this; it imports no command."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
 import time
 
+from .errors import ConfigError
 from .io import labels_option, template_option
 
 
@@ -37,24 +42,243 @@ def model_args(p: argparse.ArgumentParser) -> None:
                    help="the raw model with the seed prompt, not the shipped seed adapter")
     g.add_argument("--head", default=None,
                    help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
+    common_args(p)
 
 
-def make_classifier(a):
+def common_args(p: argparse.ArgumentParser) -> None:
+    """Flags of every command (model_args adds them): where options come from, and how much is said."""
+    g = p.add_argument_group("options and messages")
+    g.add_argument("--config", default=None,
+                   help=f"TOML file of options: keys are the long flags without '--' (batch-tokens = "
+                        f"8192, labels = [\"yes\", \"no\"], truncate = true). Precedence: command line, "
+                        f"then {ENV_PREFIX}* environment variables ({ENV_PREFIX}BATCH_TOKENS for "
+                        f"--batch-tokens), then this file (default: ${ENV_PREFIX}CONFIG)")
+    # One destination, so the last of --quiet / --verbose given wins, the command line's over the
+    # environment's (the environment's words come first: see apply_sources).
+    g.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const="quiet",
+                   default="normal", help="no progress bar or info lines (errors and warnings still shown)")
+    g.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const="verbose",
+                   help="debug logging on stderr")
+
+
+def make_classifier(a, graphs: bool = True):
     from .classifier import Classifier
 
     t0 = time.perf_counter()
-    clf = Classifier(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype, chat=a.chat,
-                     mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
-                     head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
-                     allow_special_tokens=a.allow_special_tokens)
+    labels, template = labels_option(a), template_option(a)
+    warn_seed_prompt(labels, template, getattr(a, "adapter", None), getattr(a, "head", None))
+    kw = dict(device=a.device, dtype=a.dtype, chat=a.chat, mode=a.mode, truncate=a.truncate,
+              max_batch_tokens=a.batch_tokens, head=getattr(a, "head", None),
+              adapter=getattr(a, "adapter", None), allow_special_tokens=a.allow_special_tokens)
+    log.debug("Classifier(model=%r, template=%r, labels=%r, %s)", a.model, template, labels,
+              ", ".join(f"{k}={v!r}" for k, v in kw.items()))
+    clf = Classifier(a.model, template, labels, graphs=graphs, **kw)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")
     return clf
 
 
+def warn_seed_prompt(labels, template, adapter, head) -> None:
+    """Labels of one's own under the default prompt: that prompt lists the nine seed labels, so the
+    model is asked one question and scored on another's answers. Said, not refused: it runs."""
+    from .prompt import SEED_LABELS
+
+    if labels is None or template is not None or adapter is not None or head is not None:
+        return
+    if sorted(labels) != sorted(SEED_LABELS):
+        warn(f"--labels without --template: the default prompt names the nine seed labels "
+             f"({', '.join(SEED_LABELS)}), not these; give a --template (or --template-file) that "
+             f"names them")
+
+
+# ---------------------------------------------------------------- messages on stderr
+
+class _Stderr(logging.Handler):
+    """Writes to sys.stderr as it is when each message comes (pytest's capsys replaces it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
+class _Format(logging.Formatter):
+    """A command's own lines as they are; debug lines and other modules' records name their source."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        if record.name == log.name and record.levelno >= logging.INFO:
+            return record.getMessage()
+        return f"{record.levelname.lower()}: {record.name}: {super().format(record)}"
+
+
+# The commands' info and warning lines ("model ready ...", "classified ..."): a logger of their own
+# that does not propagate, so a server's root logging setup neither drops nor doubles them.
+log = logging.getLogger("prefixscore.cli")
+log.propagate = False
+log.setLevel(logging.INFO)
+_handler = _Stderr()
+_handler.setFormatter(_Format("%(message)s"))
+log.addHandler(_handler)
+
+
 def err(msg: str) -> None:
+    """An info line on stderr (--quiet drops it)."""
+    log.info(msg)
+
+
+def warn(msg: str) -> None:
+    """A warning on stderr, shown under --quiet too."""
+    log.warning(f"prefixscore: warning: {msg}")
+
+
+def error(msg: str) -> None:
+    """An error line on stderr: always shown."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def quiet() -> bool:
+    """--quiet: no progress bars either."""
+    return not log.isEnabledFor(logging.INFO)
+
+
+@contextlib.contextmanager
+def verbosity(level: str, package_logging: bool = True):
+    """The command's --quiet / --verbose while it runs, restored after (main() may run again in the
+    same process: the tests). verbose: debug lines of every prefixscore module on stderr too, unless
+    the command sets up logging itself (`serve` maps the flags to its --log-level)."""
+    pkg = logging.getLogger("prefixscore")
+    saved = log.level, pkg.level
+    log.setLevel({"quiet": logging.WARNING, "verbose": logging.DEBUG}.get(level, logging.INFO))
+    handler = None
+    if level == "verbose" and package_logging:
+        handler = _Stderr()
+        handler.setFormatter(_Format("%(message)s"))
+        pkg.addHandler(handler)
+        pkg.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        log.setLevel(saved[0])
+        pkg.setLevel(saved[1])
+        if handler is not None:
+            pkg.removeHandler(handler)
+
+
+# ---------------------------------------------------------------- config file and environment
+
+ENV_PREFIX = "PREFIXSCORE_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _long(act) -> str | None:
+    """An option's first long name without '--' (batch-tokens); None for a positional."""
+    return next((s[2:] for s in act.option_strings if s.startswith("--")), None)
+
+
+def _options(parser) -> dict:
+    """A command's flags by long name (what a config key or an environment variable names):
+    {"batch-tokens": action, ...}; --help and --config are not options to set this way."""
+    return {_long(act): act for act in parser._actions
+            if _long(act) and act.dest not in ("help", "config")}
+
+
+def _switch_words(act, on: bool) -> list[str]:
+    """A switch's words: its flag when on; off, its "--no-" form where it has one (--no-chat), else
+    nothing (the default is off)."""
+    if on:
+        return [f"--{_long(act)}"]
+    return [act.option_strings[-1]] if isinstance(act, argparse.BooleanOptionalAction) else []
+
+
+def _config_words(path: str, options: dict) -> list[tuple[str, list[str]]]:
+    """(where, words) per key of a TOML config file."""
+    import tomllib
+
+    where = f"config file {path}"
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    out = []
+    for key, value in cfg.items():
+        act = options.get(key.replace("_", "-"))
+        if act is None:
+            raise ConfigError(f"{where}: unknown option {key!r}; known: {', '.join(sorted(options))}")
+        if act.nargs == 0:  # a switch: --truncate, --quiet, --chat / --no-chat
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: {key} is a switch: true or false")
+            out.append((where, _switch_words(act, value)))
+            continue
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: {key} takes a value, not {str(value).lower()}")
+        if isinstance(value, list):  # labels = ["yes", "no"]: the flag's comma-separated form
+            if any("," in str(v) for v in value):
+                raise ConfigError(f"{where}: {key}: an element contains a comma, which would split "
+                                  f"it; put such labels in a labels-file")
+            value = ",".join(map(str, value))
+        out.append((where, [f"--{_long(act)}={value}"]))  # one word: a value may start with '-'
+    return out
+
+
+def env_name(option: str) -> str:
+    """The environment variable of a flag: batch-tokens -> PREFIXSCORE_BATCH_TOKENS."""
+    return ENV_PREFIX + option.upper().replace("-", "_")
+
+
+def _env_words(options: dict, environ) -> list[tuple[str, list[str]]]:
+    """(where, words) per PREFIXSCORE_* variable that names one of the command's flags. Unset or
+    empty is "not given"; variables of other commands' flags (PREFIXSCORE_PORT for classify) and
+    others (PREFIXSCORE_CACHE) are not this command's and are left alone."""
+    out = []
+    for name, act in options.items():
+        var = env_name(name)
+        value = environ.get(var)
+        if not value or act.help == argparse.SUPPRESS:  # suppressed: refused by its command anyway
+            continue
+        where = f"environment variable {var}"
+        if act.nargs == 0:
+            if value.strip().lower() not in _TRUE + _FALSE:
+                raise ConfigError(f"{where}: --{name} is a switch: {'/'.join(_TRUE)} or {'/'.join(_FALSE)}, "
+                                  f"got {value!r}")
+            out.append((where, _switch_words(act, value.strip().lower() in _TRUE)))
+        else:
+            out.append((where, [f"--{name}={value}"]))
+    return out
+
+
+def apply_sources(a, parser, environ=None) -> list[str]:
+    """Fill a command's options from its config file (--config, else $PREFIXSCORE_CONFIG) and from
+    PREFIXSCORE_* environment variables, under the command line: command line > environment > config
+    file > the flag's default. Each value becomes its flag's words, put before the command line's own
+    words (`a.argv`) and parsed by the command's parser, so it is typed and checked as that flag is,
+    and argparse keeping the last of a repeated option gives the precedence (a flag given on the
+    command line wins even where it equals the default). -> where each option came from, for the
+    debug log (names only: a value may be a secret, PREFIXSCORE_API_KEY)."""
+    environ = os.environ if environ is None else environ
+    options = _options(parser)
+    config = a.config if a.config is not None else (environ.get(ENV_PREFIX + "CONFIG") or None)
+    sources = (_config_words(config, options) if config else []) + _env_words(options, environ)
+    if not sources:
+        return []
+    parser.exit_on_error = False  # a bad value raises, to be reported as its source's
+    try:
+        for where, words in sources:  # each alone over the (valid) command line: an error is its own
+            try:
+                parser.parse_args(words + a.argv)
+            except argparse.ArgumentError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        merged = parser.parse_args([w for _, words in sources for w in words] + a.argv)
+    finally:
+        parser.exit_on_error = True
+    for k, v in vars(merged).items():
+        setattr(a, k, v)
+    a.config = config
+    return [f"{' '.join(w.split('=', 1)[0] for w in words)} from {where}" for where, words in sources if words]
 
 
 def classify_batches(clf, queries: list[str]):
@@ -64,7 +288,7 @@ def classify_batches(clf, queries: list[str]):
     (Classifier.classify_batch_iter)."""
     from tqdm import tqdm
 
-    with tqdm(total=len(queries), unit="q", disable=None if len(queries) > 256 else True,
+    with tqdm(total=len(queries), unit="q", disable=None if len(queries) > 256 and not quiet() else True,
               file=sys.stderr, desc="classify") as bar:
         yield from clf.classify_batch_iter(queries, progress=bar.update)
 
@@ -98,5 +322,5 @@ def seed_adapter_default(a) -> None:
         err(f"note: the shipped seed adapter is missing ({SEED_ADAPTER}); the raw model runs")
         return
     a.adapter = "seed"
-    err("using the shipped seed adapter (fine-tuned on the bundled intent data; its prompt replaces "
-        "the seed instruction): --no-adapter for the raw model and the seed prompt")
+    err("using the shipped seed adapter (the seed prompt, fine-tuned on the bundled intent data): "
+        "--no-adapter for the raw model")

@@ -1,4 +1,5 @@
-"""Reading queries and labeled rows from files (plain lines, CSV, JSONL) and writing results."""
+"""Reading queries and labeled rows from files (plain lines, CSV, JSONL; Parquet in parquet.py) and
+the output files' plumbing (how result rows are written: rowformat.py)."""
 from __future__ import annotations
 
 import csv
@@ -18,7 +19,8 @@ def _format(path: str | None, fmt: str) -> str:
     if fmt != "auto":
         return fmt
     suffix = Path(path).suffix.lower() if path and path != "-" else ""
-    return {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}.get(suffix, "txt")
+    return {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+            ".parquet": "parquet"}.get(suffix, "txt")
 
 
 def _open(path: str):
@@ -135,8 +137,15 @@ class RowReader:
             self._rows = (self._checked(n, n, {column: q}) for n, q in enumerate(queries, 1))
             return
         self.fmt, self.name = _format(path, fmt), "<stdin>" if path == "-" else path
-        if self.fmt not in ("txt", "csv", "jsonl"):
-            raise InputError(f"unknown input format {self.fmt!r}: use txt, csv or jsonl")
+        if self.fmt not in ("txt", "csv", "jsonl", "parquet"):
+            raise InputError(f"unknown input format {self.fmt!r}: use txt, csv, jsonl or parquet")
+        if self.fmt == "parquet":  # columns, typed: read by pyarrow a batch at a time
+            from .parquet import ParquetRows
+
+            self.f = ParquetRows(path, column)
+            self.columns, self.total = self.f.columns, self.f.num_rows
+            self._rows = self.f.rows(self._checked)
+            return
         if path == "-":
             self.f = sys.stdin.buffer
         else:
@@ -161,7 +170,15 @@ class RowReader:
         return self._rows
 
     def where(self, row: Row) -> str:
+        if self.fmt == "parquet":
+            return f"{self.name} row {row.n}"
         return f"query {row.n}" if self.fmt == "args" else f"{self.name}:{row.line}"
+
+    def read_only(self, columns: list[str]) -> None:
+        """Read no other columns than these and the query's, where the format can skip the rest
+        (Parquet: a column not read is never decoded). Before the first row is read."""
+        if self.fmt == "parquet":
+            self.f.select(columns)
 
     def _lines(self):
         """(line number, bytes) of each line; a byte-order mark (Excel, Notepad) is not text."""
@@ -297,91 +314,9 @@ class Output:
             self._io(self.f.close)
 
 
-# Output names of ours; an input column so named is written as "input:NAME".
-RESERVED = ("row", "query", "label", "scores", "error")
-
-
-def output_name(column: str) -> str:
-    return f"input:{column}" if column in RESERVED or column.startswith("score:") else column
-
-
 def output_format(path: str | None, fmt: str) -> str:
     fmt = _format(path, fmt)
     return "csv" if fmt == "txt" else fmt
-
-
-class RowFormat:
-    """How rows and their results are written: CSV (a header, then a line per row) or JSONL. Each
-    row: `row` (the input row number), `query` (whatever the input's query column is called), the
-    input's other columns (`keep`: "all", "none" or a list), `label`, the scores and `error`:
-    empty, or why the row could not be classified (its label and scores then empty: "" in CSV, null
-    in JSONL). CSV's other columns are those of its header (`names`): the input's header, else the
-    first chunk's first valid JSONL object's."""
-
-    def __init__(self, fmt: str, labels: list[str], column: str = "query", keep="all",
-                 columns: list[str] | None = None):
-        self.fmt, self.labels, self.column, self.keep, self.columns = fmt, labels, column, keep, columns
-        self.names = None
-
-    def kept(self, fields: dict) -> dict:
-        """The input's other columns written for a row, by their input names."""
-        if self.keep == "all":
-            return {k: v for k, v in fields.items() if k != self.column}
-        return {} if self.keep == "none" else {k: fields.get(k) for k in self.keep if k != self.column}
-
-    def input_part(self, row: Row):
-        """What a row's line starts with, from the input alone: a CSV row's first cells, a JSONL
-        object's first keys (--resume checks what is written against it)."""
-        query = row.fields.get(self.column)
-        if self.fmt == "csv":
-            kept = self.kept(row.fields)
-            return [str(row.n), _cell(query)] + [_cell(kept.get(k)) for k in self.names]
-        return {"row": row.n, "query": query} | {output_name(k): v for k, v in self.kept(row.fields).items()}
-
-    def header(self) -> list[str]:
-        return (["row", "query"] + [output_name(k) for k in self.names] + ["label"]
-                + [f"score:{l}" for l in self.labels] + ["error"])
-
-    def lines(self, rows: list[Row], results) -> str:
-        """Rows in input order and their Results (None for an error row); CSV's header first."""
-        if self.fmt == "jsonl":
-            return "".join(json.dumps(self.input_part(row) | _result(r, row, self.labels),
-                                      ensure_ascii=False) + "\n" for row, r in zip(rows, results))
-        out = []
-        if self.names is None:
-            first = next((r.fields for r in rows if r.error is None), {})
-            self.names = list(self.kept(dict.fromkeys(self.columns) if self.columns else first))
-            out.append(self.header())
-        for row, r in zip(rows, results):
-            tail = [r.label, *(f"{r.scores[l]:.6g}" for l in self.labels), ""] if r else \
-                ["", *("" for _ in self.labels), row.error]
-            out.append(self.input_part(row) + tail)
-        buf = io.StringIO()
-        csv.writer(buf).writerows(out)
-        return buf.getvalue()
-
-
-class ResultWriter(Output):
-    """Output in a RowFormat, a chunk of rows per flushed write; `append` continues a file (whose
-    CSV header the format's `names` then already hold)."""
-
-    def __init__(self, path: str | None, form: RowFormat, append: bool = False):
-        self.form = form
-        super().__init__(path, "a" if append else "w")
-
-    def write_rows(self, rows: list[Row], results) -> None:
-        self.write(self.form.lines(rows, results))
-
-
-def _result(r, row: Row, labels) -> dict:
-    if r is None:
-        return {"label": None, "scores": None, "error": row.error}
-    return {"label": r.label, "scores": {l: r.scores[l] for l in labels}, "error": None}
-
-
-def _cell(v) -> str:
-    """A CSV cell for an input value: text as it is, JSONL's numbers and objects as JSON."""
-    return "" if v is None else v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
 
 
 def read_text(path: str, what: str) -> str:

@@ -1,22 +1,28 @@
-"""Accuracy, per-label F1 and the confusion matrix of decisions against gold labels: what
-`prefixscore eval`, `eval-modes` and the fine-tuning benches print."""
+"""Accuracy, per-label precision, recall and F1, and the confusion matrix of decisions against gold
+labels: what `prefixscore eval`, `eval-modes` and the fine-tuning benches print."""
 from __future__ import annotations
 
 
 def confusion_report(gold: list[str], pred: list[str], labels: list[str]) -> dict:
+    """Rows of the confusion matrix are gold labels, columns predictions. Per label: precision (of
+    the rows predicted as it, the share that are), recall (of its gold rows, the share predicted as
+    it), F1 and support (its gold rows); a ratio with nothing to count is 0, as scikit-learn's
+    zero_division=0."""
     idx = {l: i for i, l in enumerate(labels)}
     m = [[0] * len(labels) for _ in labels]
     for g, p in zip(gold, pred):
         m[idx[g]][idx[p]] += 1
-    f1s = []
-    for i in range(len(labels)):
+    per = {}
+    for i, l in enumerate(labels):
         tp = m[i][i]
         prec = tp / max(1, sum(m[r][i] for r in range(len(labels))))
         rec = tp / max(1, sum(m[i]))
-        f1s.append(0.0 if tp == 0 else 2 * prec * rec / (prec + rec))
+        f1 = 0.0 if tp == 0 else 2 * prec * rec / (prec + rec)
+        per[l] = {"precision": prec, "recall": rec, "f1": f1, "support": sum(m[i])}
+    f1s = [per[l]["f1"] for l in labels]
     acc = sum(m[i][i] for i in range(len(labels))) / max(1, len(gold))
     return {"n": len(gold), "accuracy": acc, "macro_f1": sum(f1s) / len(f1s),
-            "f1": dict(zip(labels, f1s)), "labels": labels, "confusion": m}
+            "f1": dict(zip(labels, f1s)), "per_label": per, "labels": labels, "confusion": m}
 
 
 def format_confusion(rep: dict) -> str:
@@ -25,6 +31,15 @@ def format_confusion(rep: dict) -> str:
     lines = ["gold \\ predicted".ljust(w + 2) + "".join(l[:w].rjust(w) for l in labels)]
     for l, row in zip(labels, rep["confusion"]):
         lines.append(l[: w + 2].ljust(w + 2) + "".join(str(v).rjust(w) for v in row))
+    return "\n".join(lines)
+
+
+def format_per_label(rep: dict) -> str:
+    w = max(8, max(len(l) for l in rep["labels"]) + 2)
+    lines = ["label".ljust(w) + "precision  recall      F1  support"]
+    for l in rep["labels"]:
+        r = rep["per_label"][l]
+        lines.append(l.ljust(w) + f"{r['precision']:9.3f}  {r['recall']:6.3f}  {r['f1']:6.3f}  {r['support']:7d}")
     return "\n".join(lines)
 
 

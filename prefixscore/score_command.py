@@ -9,7 +9,7 @@ import sys
 import time
 
 from .classifier import error_at, run_ahead
-from .cmdline import err
+from .cmdline import err, quiet
 from .errors import ConfigError, InputError
 from .scorer import LAYOUTS, MODES, Scorer
 
@@ -80,7 +80,7 @@ def cmd_score(a) -> int:
     n_items = sum(len(items) for _, items in checked)
     t0 = time.perf_counter()
     with Output(a.output) as out, tqdm(total=n_items, unit="item", file=sys.stderr, desc="score",
-                                       disable=None if n_items > 1024 else True) as bar, \
+                                       disable=None if n_items > 1024 and not quiet() else True) as bar, \
             contextlib.closing(run_ahead(prepare, chunks)) as prepared:
         for (lo, hi), chunk in zip(chunks, prepared):  # each chunk written (and flushed) when done
             lines = []

@@ -12,6 +12,7 @@ import contextlib
 import csv
 import itertools
 import json
+import logging
 import os
 import signal
 import sys
@@ -22,11 +23,13 @@ from dataclasses import dataclass
 
 from .classifier import run_ahead
 from .errors import InputError
-from .io import ResultWriter, Row, RowFormat, RowReader, check_output, output_format, output_name
+from .io import Row, RowReader, check_output, output_format
+from .rowformat import ResultWriter, RowFormat, plain
 
 CHUNK_ROWS = 4096  # rows per chunk: thousands keep the GPU's flat batches full, the memory small
 FIRST_CHUNK_ROWS = 32  # the first chunks are short, so the first rows are out moments after the model
 PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -93,13 +96,13 @@ class Progress:
     a file's bytes read over its size)."""
 
     def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float = PROGRESS_EVERY,
-                 clock=time.monotonic):
+                 clock=time.monotonic, quiet: bool = False):
         self.reader, self.start, self.every, self.clock = reader, start, every, clock
         self.stream = sys.stderr if stream is None else stream
         self.t0 = self.last = clock()
         self.f0 = self._fraction(start, reader.pos)
-        self.bar = None
-        if self.stream.isatty():
+        self.bar, self.quiet = None, quiet
+        if self.stream.isatty() and not quiet:
             from tqdm import tqdm
 
             self.bar = tqdm(initial=start, unit="row", file=self.stream, desc="classify", delay=1.0)
@@ -116,7 +119,7 @@ class Progress:
                 self.bar.total = max(rows, round(rows / f))  # an estimate where the input is a file
             self.bar.update(rows - self.bar.n)
             return
-        if now - self.last < self.every:
+        if self.quiet or now - self.last < self.every:
             return
         self.last, secs = now, now - self.t0
         rate = (rows - self.start) / secs if secs > 0 else 0.0
@@ -172,6 +175,9 @@ def meta_path(output: str) -> str:
 # then OUT is plain CSV or JSONL with one line per input row, as vLLM's and TEI's batch outputs are,
 # which pandas, DuckDB and jq read with no line to skip and whose line N stays row N.
 META_FORMAT = "prefixscore.classify.output"
+# Options recorded since after the first sidecars were written: a record without one was written
+# with its default, so such a file still resumes with the same command.
+ADDED_OPTIONS = {"probs": False, "top_k": None}
 
 
 def write_meta(output: str, options: dict) -> None:
@@ -199,7 +205,7 @@ def check_meta(output: str, options: dict) -> None:
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise InputError(f"--resume: {path} is not readable as prefixscore's record of {output}") from None
     for k, v in options.items():
-        old = meta["options"].get(k)
+        old = meta["options"].get(k, ADDED_OPTIONS.get(k))
         if old != v:
             raise InputError(f"--resume: {output} was written with {k} {_short(old)}, not {_short(v)} "
                              f"(see {path}): give the options it was written with, or drop --resume "
@@ -226,6 +232,8 @@ def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str):
                 raise InputError(f"--resume: {output} has more rows than the input ({n - 1}): it was "
                                  f"written from another input")
             want = form.input_part(row)
+            if form.fmt == "jsonl":  # as written: a Parquet timestamp is its ISO text there
+                want = json.loads(json.dumps(want, default=plain))
             same = got[:len(want)] == want if form.fmt == "csv" else \
                 all(got.get(k, ...) == v for k, v in want.items())
             if not same:
@@ -271,7 +279,7 @@ def _records(f, output: str, form: RowFormat):
         header = next(records, None)
         if header is None:
             return
-        form.names = [_input_name(c) for c in header[2:len(header) - len(form.labels) - 2]]
+        form.names = [_input_name(c, form) for c in header[2:len(header) - len(form.result_columns)]]
         if header != form.header():
             raise InputError(f"--resume: {output} has the header {_short(header)}, not "
                              f"{_short(form.header())}")
@@ -289,9 +297,9 @@ def _records(f, output: str, form: RowFormat):
         raise unreadable() from None
 
 
-def _input_name(name: str) -> str:
-    plain = name.removeprefix("input:")
-    return plain if plain != name and output_name(plain) == name else name
+def _input_name(name: str, form: RowFormat) -> str:
+    bare = name.removeprefix("input:")
+    return bare if bare != name and form.out_name(bare) == name else name
 
 
 # ---------------------------------------------------------------- the command
@@ -303,24 +311,34 @@ class ClassifyJob:
 
     def __init__(self, reader: RowReader, output: str | None, fmt: str = "auto", keep="all",
                  chunk_rows: int = CHUNK_ROWS, resume: bool = False, strict: bool = False,
-                 flags: dict | None = None):
+                 flags: dict | None = None, quiet: bool = False):
         if chunk_rows < 1:
             raise InputError(f"--chunk-rows must be at least 1, got {chunk_rows}")
         if resume and output in (None, "-"):
             raise InputError("--resume continues an output file: give it with -o")
+        self.fmt = output_format(output, fmt)
+        if self.fmt == "parquet":
+            from .parquet import check_parquet_output
+
+            check_parquet_output(output, resume)
         if keep not in ("all", "none") and reader.columns is not None:
             missing = [c for c in keep if c not in reader.columns]
             if missing:
                 raise InputError(f"--keep-columns: the input has no column {missing[0]!r} (columns: "
                                  f"{', '.join(reader.columns)})")
+        if keep != "all":
+            reader.read_only([] if keep == "none" else keep)
         self.reader, self.output, self.keep, self.chunk_rows = reader, output, keep, chunk_rows
-        self.fmt, self.resume, self.strict = output_format(output, fmt), resume, strict
+        self.resume, self.strict, self.quiet = resume, strict, quiet
         check_output(output)  # a bad path must fail now, not after the whole run
-        if reader.size is not None and output not in (None, "-") and os.path.exists(output) \
+        is_file = reader.size is not None or reader.fmt == "parquet"
+        if is_file and output not in (None, "-") and os.path.exists(output) \
                 and os.path.samefile(reader.name, output):  # streaming: writing would erase it
             raise InputError(f"the output file {output} is the input file: write to another file")
-        # The sidecar is for a regular output file: resuming into a device or a pipe means nothing.
+        # The sidecar is for a regular output file: resuming into a device or a pipe means nothing,
+        # and a Parquet file cannot be resumed (check_parquet_output).
         self.regular = output not in (None, "-") and (not os.path.exists(output) or os.path.isfile(output))
+        self.resumable = self.regular and self.fmt != "parquet"
         if resume and not self.regular:
             raise InputError(f"--resume continues a regular file, and {output} is not one")
         self.resuming = resume and os.path.exists(output)
@@ -338,11 +356,12 @@ class ClassifyJob:
                 raise InputError(f"{reader.where(bad)}: {bad.error}")
         self.rows = itertools.chain(first, self.rows)
 
-    def run(self, clf, model: dict, err=None) -> int:
+    def run(self, clf, model: dict, err=None, warn=None) -> int:
         """Classify every row not yet written; -> the exit status (128 + the signal's number when
-        one stopped it)."""
+        one stopped it). err: info lines; warn: the line that says where a stop left the output."""
         self.options |= model | {"labels": clf.labels}
-        form = RowFormat(self.fmt, clf.labels, self.reader.column, self.keep, self.reader.columns)
+        form = RowFormat(self.fmt, clf.labels, self.reader.column, self.keep, self.reader.columns,
+                         self.options.get("probs", False), self.options.get("top_k"))
         done, keep_bytes = 0, 0
         if self.resuming:
             check_meta(self.output, self.options)
@@ -352,14 +371,20 @@ class ClassifyJob:
             self.rows = itertools.chain(redo, self.rows)
             if keep_bytes == 0:
                 form.names = None  # the file starts over: its header is written again
-        elif self.regular:
+        elif self.resumable:
             write_meta(self.output, self.options)
         err = err or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        return self._stream(clf, ResultWriter(self.output, form, append=keep_bytes > 0), done, err)
+        if self.fmt == "parquet":
+            from .parquet import ParquetResultWriter
 
-    def _stream(self, clf, writer, done: int, err) -> int:
+            writer = ParquetResultWriter(self.output, form, self.reader)
+        else:
+            writer = ResultWriter(self.output, form, append=keep_bytes > 0)
+        return self._stream(clf, writer, done, err, warn or err)
+
+    def _stream(self, clf, writer, done: int, err, warn) -> int:
         t0, start, counts, errors = time.perf_counter(), done, Counter(), 0
-        progress = Progress(self.reader, done)
+        progress = Progress(self.reader, done, quiet=self.quiet)
         with writer, StopSignals() as stop, contextlib.closing(tokenized_chunks(
                 clf, self.rows, self.reader, self.chunk_rows, self.strict, done)) as chunks:
             try:
@@ -367,6 +392,8 @@ class ClassifyJob:
                     results = iter(clf.classify_encoded(chunk.encoded))
                     out = [None if row.error else next(results) for row in chunk.rows]
                     writer.write_rows(chunk.rows, out)
+                    log.debug("rows %d-%d written, %.2f s in", chunk.rows[0].n, chunk.rows[-1].n,
+                              time.perf_counter() - t0)
                     done = chunk.rows[-1].n
                     counts.update(r.label for r in out if r is not None)
                     errors += sum(r is None for r in out)
@@ -378,10 +405,11 @@ class ClassifyJob:
         secs, n = time.perf_counter() - t0, done - start
         if stop.signum is not None:
             where = f"in {self.output}" if self.output not in (None, "-") else "on stdout"
-            again = ("; the same command with --resume continues from there" if self.regular else
+            again = ("; the same command with --resume continues from there" if self.resumable else
+                     "; a Parquet file cannot be resumed" if self.fmt == "parquet" else
                      "; write to a file (-o) to be able to --resume")
-            err(f"prefixscore: stopped by {signal.Signals(stop.signum).name}: rows 1-{done} are "
-                f"written {where}{again}")
+            warn(f"prefixscore: stopped by {signal.Signals(stop.signum).name}: rows 1-{done} are "
+                 f"written {where}{again}")
             return 128 + stop.signum
         ok = n - errors
         err((f"classified {ok} queries in {secs:.2f} s ({1e3 * secs / ok:.1f} ms/query)" if ok else

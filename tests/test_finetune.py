@@ -377,7 +377,7 @@ def test_command_line_teacher(llama, tmp_path, capsys):
     flags = ["--template", TEMPLATE, "--no-chat", "--labels", ",".join(LABELS)]
     assert train_main(["finetune", str(data), "-o", str(out), "--model", str(llama), *flags,
                        "--teacher", str(llama), "--teacher-template", TEMPLATE, "--no-teacher-chat",
-                       "--epochs", "1", "--lr", "1e-6", "--quiet"]) == 0
+                       "--epochs", "1", "--lr", "1e-6"]) == 0  # not --quiet: it drops the info lines
     assert "teacher:" in capsys.readouterr().err
     t = read_adapter(out).meta["training"]
     assert t["teacher"] and t["val_acc"] == 1.0

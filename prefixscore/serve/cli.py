@@ -1,11 +1,10 @@
-"""`prefixscore serve`: flags (and a TOML file) -> FrontendConfig + EngineConfig -> launch.serve."""
+"""`prefixscore serve`: flags (and a TOML file, and PREFIXSCORE_* variables: cmdline.apply_sources)
+-> FrontendConfig + EngineConfig -> launch.serve."""
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import sys
 
-from ..errors import ConfigError
 from .config import EngineConfig, FrontendConfig, api_key_from, default_workers
 
 
@@ -13,12 +12,10 @@ def add_command(subparsers, model_args) -> None:
     p = subparsers.add_parser(
         "serve", help="HTTP service: POST /v1/classify, /v1/score; GET /healthz, /metrics, /docs",
         description="Serve one classifier over HTTP: front-end processes (HTTP, tokenization) and one "
-                    "engine process (the model). Options can also come from a TOML file (--config); "
-                    "flags given on the command line win.")
+                    "engine process (the model). Options can also come from a TOML file (--config) "
+                    "and PREFIXSCORE_* environment variables (PREFIXSCORE_PORT for --port); flags "
+                    "given on the command line win, then the environment, then the file.")
     g = p.add_argument_group("server")
-    g.add_argument("--config", default=None,
-                   help="TOML file of options: keys are the long flags without '--' (port = 8000, "
-                        "labels = [\"yes\", \"no\"], ...)")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--grpc-port", type=int, default=None,
@@ -77,72 +74,23 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model's name in /healthz and /v1/score answers (default: its file or "
                         "folder name)")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the server's log (default info; --verbose: debug, --quiet: warning)")
     g.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     model_args(p)
-    p.set_defaults(func=lambda a: cmd_serve(a, p))
-
-
-def apply_config(a, parser) -> None:
-    """Options from a TOML file, under the command line: the file's values go through the same
-    parser as flags (typed and checked the same way) and become its defaults, then the command
-    line is parsed again on top, so a flag given there wins even where it equals the default."""
-    import tomllib
-
-    try:
-        with open(a.config, "rb") as f:
-            cfg = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {a.config}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {a.config}: {e}") from None
-    actions = {act.dest: act for act in parser._actions if act.dest not in ("help", "config")}
-    argv = []
-    for key, value in cfg.items():
-        dest = key.replace("-", "_")
-        act = actions.get(dest)
-        if act is None:
-            raise ConfigError(f"config file {a.config}: unknown option {key!r}; known: "
-                              f"{', '.join(sorted(k.replace('_', '-') for k in actions))}")
-        flag = act.option_strings[0]
-        if act.nargs == 0:  # a switch: --truncate, --access-log, --chat / --no-chat
-            if not isinstance(value, bool):
-                raise ConfigError(f"config file {a.config}: {key} is a switch: true or false")
-            if value:
-                argv.append(flag)
-            elif len(act.option_strings) > 1:  # the "--no-" form
-                argv.append(act.option_strings[1])
-            continue
-        if isinstance(value, bool):
-            raise ConfigError(f"config file {a.config}: {key} takes a value, not {str(value).lower()}")
-        if isinstance(value, list):  # labels = ["yes", "no"]: the flag's comma-separated form
-            if any("," in str(v) for v in value):
-                raise ConfigError(f"config file {a.config}: {key}: an element contains a comma, "
-                                  f"which would split it; put such labels in a labels-file")
-            value = ",".join(map(str, value))
-        argv.append(f"{flag}={value}")  # one word: a value may start with '-'
-    parser.exit_on_error = False  # a bad value raises, to be reported as the config file's
-    try:
-        from_file = parser.parse_args(argv)
-        parser.set_defaults(**{k.replace("-", "_"): getattr(from_file, k.replace("-", "_")) for k in cfg})
-        merged = parser.parse_args(a.argv)
-    except argparse.ArgumentError as e:
-        raise ConfigError(f"config file {a.config}: {e}") from None
-    finally:
-        parser.exit_on_error = True
-    for dest in actions:
-        setattr(a, dest, getattr(merged, dest))
+    p.set_defaults(func=cmd_serve)
 
 
 def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     """The flags as the two processes' configs (every value checked here, before any model loads)."""
     from ..classifier import classifier_labels
-    from ..cmdline import seed_adapter_default
+    from ..cmdline import seed_adapter_default, warn_seed_prompt
     from ..io import labels_option, template_option
     from ..prompt import check_template
 
     seed_adapter_default(a)
     template, labels = template_option(a), labels_option(a)
+    warn_seed_prompt(labels, template, a.adapter, getattr(a, "head", None))
     if template is not None:
         check_template(template, ("query",))
     if labels is not None:
@@ -166,15 +114,21 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         max_connections=a.max_connections, header_timeout=a.header_timeout,
         body_timeout=a.body_timeout, max_header_bytes=a.max_header_bytes,
         shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
-        log_level=a.log_level, access_log=a.access_log)
+        log_level=_log_level(a), access_log=a.access_log)
     return front, engine
 
 
-def cmd_serve(a, parser) -> int:
+def _log_level(a) -> str:
+    """--quiet / --verbose, every command's flags, as the server's --log-level: an explicit
+    --log-level other than the default wins."""
+    if a.log_level != "info":
+        return a.log_level
+    return {"quiet": "warning", "verbose": "debug"}.get(getattr(a, "verbosity", "normal"), "info")
+
+
+def cmd_serve(a) -> int:
     from .launch import serve
 
-    if a.config:
-        apply_config(a, parser)
     front, engine = configs(a)
     try:
         loopback = ipaddress.ip_address(front.host).is_loopback

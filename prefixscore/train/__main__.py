@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cmdline import model_args
+from ..cmdline import apply_sources, model_args, verbosity
 from ..errors import PrefixScoreError
 from .commands import add_command
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prefixscore.train")
-    add_command(parser.add_subparsers(dest="command", required=True), model_args)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_command(sub, model_args)
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = parser.parse_args(argv)
+    a.argv = argv[1:]  # the command's own words: apply_sources parses them again
     try:
-        return a.func(a)
+        apply_sources(a, sub.choices[a.command])  # --config and PREFIXSCORE_*, as `prefixscore` does
+        with verbosity(a.verbosity):
+            return a.func(a)
     except PrefixScoreError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ def cmd_finetune(a) -> int:
                        teacher=teacher,
                        objective=a.objective, rank=a.rank, alpha=a.alpha, lr=a.lr, epochs=a.epochs,
                        seed=a.seed, val_fraction=a.val_fraction, patience=a.patience,
-                       batch_size=a.batch_size, progress=not a.quiet, output=a.output, refit=a.refit,
+                       batch_size=a.batch_size, progress=a.verbosity != "quiet", output=a.output, refit=a.refit,
                        save_dtype=getattr(torch, a.save_dtype), device=a.device, dtype=a.dtype,
                        query_column=a.column, label_column=a.label_column, input_format=a.input_format)
     t = adapter.meta["training"]
@@ -85,7 +85,6 @@ def add_finetune_command(sub, model_args) -> None:
                    help="wrap the teacher's prompt in its chat template (default: if it has one)")
     g.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the LoRA weights' dtype in the file (bfloat16: half the size)")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
     model_args(p)
     p.set_defaults(func=cmd_finetune)
 
@@ -159,7 +158,7 @@ def cmd_fit_head(a) -> int:
     t0 = time.perf_counter()
     x = clf.features(queries)
     err(f"done in {time.perf_counter() - t0:.1f} s; training a {opts.kind} head")
-    head, info = fit_head(x, targets, labels, opts, log=print)
+    head, info = fit_head(x, targets, labels, opts, log=None if a.verbosity == "quiet" else print)
     info |= {"source": ("teacher-soft" if a.soft else "teacher") if a.teacher else "labels",
              "data": a.data}
     save_head(a.output, head, clf, info)

@@ -1,0 +1,145 @@
+"""Parquet in and out for `prefixscore classify`, through pyarrow (an optional dependency: the
+`parquet` extra). Input is read a batch at a time (ParquetFile.iter_batches decodes one row group
+at a time, and only the columns that are written), so memory stays flat as it does for text
+input. Output has CSV's columns, typed, and each chunk is written as one row group when it
+finishes."""
+from __future__ import annotations
+
+from .errors import InputError
+from .io import cannot_write
+from .rowformat import RowFormat, _cell
+
+BATCH_ROWS = 1024  # rows turned into Python objects at a time: a chunk takes a few batches
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise InputError("Parquet needs pyarrow: pip install 'prefixscore[parquet]'") from None
+    return pyarrow
+
+
+class ParquetRows:
+    """A Parquet file's rows as dicts of Python values (timestamps as datetime, lists, structs as
+    dicts), lazily; `columns` is the file's schema, known before the first row."""
+
+    def __init__(self, path: str, column: str):
+        pa = _pyarrow()
+        if path == "-":
+            raise InputError("Parquet input is read from a file (its footer says where the rows "
+                             "are), not from stdin: give -i FILE.parquet")
+        try:
+            self.file = pa.parquet.ParquetFile(path)
+        except FileNotFoundError:
+            raise InputError(f"input file not found: {path}") from None
+        except IsADirectoryError:
+            raise InputError(f"input is a directory, not a file: {path}") from None
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{path}: not a readable Parquet file ({e})") from None
+        self.name, self.column, self.read = path, column, None  # read None: every column
+        self.schema = self.file.schema_arrow
+        self.columns, self.num_rows = list(self.schema.names), self.file.metadata.num_rows
+        if column not in self.columns:
+            raise InputError(f"{path}: no column {column!r} (columns: {', '.join(self.columns)})")
+
+    def select(self, columns: list[str]) -> None:
+        """Decode only these columns and the query's."""
+        self.read = [c for c in self.columns if c == self.column or c in columns]
+
+    def rows(self, make_row):
+        """make_row(n, line, fields) for each row, n from 1."""
+        pa, n = _pyarrow(), 0
+        batches = self.file.iter_batches(BATCH_ROWS, columns=self.read)
+        while True:
+            try:  # only the reading is guarded: an error of the consumer's is its own
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"{self.name}: unreadable after row {n} ({e})") from None
+            if batch is None:
+                return
+            for fields in batch.to_pylist():
+                n += 1
+                yield make_row(n, n, fields)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def check_parquet_output(output: str | None, resume: bool) -> None:
+    """Before the model loads: pyarrow is there, the output is a file, and no --resume. A Parquet
+    file is readable only once its footer is written, at the end: one that a crash cut off holds
+    nothing to continue, and continuing one that was closed would need its row groups rewritten to
+    come out byte for byte as one run's. Resume needs CSV or JSONL."""
+    _pyarrow()
+    if output in (None, "-"):
+        raise InputError("Parquet output is written to a file (its footer comes last): give "
+                         "-o OUT.parquet")
+    if resume:
+        raise InputError("--resume does not continue a Parquet file (it is readable only once "
+                         "complete); write CSV or JSONL to be able to resume, and convert after")
+
+
+class ParquetResultWriter:
+    """Rows in RowFormat's CSV columns, typed: row int64, scores and probabilities float64, labels,
+    error and text as strings; the query and the input's other columns keep their types where the
+    input is Parquet too, else are written as CSV writes them (text, JSON for JSONL's non-text
+    values, null for none). One row group per chunk; the file is complete when closed (a stop by
+    SIGINT or SIGTERM closes it too)."""
+
+    def __init__(self, path: str, form: RowFormat, reader):
+        self.path, self.form, self.writer, self.schema = path, form, None, None
+        self.input_schema = reader.f.schema if reader.fmt == "parquet" else None
+
+    def _input_type(self, name: str):
+        pa = _pyarrow()
+        if self.input_schema is None:
+            return pa.string()
+        return self.input_schema.field(name).type
+
+    def _open(self) -> None:
+        pa, form = _pyarrow(), self.form
+        kinds = {str: pa.string(), float: pa.float64()}
+        fields = [pa.field("row", pa.int64()), pa.field("query", self._input_type(form.column))]
+        fields += [pa.field(form.out_name(k), self._input_type(k)) for k in form.names]
+        fields += [pa.field(name, kinds[kind]) for name, kind in form.result_columns]
+        self.schema = pa.schema(fields)
+        try:
+            self.writer = pa.parquet.ParquetWriter(self.path, self.schema)
+        except OSError as e:
+            raise cannot_write(self.path, e) from None
+
+    def _value(self, v):
+        """An input value as its column holds it: as read (Parquet in), else CSV's text."""
+        return v if self.input_schema is not None else (None if v is None else _cell(v))
+
+    def write_rows(self, rows, results) -> None:
+        pa, form = _pyarrow(), self.form
+        if form.set_names(rows) or self.writer is None:
+            self._open()
+        kept = [form.kept(row.fields) for row in rows]
+        columns = [[row.n for row in rows], [self._value(row.fields.get(form.column)) for row in rows]]
+        columns += [[self._value(k.get(name)) for k in kept] for name in form.names]
+        columns += [list(c) for c in zip(*(form.result_values(r, row) for row, r in zip(rows, results)))]
+        arrays = [pa.array(c, type=f.type) for c, f in zip(columns, self.schema)]
+        try:
+            self.writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema),
+                                    row_group_size=len(rows))
+        except OSError as e:
+            raise cannot_write(self.path, e) from None
+
+    def close(self) -> None:
+        if self.writer is None:  # no rows: still a Parquet file, with the columns
+            self.form.set_names([])
+            self._open()
+        try:
+            self.writer.close()
+        except OSError as e:
+            raise cannot_write(self.path, e) from None
+
+    def __enter__(self) -> "ParquetResultWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
