@@ -143,3 +143,14 @@ def fix_interpreter_loop_bounds():
 
     patched._index_fixed = True
     interpreter._patch_lang_tensor = patched
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module's in-process runs (its subprocesses get OMP_NUM_THREADS=1):
+    on a busy 2-core host, OpenMP threads spinning for a core made classification ~30x slower.
+    The session's setting is restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

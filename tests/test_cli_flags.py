@@ -27,14 +27,7 @@ QUERIES = ["red dress", "blue jeans", "levis 501", "summer maxi dress", "socks",
 BASE = ["--labels", ",".join(LABELS), "--template", TEMPLATE, "--no-chat"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 @pytest.fixture(scope="module")

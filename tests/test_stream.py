@@ -27,15 +27,7 @@ LABELS = ["Dress", "Jeans", "Other"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """In-process runs on one thread too (see ENV); the session's setting is restored after."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 
 
 @pytest.fixture(scope="module")
