@@ -198,11 +198,12 @@ def check_meta(output: str, options: dict) -> None:
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
-        assert meta["format"] == META_FORMAT and isinstance(meta["options"], dict)
+        if meta["format"] != META_FORMAT or not isinstance(meta["options"], dict):
+            raise ValueError("not a prefixscore sidecar")
     except FileNotFoundError:
         raise InputError(f"--resume: {output} has no {path}, so what it was written with cannot be "
                          f"checked: write to a new file, or drop --resume to overwrite it") from None
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+    except (OSError, ValueError, KeyError, TypeError):
         raise InputError(f"--resume: {path} is not readable as prefixscore's record of {output}") from None
     for k, v in options.items():
         old = meta["options"].get(k, ADDED_OPTIONS.get(k))
