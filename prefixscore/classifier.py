@@ -186,7 +186,7 @@ class Classifier:
         if not isinstance(max_batch_tokens, numbers.Integral) or max_batch_tokens < 1:  # numpy ints too
             raise ConfigError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
         self.loaded = obtain(model, device, dtype)
-        self.engine = Engine(self.loaded)
+        self.engine = Engine.shared(self.loaded)
         tok = self.loaded.tokenizer
         self.prompt = Prompt(tok, template, chat=chat, special_tokens=allow_special_tokens)
         if adapter_file is not None:  # before the prefix and graphs are computed from the weights
@@ -222,6 +222,38 @@ class Classifier:
         weight, logprobs = (self.head.weight, False) if linear else (self.weight, mode == "logprobs")
         self.capture_info = self.engine.capture(self.prefix_kv, weight, logprobs,
                                                 max_batch_tokens) if graphs else {}
+
+    @classmethod
+    def many(cls, classifiers: dict, model=None, *, device=None, dtype=None,
+             **common) -> dict[str, "Classifier"]:
+        """Several classifiers over one loaded model: {name: {template=, labels=, ...}} -> {name:
+        Classifier}. The weights are loaded once and shared, and so is the engine with its CUDA
+        graph memory; each classifier keeps its own pinned prefix, label rows and graphs (see
+        `memory`). `common` options apply to every classifier unless its own dict sets them.
+        Adapters merge into the weights, so they cannot be shared: use one model per adapter."""
+        if not isinstance(classifiers, dict) or not classifiers:
+            raise ConfigError("Classifier.many takes a non-empty dict {name: {template=..., "
+                              "labels=..., ...}}")
+        for name, spec in classifiers.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"a classifier name is a non-empty string, got {name!r}")
+            if not isinstance(spec, dict):
+                raise ConfigError(f"classifier {name!r}: options are a dict, got {type(spec).__name__}")
+            if "model" in spec or "adapter" in {**common, **spec}:
+                raise ConfigError(f"classifier {name!r}: the classifiers of Classifier.many share "
+                                  f"one model; model= and adapter= are not per classifier")
+        loaded = obtain(model, device, dtype)
+        return {name: cls(loaded, **{**common, **spec}) for name, spec in classifiers.items()}
+
+    @property
+    def memory(self) -> dict[str, int]:
+        """Bytes this classifier adds to its model: the pinned prefix's K/V, the label rows, and
+        (GPU) its graphs' static buffers and the growth of the shared graph pool at its capture.
+        Compare with `model_bytes`, the weights every classifier of the model shares."""
+        kv = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.prefix_kv)
+        graphs = int(self.capture_info.get("graph_mem_mb", 0) * 2**20)
+        return {"prefix_kv": kv, "label_rows": self.weight.numel() * self.weight.element_size(),
+                "graphs": graphs, "model_bytes": self.engine.weight_bytes()}
 
     @property
     def prefix_len(self) -> int:

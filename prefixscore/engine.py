@@ -45,6 +45,26 @@ class Engine:
         empty = torch.empty(0, c.num_kv_heads, c.head_dim, device=self.device, dtype=self.dtype)
         self.no_prefix = [(empty, empty)] * c.num_layers
         self.graphs: dict[tuple, GraphRunner] = {}
+        # One CUDA graph memory pool for every runner of this engine: replays are serial (one
+        # stream, each call waits for its own), and a graph's outputs leave through buffers outside
+        # the pool, so the classifiers of one model need the activation memory of one bucket set,
+        # not one each (a second classifier costs its prefix KV, label rows and static buffers).
+        self.pool = None
+
+    @classmethod
+    def shared(cls, loaded: LoadedModel) -> "Engine":
+        """The one engine of a loaded model: classifiers and scorers over the same weights share
+        its graph memory pool (kept on the LoadedModel, which lives as long as they do)."""
+        engine = loaded.__dict__.get("engine")
+        if engine is None:
+            engine = loaded.__dict__["engine"] = cls(loaded)
+        return engine
+
+    def weight_bytes(self) -> int:
+        """The model's parameter bytes (what classifiers over this engine share)."""
+        params = {id(t): t for t in self.model.parameters()}
+        params[id(self.lm_head)] = self.lm_head
+        return sum(t.numel() * t.element_size() for t in params.values())
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -167,7 +187,7 @@ class GraphRunner:
         copies = GRAPH_COPIES and kernels.USE_TRITON  # (the plain-torch baseline copies around)
         self.inline = {T: copies and self._in_bytes(T) + self._out_bytes(T) <= GRAPH_COPY_MAX_BYTES
                        for T in self.buckets}
-        pool = None
+        pool = engine.pool
         # Warm up on the stream that captures: what a kernel caches per stream (the skinny GEMMs'
         # split-K counters) then exists before the capture, which would otherwise record its
         # zero-fill into every replay (a torch kernel between two PDL launches).
@@ -188,7 +208,7 @@ class GraphRunner:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream):
                 self._body(T)
-            pool = g.pool()
+            pool = engine.pool = g.pool()
             self.graphs[T] = g
 
     def _in_bytes(self, T):

@@ -145,7 +145,7 @@ class Scorer:
         if template is not None:
             check_template(template, SLOTS)  # fail fast, before loading a model
         self.loaded = obtain(model, device, dtype)
-        self.engine = Engine(self.loaded)
+        self.engine = Engine.shared(self.loaded)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer
         self.mode, self.layout = mode, layout

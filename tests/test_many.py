@@ -1,0 +1,73 @@
+"""Several classifiers over one model (Classifier.many): they answer exactly what separately built
+classifiers answer, share the weights and the engine, and report what each one adds."""
+import random
+
+import pytest
+import torch
+
+from prefixscore import Classifier
+from prefixscore.errors import ConfigError
+
+CATEGORY = dict(template="Which category is this query about? Answer with one label.\nquery: {query}",
+                labels=["Dress", "Jeans", "Hoodie", "T-shirt", "Trench Coat"])
+GENDER = dict(template="Who is this product for?\nquery: {query}\nAnswer:",
+              labels=["women", "men", "kids", "unisex"])
+WORDS = "red blue linen denim slim oversized kids women men summer cotton 连衣裙 501 hoodie".split()
+
+
+def queries(seed, n=12):
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(n)]
+
+
+def same(a, b, tol):
+    assert [r.label for r in a] == [r.label for r in b]
+    for x, y in zip(a, b):
+        assert x.scores.keys() == y.scores.keys()
+        assert max(abs(x.scores[k] - y.scores[k]) for k in x.scores) <= tol
+
+
+def check_many(path, device, dtype, tol, seed):
+    many = Classifier.many({"category": CATEGORY, "gender": {**GENDER, "mode": "logprobs"}},
+                           model=str(path), device=device, dtype=dtype, chat=False)
+    alone = {n: Classifier(str(path), device=device, dtype=dtype, chat=False, **spec)
+             for n, spec in (("category", CATEGORY), ("gender", GENDER))}
+    cat, gen = many["category"], many["gender"]
+    assert cat.loaded is gen.loaded and cat.engine is gen.engine  # one copy of the weights
+    assert cat.prefix_kv is not gen.prefix_kv and cat.prompt.prefix_ids != gen.prompt.prefix_ids
+    qs = queries(seed)
+    # interleaved: one classifier's calls must not disturb the other's (shared graph pool on GPU)
+    for q in qs[:4]:
+        same([cat.classify(q)], [alone["category"].classify(q)], tol)
+        same([gen.classify(q)], [alone["gender"].classify(q)], tol)
+    same(cat.classify_batch(qs), alone["category"].classify_batch(qs), tol)
+    same(gen.classify_batch(qs), alone["gender"].classify_batch(qs), tol)
+    mem = gen.memory
+    assert mem["model_bytes"] == sum(p.numel() * p.element_size() for p in
+                                     {id(t): t for t in [*cat.engine.model.parameters(),
+                                                         cat.engine.lm_head]}.values())
+    assert 0 < mem["prefix_kv"] and mem["label_rows"] == (
+        len(gen.trie.columns) * cat.engine.config.hidden_size * (2 if dtype == "bfloat16" else 4))
+    return many
+
+
+def test_many_equals_separate_classifiers(tiny_model):
+    check_many(tiny_model("qwen2"), "cpu", "float32", 1e-5, seed=random.randrange(1 << 30))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_many_share_graph_pool_on_gpu(tiny_model):
+    """bf16 on the GPU: graphs of both classifiers in one memory pool, replayed in turn; scores
+    within bf16 noise of separately built classifiers (2e-2, DESIGN.md §5), decisions equal."""
+    many = check_many(tiny_model("qwen2"), "cuda", "bfloat16", 2e-2, seed=random.randrange(1 << 30))
+    assert many["category"].engine.pool is not None
+
+
+def test_many_refuses_bad_specs(tiny_model):
+    path = str(tiny_model("qwen2"))
+    for bad, match in [({}, "non-empty dict"), ({"": CATEGORY}, "non-empty string"),
+                       ({"a": ["x"]}, "options are a dict"),
+                       ({"a": {**CATEGORY, "model": path}}, "share one model"),
+                       ({"a": {**CATEGORY, "adapter": "seed"}}, "share one model")]:
+        with pytest.raises(ConfigError, match=match):
+            Classifier.many(bad, model=path, device="cpu")
