@@ -3,6 +3,7 @@ process over ZeroMQ, as a user starts it (a subprocess), with a real HTTP client
 CPU. Each test starts its own server (a few seconds)."""
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -90,7 +91,10 @@ def check(got, want):
 
 
 def metric_sum(text, prefix):
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(prefix))
+    """Sum of the samples whose line starts with prefix, their `model` label aside."""
+    lines = (re.sub(r',?model="[^"]*"', "", l).replace("{,", "{").replace("{}", "")
+             for l in text.splitlines())
+    return sum(float(l.split()[-1]) for l in lines if l.startswith(prefix))
 
 
 def test_workers_answer_like_in_process(model, clf):
@@ -109,6 +113,8 @@ def test_workers_answer_like_in_process(model, clf):
         n = metric_sum(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="200"}')
         assert n == 101
         assert metric_sum(text, "prefixscore_batch_size_count") >= 1  # the engine process's series
+        assert metric_sum(text, 'process_cpu_seconds_total{pid=') > 0  # and its CPU, and ours
+        assert text.count("process_cpu_seconds_total{") == 2 and 'process="engine"' in text
 
 
 def test_engine_killed_then_restarted(model, clf):

@@ -4,6 +4,7 @@ model, CPU. The multi-process server: test_serve_procs.py; hardening: test_serve
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -102,11 +103,21 @@ def check(results, reference):
 
 
 def metric(text, name):
-    """Value of one sample line of the Prometheus text format (0 when absent)."""
+    """Value of one sample line of the Prometheus text format (0 when absent). The `model` label of
+    every series, and `classifier`, count only where `name` gives them."""
     for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
+        sample, _, value = line.rpartition(" ")
+        if unlabelled(sample, name) == name:
+            return float(value)
     return 0.0
+
+
+def unlabelled(sample, name=""):
+    """The sample line's name and labels without `model` / `classifier` (those `name` lacks)."""
+    for label in ("model", "classifier"):
+        if f'{label}="' not in name:
+            sample = re.sub(rf',?{label}="[^"]*"', "", sample)
+    return sample.replace("{,", "{").replace("{}", "")
 
 
 def post_all(base, bodies):
@@ -163,7 +174,7 @@ def test_healthz_docs_metrics(server, clf):
     for stage in ("queue", "tokenize", "forward", "total"):
         assert metric(text, f'prefixscore_latency_seconds_count{{stage="{stage}"}}') >= 1
     for name in ("prefixscore_queue_depth", "prefixscore_cache_hit_ratio"):
-        assert f"\n{name} " in text
+        assert any(unlabelled(line).startswith(name + " ") for line in text.splitlines())
 
 
 def test_score_without_scorer_is_501(server):
@@ -693,13 +704,15 @@ def test_cli_serve_config_file_sigterm(clf, tiny_model, tmp_path):
 def test_schemathesis_no_5xx(clf, scorer):
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
+    from prefixscore.serve import compat
     from schemathesis.checks import not_a_server_error
     from schemathesis.generation import GenerationMode
 
     with running(create_app(clf, scorer=scorer, **LIMITS)) as (base, _):
         schema = schemathesis.openapi.from_url(base + "/openapi.json")
         ops = [r.ok() for r in schema.get_all_operations()]
-        assert {op.path for op in ops} == {"/v1/classify", "/v1/score", "/healthz", "/metrics"}
+        assert {op.path for op in ops} == {"/v1/classify", "/v1/score", "/healthz", "/metrics",
+                                           *compat.PATHS}
         for op in ops:
             post = op.method == "post"  # a GET without parameters has no invalid form
             for mode in [GenerationMode.POSITIVE] + [GenerationMode.NEGATIVE] * post:

@@ -7,6 +7,7 @@
     client.py       front end -> engine: InprocClient (a thread) and ZmqClient (a process)
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit
     http.py         the FastAPI app, its ASGI guard and the bounded uvicorn protocol
+    compat.py       routes in other servers' shapes: vLLM /classify, TEI /predict, /rerank, /v1/models
     metrics.py      Prometheus series, summed over processes
     launch.py       --workers 1 (one process) or launcher + front ends + engine process
     cli.py          the `serve` command

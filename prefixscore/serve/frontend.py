@@ -21,10 +21,16 @@ from .client import EngineDead
 from .config import FrontendConfig
 
 
+DEFAULT_MODEL = "default/not-specified"  # what Infinity's client sends when no model is named
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, detail: str, retry_after: float | None = None):
+    """param: the request field at fault, for error shapes that name it (vLLM's)."""
+
+    def __init__(self, status: int, detail: str, retry_after: float | None = None,
+                 param: str | None = None):
         super().__init__(detail)
-        self.status, self.detail = status, detail
+        self.status, self.detail, self.param = status, detail, param
         self.headers = {} if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
 
 
@@ -32,6 +38,9 @@ class ApiError(Exception):
 class Answer:
     results: list[tuple[str, str, list[float], bool]]  # per query: (query as seen, label, scores, cached)
     labels: list[str]
+    classifier: str  # the served classifier that answered
+    prompt_tokens: int  # every query's whole prompt, the cached prefix included
+    cached_tokens: int  # of them, not computed: the cached prefix, and whole prompts the cache answered
     batch_size: int
     queue_s: float
     tokenize_s: float
@@ -72,6 +81,7 @@ class Frontend:
         self.prompt_factory = prompt_factory
         self.prompt = None
         self.info: P.ReadyOut | None = None
+        self.created = 0  # when this front end first saw the engine ready (Unix seconds)
         self.cache = ResultCache(cfg.cache_size, cfg.cache_ttl) if cfg.cache_size > 0 else None
         self.inflight = 0  # queries admitted and not yet answered (this front end)
         self.inflight_tokens = 0  # their tokens after the cached prefix
@@ -89,6 +99,28 @@ class Frontend:
                                    "the engine's")
             prompt.context_limit = info.context_limit
             self.prompt, self.info = prompt, info
+            self.created = self.created or int(time.time())
+            self.metrics.served(info.model, info.pid)
+
+    def classifier_names(self) -> list[str]:
+        """The classifiers this server serves, the default first: today one, named like the served
+        model (--served-model-name, else the model's file or folder name)."""
+        return [self.info.model]
+
+    def resolve(self, model: str | None = None, classifier: str | None = None) -> str:
+        """The classifier a request names (`model` and/or `classifier`, as vLLM's `model` names a
+        served model or adapter; none: the default), or 404 naming the unknown one."""
+        info = self.info
+        if model is not None and model != info.model and model != DEFAULT_MODEL:
+            raise ApiError(404, f"The model `{model}` does not exist (this server serves "
+                                f"`{info.model}`).", param="model")
+        names = self.classifier_names()
+        if classifier is None:
+            return names[0]
+        if classifier not in names:
+            raise ApiError(404, f"The classifier `{classifier}` does not exist (this server serves "
+                                f"{', '.join(f'`{n}`' for n in names)}).", param="classifier")
+        return classifier
 
     def health(self) -> tuple[int, dict]:
         c = self.client
@@ -103,6 +135,10 @@ class Frontend:
         return 200, {"status": "ok", "model": i.model, "labels": i.labels, "mode": i.mode,
                      "scorer": i.scorer, "queue_depth": self.inflight + c.queued,
                      "engine": {"pid": i.pid, "device": i.device}}
+
+    async def wait_ready(self) -> None:
+        """Until the engine is ready (within --max-queue-ms), else 503."""
+        await self._check_ready()
 
     async def _check_ready(self) -> None:
         if self.draining:
@@ -131,22 +167,27 @@ class Frontend:
         self.metrics.queue_depth.dec(n)
 
     # -- classify
-    async def classify(self, queries: list[str]) -> Answer:
+    async def classify(self, queries: list[str], model: str | None = None,
+                       classifier: str | None = None, field: str = "query") -> Answer:
+        """model / classifier: what the request names (Frontend.resolve); field: the request's
+        name for its queries, as errors name them ("input" in vLLM's shape)."""
         t0 = time.perf_counter()
         cfg = self.cfg
         if not queries:
-            raise ApiError(422, "query is an empty list")
+            raise ApiError(422, f"{field} is an empty list", param=field)
         if len(queries) > cfg.max_queries:
             raise ApiError(413, f"{len(queries)} queries in one request, over the limit of "
-                                f"{cfg.max_queries} (--max-queries)")
+                                f"{cfg.max_queries} (--max-queries)", param=field)
         for i, q in enumerate(queries):  # a tokenizer raises on a lone surrogate: say what it is
             if not isinstance(q, str):
-                raise ApiError(422, f"{query_name(i, len(queries))} must be a string")
+                raise ApiError(422, f"{query_name(i, len(queries), field)} must be a string",
+                               param=field)
             if not is_unicode(q):
-                raise ApiError(422, f"{query_name(i, len(queries))} is not valid Unicode text "
-                                    f"(a lone surrogate)")
+                raise ApiError(422, f"{query_name(i, len(queries), field)} is not valid Unicode text "
+                                    f"(a lone surrogate)", param=field)
         await self._check_ready()
-        encoded = self._encode(queries)
+        name = self.resolve(model, classifier)
+        encoded = self._encode(queries, field)
         t1 = time.perf_counter()
         cache, hits = self.cache, [None] * len(encoded)
         if cache is not None:
@@ -165,7 +206,7 @@ class Frontend:
                 raise ApiError(503, str(e), 1) from None
             finally:
                 self._release(len(todo), cost)
-            self.metrics.tokens.inc(cost)
+            self.metrics.classifier_tokens(name).inc(cost)
             self._check_status(job)
         labels = self.info.labels
         rows = iter(range(len(todo)))
@@ -181,26 +222,30 @@ class Frontend:
                 results.append((e.values["query"], labels[h[0]], h[1], True))
         t2 = time.perf_counter()
         forward = job.forward_s if job else 0.0
-        ans = Answer(results, labels, job.batch_size if job else 0,
-                     max(0.0, t2 - t1 - forward) if job else 0.0, t1 - t0, forward, t2 - t0)
-        st = self.metrics.stage
+        prompt_tokens = sum(len(e.ids) for e in encoded)
+        computed = sum(len(e.ids) - e.start for e in todo)
+        ans = Answer(results, labels, name, prompt_tokens, prompt_tokens - computed,
+                     job.batch_size if job else 0, max(0.0, t2 - t1 - forward) if job else 0.0,
+                     t1 - t0, forward, t2 - t0)
+        st = self.metrics.stages(name)
         st["queue"].observe(ans.queue_s)
         st["tokenize"].observe(ans.tokenize_s)
         st["forward"].observe(ans.forward_s)
         st["total"].observe(ans.total_s)
         return ans
 
-    def _encode(self, queries: list[str]):
+    def _encode(self, queries: list[str], field: str = "query"):
         """Tokenized (Prompt.encode_many: one tokenizer call), within --max-tokens (cut with
         --truncate), or a 422 naming the query."""
         prompt, info, cfg = self.prompt, self.info, self.cfg
         try:
             encoded = prompt.encode_many([{"query": q} for q in queries], info.truncate)
         except InputError as e:
-            raise ApiError(422, f"{query_name(getattr(e, 'index', 0), len(queries))}: {e}") from None
+            raise ApiError(422, f"{query_name(getattr(e, 'index', 0), len(queries), field)}: {e}",
+                           param=field) from None
         except Exception as e:  # the tokenizer itself raised: this request's input
             raise ApiError(422, f"the tokenizer could not encode this request: "
-                                f"{type(e).__name__}: {e}") from None
+                                f"{type(e).__name__}: {e}", param=field) from None
         P_ = len(prompt.prefix_ids)
         limit = P_ + cfg.max_tokens
         for i, e in enumerate(encoded):
@@ -208,13 +253,14 @@ class Frontend:
             if n <= cfg.max_tokens:
                 continue
             if not info.truncate:
-                raise ApiError(422, f"{query_name(i, len(queries))} is {n} tokens after the cached "
-                                    f"prefix, over the limit of {cfg.max_tokens} tokens per query "
-                                    f"(--max-tokens)")
+                raise ApiError(422, f"{query_name(i, len(queries), field)} is {n} tokens after the "
+                                    f"cached prefix, over the limit of {cfg.max_tokens} tokens per "
+                                    f"query (--max-tokens)", param=field)
             try:
                 encoded[i] = prompt.truncated(e.values, limit)
             except InputError as err:
-                raise ApiError(422, f"{query_name(i, len(queries))}: {err} (--max-tokens)") from None
+                raise ApiError(422, f"{query_name(i, len(queries), field)}: {err} (--max-tokens)",
+                               param=field) from None
         return encoded
 
     async def _wait(self, fut):
@@ -240,31 +286,35 @@ class Frontend:
         raise ApiError(503, "request aborted", 1)
 
     # -- multi-item scoring
-    async def score(self, req: dict) -> dict:
+    async def score(self, req: dict, field: str = "items", model: str | None = None) -> dict:
         """SGLang's /v1/score request (only the fields the client sent), limits checked here,
-        tokenization and scoring by the engine's Scorer."""
+        tokenization and scoring by the engine's Scorer. field: the request's name for its items,
+        as errors name them ("documents" in a rerank request); model: a name to check (404)."""
         cfg = self.cfg
         await self._check_ready()
+        if model is not None:
+            self.resolve(model)
         if not self.info.scorer:
             raise ApiError(501, "no multi-item scorer is configured on this server: start it with "
                                 "--score-template TEMPLATE to enable /v1/score")
         items = req.get("items")
         items = [items] if isinstance(items, str) else items
         if req.get("query") is None or not items:
-            raise ApiError(422, "query and items are required")
+            raise ApiError(422, f"query and {field} are required", param=field)
         if len(items) > cfg.max_queries:
-            raise ApiError(413, f"{len(items)} items in one request, over the limit of "
-                                f"{cfg.max_queries} (--max-queries)")
+            raise ApiError(413, f"{len(items)} {field} in one request, over the limit of "
+                                f"{cfg.max_queries} (--max-queries)", param=field)
         labels = req.get("label_token_ids") or req.get("labels") or []
         if len(labels) > cfg.max_label_ids:
             raise ApiError(413, f"{len(labels)} labels in one request, over the limit of "
                                 f"{cfg.max_label_ids} (--max-label-ids)")
         texts = [req["query"], *items, *(req.get("labels") or [])]
         if not all(is_unicode(t) for t in texts if isinstance(t, str)):
-            raise ApiError(422, "query, items and labels must be valid Unicode text (a lone surrogate)")
+            raise ApiError(422, f"query, {field} and labels must be valid Unicode text (a lone "
+                                f"surrogate)")
         n = self._count_tokens(req["query"], items)
         if n > cfg.max_score_tokens:
-            raise ApiError(413, f"query and items are {n} tokens, over the limit of "
+            raise ApiError(413, f"query and {field} are {n} tokens, over the limit of "
                                 f"{cfg.max_score_tokens} per request (--max-score-tokens)")
         self._admit(len(items), n)
         try:
@@ -274,6 +324,7 @@ class Frontend:
         finally:
             self._release(len(items), n)
         if out.status == P.OK:
+            self.metrics.score_tokens.inc(n)
             return out.result
         if out.status == P.BAD_INPUT:
             raise ApiError(422, out.error)
@@ -305,9 +356,20 @@ class Frontend:
                               "--shutdown-timeout; retry on another instance", fault=False)
 
 
-def query_name(i: int, n: int) -> str:
+def label_probs(scores: list[float]) -> tuple[list[float], list[float]]:
+    """Softmax and log-softmax of one row of label scores. Either mode's scores give the labels'
+    probabilities: log-probabilities are already normalized (softmax returns their exp), and mode
+    logits needs labels with distinct first tokens, whose first-token softmax is the label's."""
+    m = max(scores)
+    ex = [math.exp(x - m) for x in scores]
+    total = sum(ex)
+    log_total = math.log(total)
+    return [e / total for e in ex], [x - m - log_total for x in scores]
+
+
+def query_name(i: int, n: int, field: str = "query") -> str:
     """How an error names query i of a request of n queries: its JSON index, as in items[i]."""
-    return f"query[{i}]" if n > 1 else "query"
+    return f"{field}[{i}]" if n > 1 else field
 
 
 def is_unicode(text: str) -> bool:

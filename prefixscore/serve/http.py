@@ -2,7 +2,8 @@
 connection may cost before a request exists (header size and time; idle sockets are closed).
 
 A request's path: Guard (auth, body size and time) -> FastClassify (a valid /v1/classify JSON body
-skips FastAPI's routing layers, ~0.1 ms) or FastAPI's routes -> Frontend -> engine client.
+skips FastAPI's routing layers, ~0.1 ms) or FastAPI's routes -> Frontend -> engine client. Routes in
+other servers' shapes (vLLM's /classify, TEI's /predict, /rerank, /v1/models, ...): compat.py.
 FastAPI and uvicorn are imported where the app is built: importing them costs about a second,
 and every CLI command imports the package that registers `serve`.
 """
@@ -13,10 +14,11 @@ import hmac
 import json
 import time
 
-from .frontend import ApiError, Frontend
+from . import compat
+from .frontend import ApiError, Frontend, label_probs
 from .schemas import ERRORS, ClassifyRequest, ClassifyResponse, ScoreRequest, ScoreResponse
 
-PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi.json")
+PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi.json", *compat.PATHS)
 UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer KEY'"
 
 
@@ -32,8 +34,9 @@ def authorized(headers: list, api_key: str) -> bool:
 
 class Guard:
     """Outermost ASGI layer, the one auth check: counts responses by endpoint and status (499 when
-    the client left first), answers 401 on /v1/* without the API key before anything is read,
-    and reads request bodies up to the size limit (413) within the body timeout (408)."""
+    the client left first) and times them, answers 401 on /v1/* and the compatible routes that
+    compute without the API key before anything is read, and reads request bodies up to the size
+    limit (413) within the body timeout (408). Its errors take the route's peer shape (compat)."""
 
     def __init__(self, app, frontend: Frontend):
         self.app, self.fe = app, frontend
@@ -53,15 +56,17 @@ class Guard:
 
         path = scope["path"]
         endpoint = path if path in PATHS else "other"
+        t0 = time.perf_counter()
         try:
-            if self.api_key is not None and path.startswith("/v1/") and not authorized(
-                    scope["headers"], self.api_key):
-                return await send_json(counted, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")], close=True)
+            if self.api_key is not None and (path.startswith("/v1/") or path in compat.AUTHED) and \
+                    not authorized(scope["headers"], self.api_key):
+                return await send_json(counted, 401, UNAUTHORIZED, [(b"www-authenticate", b"Bearer")],
+                                       close=True, path=path)
             if scope["method"] not in ("POST", "PUT", "PATCH"):
                 return await self.app(scope, receive, counted)
             body, error = await self._read(scope, receive)
             if error:
-                return await send_json(counted, *error, close=True)
+                return await send_json(counted, *error, close=True, path=path)
             # A client that leaves before its answer: the request is cancelled, which drops its
             # queued engine work (Frontend._wait), and it is counted 499, not computed and 200.
             task, gone = asyncio.current_task(), False
@@ -82,7 +87,9 @@ class Guard:
             finally:
                 watcher.cancel()
         finally:
-            self.fe.metrics.requests.labels(endpoint, str(status)).inc()
+            metrics = self.fe.metrics
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.route(endpoint).observe(time.perf_counter() - t0)
 
     async def _read(self, scope, receive):
         too_big = (413, f"request body over the limit of {self.max_body} bytes (--max-body-bytes)")
@@ -146,7 +153,8 @@ def classify_body(ans) -> bytes:
     """The ClassifyResponse JSON, built here (the schema documents it; FastAPI would validate it
     a second time on the way out)."""
     labels = ans.labels
-    body = {"results": [{"query": q, "label": l, "scores": dict(zip(labels, sc)), "cached": c}
+    body = {"results": [{"query": q, "label": l, "scores": dict(zip(labels, sc)),
+                         "probs": dict(zip(labels, label_probs(sc)[0])), "cached": c}
                         for q, l, sc, c in ans.results],
             "batch_size": ans.batch_size,
             "timing": {"queue_ms": 1e3 * ans.queue_s, "tokenize_ms": 1e3 * ans.tokenize_s,
@@ -202,11 +210,15 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         ctype = request.headers.get("content-type", "")
         if "json" not in ctype:
             detail += f" (the body must be JSON sent with content-type: application/json, got {ctype!r})"
+        shape = compat.SHAPES.get(request.url.path)
+        if shape is not None:  # a compatible route: its peer's shape and status
+            status, body = shape.invalid(detail)
+            return JSONResponse(body, status_code=status)
         return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
 
     async def answer_classify(req: ClassifyRequest) -> bytes:
         queries = [req.query] if isinstance(req.query, str) else req.query
-        return classify_body(await fe.classify(queries))
+        return classify_body(await fe.classify(queries, req.model, req.classifier))
 
     @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS, dependencies=deps)
     async def classify(req: ClassifyRequest):
@@ -243,14 +255,16 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
 
         return Response(fe.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    compat.register(app, fe, deps)
     full_schema = app.openapi
 
     def openapi():
-        """The schema lists what this server can do: /v1/score only with a scorer (known once the
-        engine is ready)."""
+        """The schema lists what this server can do: /v1/score and rerank only with a scorer
+        (known once the engine is ready)."""
         schema = full_schema()
         if fe.client.info is not None and not fe.client.info.scorer:
-            schema = {**schema, "paths": {k: v for k, v in schema["paths"].items() if k != "/v1/score"}}
+            scoring = ("/v1/score", *compat.RERANK)
+            schema = {**schema, "paths": {k: v for k, v in schema["paths"].items() if k not in scoring}}
         return schema
 
     app.openapi = openapi
@@ -279,10 +293,14 @@ async def send_body(send, status: int, body: bytes, headers=()) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_json(send, status: int, detail: str, headers=(), close: bool = False) -> None:
-    """An error as {"detail": ...}; close: the connection closes after it (the body was not read)."""
+async def send_json(send, status: int, detail: str, headers=(), close: bool = False,
+                    path: str = "") -> None:
+    """An error as {"detail": ...}, or in the peer's shape on a compatible route (path); close: the
+    connection closes after it (the body was not read)."""
     extra = [(b"connection", b"close")] if close else []
-    await send_body(send, status, json.dumps({"detail": detail}).encode(), [*extra, *headers])
+    shaped = compat.error_body(path, status, detail)
+    status, body = shaped or (status, json.dumps({"detail": detail}).encode())
+    await send_body(send, status, body, [*extra, *headers])
 
 
 def protocol_class(cfg):

@@ -1,6 +1,14 @@
 """Prometheus metrics. With several processes (front ends and engine) each writes its values to
 files under PROMETHEUS_MULTIPROC_DIR (prometheus-client's multiprocess mode, set by the launcher
-before any process imports prometheus_client), and /metrics in any front end sums them all."""
+before any process imports prometheus_client), and /metrics in any front end sums them all.
+
+Labels: per-classifier series carry `classifier` where they are observed; every series carries
+`model` (the served name), added when /metrics is scraped: one server serves one model, so it is
+the same value on each series (prometheus-client has no constant labels; the Go client's
+ConstLabels do this). Process metrics (CPU, memory, open files) are the answering front end's and
+the engine process's, labelled `process` ("frontend", "engine", or "server" when one process is
+both) and `pid`.
+"""
 from __future__ import annotations
 
 import os
@@ -25,6 +33,10 @@ class Metrics:
         self.requests = Counter("prefixscore_http_requests", "responses by endpoint and status "
                                 "(499: the client left before its answer)", ["endpoint", "status"],
                                 registry=r)
+        self.request_seconds = Histogram(
+            "prefixscore_http_request_duration_seconds", "per request, by endpoint (route): from "
+            "the server passing it on to the end of its answer", ["endpoint"], registry=r,
+            buckets=LATENCY_BUCKETS)
         self.queue_depth = Gauge("prefixscore_queue_depth", "queries admitted and not yet answered",
                                  registry=r, multiprocess_mode="livesum")
         self.batch_size = Histogram("prefixscore_batch_size", "queries per engine batch", registry=r,
@@ -33,11 +45,12 @@ class Metrics:
                                  registry=r, buckets=LATENCY_BUCKETS)
         # Per request, so the stages of one request add up to its total.
         self.latency = Histogram("prefixscore_latency_seconds",
-                                 "per request: queue, tokenize, forward (its batch), total",
-                                 ["stage"], registry=r, buckets=LATENCY_BUCKETS)
-        self.stage = {s: self.latency.labels(s) for s in ("queue", "tokenize", "forward", "total")}
-        self.tokens = Counter("prefixscore_tokens", "tokens computed (after the cached prefix)",
-                              registry=r)
+                                 "per classify request: queue, tokenize, forward (its batch), total",
+                                 ["classifier", "stage"], registry=r, buckets=LATENCY_BUCKETS)
+        self.tokens = Counter("prefixscore_tokens", "tokens in of classify requests, computed "
+                              "(after the cached prefix)", ["classifier"], registry=r)
+        self.score_tokens = Counter("prefixscore_score_tokens", "tokens in of multi-item scoring "
+                                    "and rerank requests (query + items)", registry=r)
         self.cache_hits = Counter("prefixscore_cache_hits", "result cache hits", registry=r)
         self.cache_misses = Counter("prefixscore_cache_misses", "result cache misses", registry=r)
         self.engine_faults = Counter("prefixscore_engine_faults", "engine deaths seen by a front end",
@@ -49,6 +62,34 @@ class Metrics:
                                      registry=r)
             self.cache_ratio.set_function(lambda: self.hits / max(1, self.hits + self.misses))
         self.hits = self.misses = 0
+        self.model, self.engine_pid = "", None  # known once the engine is ready (served())
+        self._stages, self._tokens, self._routes = {}, {}, {}
+        self._scrape = None
+
+    # -- children bound once (a labels() call per observation costs a lock and a dict)
+    def stages(self, classifier: str) -> dict:
+        """The latency children of one classifier, by stage."""
+        st = self._stages.get(classifier)
+        if st is None:
+            st = self._stages[classifier] = {s: self.latency.labels(classifier, s)
+                                             for s in ("queue", "tokenize", "forward", "total")}
+        return st
+
+    def classifier_tokens(self, classifier: str):
+        c = self._tokens.get(classifier)
+        if c is None:
+            c = self._tokens[classifier] = self.tokens.labels(classifier)
+        return c
+
+    def route(self, endpoint: str):
+        h = self._routes.get(endpoint)
+        if h is None:
+            h = self._routes[endpoint] = self.request_seconds.labels(endpoint)
+        return h
+
+    def served(self, model: str, engine_pid: int | None) -> None:
+        """The engine is ready: its served model name (the `model` label) and its process."""
+        self.model, self.engine_pid = model, engine_pid
 
     def cache_lookups(self, hits: int, misses: int) -> None:
         self.hits, self.misses = self.hits + hits, self.misses + misses
@@ -60,13 +101,60 @@ class Metrics:
         self.forward.observe(seconds)
 
     def exposition(self) -> bytes:
-        """The text format: this registry, or every process's files in multiprocess mode."""
-        from prometheus_client import CollectorRegistry, generate_latest
+        """The text format: this registry (or every process's files in multiprocess mode), the
+        process metrics, a `model` label on every series."""
+        from prometheus_client import generate_latest
+
+        if self._scrape is None:
+            self._scrape = self._scrape_registry()
+        return generate_latest(self._scrape)
+
+    def _scrape_registry(self):
+        from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector
 
         if multiprocess():
             from prometheus_client import multiprocess as mpc
 
-            reg = CollectorRegistry()
-            mpc.MultiProcessCollector(reg)
-            return generate_latest(reg)
-        return generate_latest(self.registry)
+            series = mpc.MultiProcessCollector(None)
+        else:
+            series = self.registry
+        own = os.getpid()
+
+        def engine_pid():
+            pid = self.engine_pid
+            return pid if pid is not None and pid != own else "none"  # "none": no /proc entry
+
+        def own_labels():
+            return {"process": "frontend" if self.engine_pid not in (None, own) else "server",
+                    "pid": str(own)}
+
+        def model():
+            return {"model": self.model} if self.model else {}
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(Labelled(series, model))
+        reg.register(Labelled(PlatformCollector(registry=None), model))
+        reg.register(Labelled(ProcessCollector(registry=None),
+                              lambda: {**own_labels(), **model()}))
+        reg.register(Labelled(ProcessCollector(pid=engine_pid, registry=None),
+                              lambda: {"process": "engine", "pid": str(self.engine_pid), **model()}))
+        return reg
+
+
+class Labelled:
+    """A collector: what `source` collects, with labels() added to each sample that lacks them."""
+
+    def __init__(self, source, labels):
+        self.source, self.labels = source, labels
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        extra = self.labels()
+        for family in self.source.collect():
+            if extra:
+                family.samples = [s._replace(labels={**s.labels, **{k: v for k, v in extra.items()
+                                                                    if k not in s.labels}})
+                                  for s in family.samples]
+            yield family

@@ -6,10 +6,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 
+def model_field():
+    return Field(None, description="the served model (--served-model-name, else the model's file or "
+                                   "folder name); another name is answered 404. Default: the one served")
+
+
 class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={
         "examples": [{"query": "beige trench coat women"}, {"query": ["levis 501", "红色连衣裙"]}]})
     query: str | list[str] = Field(description="one query, or a list classified independently")
+    model: str | None = model_field()
+    classifier: str | None = Field(None, description="the served classifier (GET /v1/models); "
+                                                     "another name is answered 404")
 
 
 class ClassifyResult(BaseModel):
@@ -17,6 +25,8 @@ class ClassifyResult(BaseModel):
     label: str = Field(description="what greedy decoding constrained to the labels outputs")
     scores: dict[str, float] = Field(description="per label: log-probability (mode logprobs) or raw "
                                                  "first-token logit (mode logits)")
+    probs: dict[str, float] = Field(description="per label: probability, the softmax of the scores "
+                                                "over the labels")
     cached: bool = Field(description="answered from the result cache")
 
 
@@ -69,3 +79,128 @@ ERRORS = {s: {"model": Error, "description": d} for s, d in [
     (413, "body, query count, tokens or labels over the limit"), (422, "invalid request or query"),
     (429, "queue full: retry after Retry-After seconds"),
     (503, "engine fault, not ready, shutting down, or not started within --max-queue-ms")]}
+
+
+# ---------------------------------------------------------------- other servers' shapes (compat.py)
+# Requests ignore fields they do not know, as their peers do (vLLM's OpenAIBaseModel, TEI's serde,
+# Infinity's pydantic models).
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = model_field()
+    classifier: str | None = Field(None, description="ours: the served classifier (GET /v1/models)")
+
+
+class VllmClassifyRequest(Lenient):
+    """vLLM's (and Infinity's) POST /classify: text only (no token ids, no chat messages)."""
+    model_config = ConfigDict(json_schema_extra={"examples": [{"input": ["levis 501", "红色连衣裙"]}]})
+    input: str | list[str]
+
+
+class VllmClassifyData(BaseModel):
+    index: int
+    label: str = Field(description="the decision: greedy decoding constrained to the labels")
+    probs: list[float] = Field(description="per label, in `labels` order: softmax over the labels")
+    num_classes: int
+    logprobs: list[float] = Field(description="ours: per label, log-softmax over the labels")
+
+
+class VllmUsage(BaseModel):
+    prompt_tokens: int = Field(description="whole prompts, the cached prefix included")
+    total_tokens: int
+    completion_tokens: int = 0
+    prompt_tokens_details: dict | None = Field(None, description="cached_tokens: not computed")
+
+
+class VllmClassifyResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[VllmClassifyData]
+    usage: VllmUsage
+    labels: list[str] = Field(description="ours: the label order of probs and logprobs")
+
+
+class TeiPredictRequest(Lenient):
+    """TEI's POST /predict: one text, or a batch [[text], [text], ...]. A pair [text, text] (for a
+    cross-encoder) is refused: the prompt has one text slot."""
+    model_config = ConfigDict(json_schema_extra={"examples": [{"inputs": "levis 501"},
+                                                              {"inputs": [["levis 501"], ["红色连衣裙"]]}]})
+    inputs: str | list[str] | list[list[str]]
+    raw_scores: bool = Field(False, description="score: the raw scores (log-probabilities, or logits "
+                                                "in mode logits) instead of probabilities")
+    truncate: bool | None = Field(None, description="accepted; the server's --truncate decides")
+
+
+class TeiPrediction(BaseModel):
+    score: float = Field(description="probability (softmax over the labels), or raw with raw_scores")
+    label: str
+    logprob: float = Field(description="ours: log-softmax over the labels")
+
+
+class RerankDocumentIn(BaseModel):
+    text: str
+
+
+class RerankRequest(Lenient):
+    """vLLM's /rerank (Jina's and Cohere's shape): documents are strings or {"text": ...}."""
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"query": "wool coat", "documents": ["a long camel coat", "flip flops"], "top_n": 1}]})
+    query: str
+    documents: list[str | RerankDocumentIn]
+    top_n: int | None = Field(None, ge=0, description="the best n (0 or absent: all)")
+    return_documents: bool = Field(True, description="false: results without the document")
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="the document's position in the request")
+    document: RerankDocumentIn | None = None
+    relevance_score: float = Field(description="the probability of the scorer's first label (yes), "
+                                               "softmax over its labels")
+    logprob: float = Field(description="ours: the log of relevance_score")
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult] = Field(description="best first")
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefixscore"
+    root: str
+    parent: str | None = None
+    max_model_len: int = Field(description="the prompt's token limit (the model's, less the longest "
+                                           "label)")
+    labels: list[str] = Field(description="ours: what the classifier chooses from")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VllmErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class VllmError(BaseModel):
+    error: VllmErrorInfo
+
+
+class TeiError(BaseModel):
+    error: str
+    error_type: Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
