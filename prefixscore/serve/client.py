@@ -56,6 +56,9 @@ class BaseClient:
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
         self.metrics = None  # set by the front end: engine deaths are counted
         self.became_ready: asyncio.Event | None = None
+        # Called (event loop) when the engine's Ready arrives: the front end builds its prompt
+        # then, at start-up, instead of inside the first request that reaches this process.
+        self.on_ready = None
 
     async def wait_ready(self, timeout: float) -> None:
         """While the engine starts, a request waits for it (up to timeout), not a 503."""
@@ -141,6 +144,11 @@ class BaseClient:
                 entry[0].set_result(out)
         elif isinstance(out, P.ReadyOut):
             self.info, self.error = out, None
+            if self.on_ready is not None:
+                try:
+                    self.on_ready()
+                except Exception:  # the front end checks again on each request and says why
+                    log.exception("building the front end's prompt from the engine's Ready")
             if self.became_ready is not None:
                 self.became_ready.set()
 
