@@ -18,7 +18,10 @@ from .io import labels_option, template_option
 
 def model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and prompt")
-    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None,
+                   help="HF folder, .gguf file, or Hugging Face hub name org/name[@revision] (or "
+                        "org/name/FILE.gguf), downloaded into the hub cache unless HF_HUB_OFFLINE=1 "
+                        "(default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--template", default=None, help="prompt template with one {query} slot (default: the seed prompt)")
     g.add_argument("--template-file", default=None, help="read the template from a file")
     g.add_argument("--labels", default=None, help="comma-separated labels (default: the nine seed labels)")
@@ -72,7 +75,10 @@ def make_classifier(a, graphs: bool = True):
               adapter=getattr(a, "adapter", None), allow_special_tokens=a.allow_special_tokens)
     log.debug("Classifier(model=%r, template=%r, labels=%r, %s)", a.model, template, labels,
               ", ".join(f"{k}={v!r}" for k, v in kw.items()))
-    clf = Classifier(a.model, template, labels, graphs=graphs, **kw)
+    from .hub import quiet_downloads
+
+    with quiet_downloads(quiet()):  # a hub name downloads here (loading.resolve), bars on stderr
+        clf = Classifier(a.model, template, labels, graphs=graphs, **kw)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")

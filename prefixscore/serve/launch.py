@@ -4,12 +4,15 @@
     --workers N:  launcher ── N front-end processes (HTTP, sharing one listening socket)
                          └── 1 engine process (the device), ZeroMQ between them (ipc://)
 
-The launcher binds the port first (a busy port fails before any model loads), starts the engine,
-then the front ends, and watches every process: an engine that dies before it was ever ready ends
-the server (exit 2, its error on stderr); one that dies later is restarted with --restart-engine
-(front ends answer 503 meanwhile), else the front ends stay up unhealthy. A dead front end is
-restarted. SIGTERM/SIGINT: the front ends drain (accepted requests finish within
---shutdown-timeout, the rest get 503 + Retry-After), then the engine stops.
+serve() checks in this order, so that nothing slow comes before a mistake it could report: the
+flags and small files (cli.configs), the ports (bound now: a busy port is one line and exit 2), the
+model's files (a hub name is downloaded here, once, and the engine gets the local path); then the
+model loads. The launcher starts the engine, then the front ends, and watches every process: an
+engine that dies before it was ever ready ends the server (exit 2, its error on stderr); one that
+dies later is restarted with --restart-engine (front ends answer 503 meanwhile), else the front
+ends stay up unhealthy. A dead front end is restarted. SIGTERM/SIGINT: the front ends drain
+(accepted requests finish within --shutdown-timeout, the rest get 503 + Retry-After), then the
+engine stops.
 """
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror} (--host/--port)") from None
+        raise ConfigError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e} "
+                          f"(--host/--port)") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -233,7 +237,7 @@ class Launcher:
             self.start_engine()
             self.workers = [self.start_worker(i) for i in range(self.fcfg.workers)]
             log.info("serving on http://%s:%d: %d front-end processes, engine pid %d",
-                     self.fcfg.host, self.fcfg.port, self.fcfg.workers, self.engine.pid)
+                     self.fcfg.host, self.sock.getsockname()[1], self.fcfg.workers, self.engine.pid)
             return self._watch()
         finally:
             self._shutdown()
@@ -303,11 +307,32 @@ def _engine_entry(*args) -> None:
 
 def serve(fcfg: FrontendConfig, ecfg: EngineConfig) -> int:
     sock = bind(fcfg.host, fcfg.port)
-    if fcfg.grpc_port is not None:
-        from .grpc_server import check_port
+    try:
+        if fcfg.grpc_port is not None:
+            from .grpc_server import check_port
 
-        check_port(fcfg.host, fcfg.grpc_port)  # a taken port fails before the model loads
+            check_port(fcfg.host, fcfg.grpc_port)  # a taken port fails before the model loads
+        from ..hub import quiet_downloads
+
+        with quiet_downloads(fcfg.log_level in ("warning", "error")):
+            ecfg = local_model(ecfg)
+    except BaseException:
+        sock.close()
+        raise
     if fcfg.workers == 1:
         single_process(fcfg, ecfg, sock)
         return 0
     return Launcher(fcfg, ecfg, sock).run()
+
+
+def local_model(ecfg: EngineConfig) -> EngineConfig:
+    """ecfg with its model as a checked local path: a hub name is resolved (downloaded) here, in
+    the launcher, so that a missing model is one line and exit 2 rather than an engine process
+    dying, and the engine (and a restarted one) loads those same files without asking the hub."""
+    import dataclasses
+
+    from ..loading import check, resolve
+
+    if ecfg.model is None:  # the bundled model: the engine finds it as every command does
+        return ecfg
+    return dataclasses.replace(ecfg, model=str(check(resolve(ecfg.model))))

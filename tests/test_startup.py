@@ -1,0 +1,127 @@
+"""`prefixscore serve` start-up order: every flag, file and port is checked before the model loads.
+A mistake is one line on stderr and exit status 2, in both layouts (--workers 1: one process;
+--workers 2: a launcher, front ends and an engine process).
+
+"Before the model loads" is checked, not timed: the model folder's weights file is a FIFO that
+no one writes, so anything that reads the weights blocks, and the run outlives its timeout."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("zmq")
+
+
+@pytest.fixture(scope="module")
+def unreadable_model(tiny_model, tmp_path_factory):
+    """The tiny model's config and tokenizer, with a FIFO for weights: reading them hangs."""
+    folder = tmp_path_factory.mktemp("fifo") / "model"
+    shutil.copytree(tiny_model("llama"), folder)
+    (folder / "model.safetensors").unlink()
+    os.mkfifo(folder / "model.safetensors")
+    return str(folder)
+
+
+def serve(*args, timeout=60, env=None):
+    return subprocess.run([sys.executable, "-m", "prefixscore.cli", "serve", "--device", "cpu", *args],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=(env or os.environ) | {"OMP_NUM_THREADS": "1"})
+
+
+def one_error(p, text):
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and text in lines[0], p.stderr[-2000:]
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_busy_port_before_the_model(unreadable_model, busy_port, workers):
+    t = time.perf_counter()
+    p = serve("--model", unreadable_model, "--port", str(busy_port), "--workers", workers)
+    one_error(p, f"cannot listen on 127.0.0.1:{busy_port}: Address already in use")
+    assert time.perf_counter() - t < 60
+
+
+def test_busy_grpc_port_before_the_model(unreadable_model, busy_port):
+    pytest.importorskip("grpc")
+    p = serve("--model", unreadable_model, "--port", "0", "--grpc-port", str(busy_port), "--workers", "2")
+    one_error(p, f"cannot listen for gRPC on 127.0.0.1:{busy_port}")
+
+
+def test_busy_port_before_a_hub_download(busy_port, tmp_path):
+    """The port first, then the model: a hub name is resolved (downloaded) only once the ports are
+    held, so a busy port does not wait for a download."""
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    p = serve("--model", "acme/absent", "--port", str(busy_port), "--workers", "1", env=env)
+    one_error(p, f"cannot listen on 127.0.0.1:{busy_port}")
+    p = serve("--model", "acme/absent", "--port", "0", "--workers", "2", env=env)
+    one_error(p, "HF_HUB_OFFLINE")
+
+
+@pytest.mark.parametrize("flags, text", [
+    (["--port", "70000"], "--port must be from 0 to 65535"),
+    (["--grpc-port", "-1"], "--grpc-port must be from 0 to 65535"),
+    (["--engine-spin-ms", "soon"], "--engine-spin-ms must be"),
+    (["--engine-cpu", "4096"], "--engine-cpu 4096"),
+    (["--head", "/nonexistent/head.safetensors"], "head file not found"),
+    (["--adapter", "/nonexistent/adapter.safetensors"], "adapter file not found"),
+    (["--score-template", "{query} only"], "{item}"),
+    (["--dtype", "int3"], "unknown dtype"),
+])
+def test_flags_and_files_before_the_model(unreadable_model, flags, text):
+    """Mistakes the engine process would otherwise meet only after loading (or while: the head and
+    adapter files), each one line and exit 2 from the launcher."""
+    p = serve("--model", unreadable_model, "--port", "0", "--workers", "2", *flags)
+    one_error(p, text)
+
+
+def test_bad_model_folder_before_the_engine_starts(tmp_path):
+    """A folder that is not a model is reported by the launcher, not by an engine process's
+    traceback."""
+    p = serve("--model", str(tmp_path), "--port", "0", "--workers", "2")
+    one_error(p, "no config.json")
+
+
+def test_serve_a_hub_name(tiny_model, tmp_path):
+    """--workers 2 with a hub name: the launcher resolves it offline from the cache, the engine
+    loads the snapshot, and the server calls the model by its hub name."""
+    from test_hub import COMMIT, add_snapshot
+
+    add_snapshot(tmp_path / "hub", "acme/tiny", COMMIT, tiny_model("llama"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "prefixscore.cli", "serve", "--device", "cpu",
+                             "--model", "acme/tiny", "--port", str(port), "--workers", "2",
+                             "--log-level", "warning"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        health = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).json()
+                if health.get("status") == "ok":
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        assert health and health["status"] == "ok" and health["model"] == "acme/tiny", health
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/classify", json={"query": "blue jeans"}, timeout=30)
+        assert r.status_code == 200 and r.json()["results"][0]["query"] == "blue jeans", r.text
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
