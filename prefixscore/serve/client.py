@@ -143,8 +143,12 @@ class BaseClient:
             if entry is not None and not entry[0].done():
                 entry[0].set_result(out)
         elif isinstance(out, P.ReadyOut):
-            self.info, self.error = out, None
-            if self.on_ready is not None:
+            # Every Hello gets a Ready, and Hellos sent while an engine (re)starts are queued and
+            # answered together: the same engine's Ready again changes nothing (struct equality).
+            fresh, self.error = out != self.info, None
+            if fresh:
+                self.info = out
+            if fresh and self.on_ready is not None:
                 try:
                     self.on_ready()
                 except Exception:  # the front end checks again on each request and says why

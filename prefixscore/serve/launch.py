@@ -176,6 +176,10 @@ def worker_main(fcfg: FrontendConfig, index: int, address: str, sock, avoid_cpu=
     from .http import create_app
     from .metrics import Metrics
 
+    # Imported before this process serves, not when the engine's Ready arrives: transformers
+    # (and the torch it imports) takes seconds cold, with several processes starting at once.
+    import transformers.models.auto.tokenization_auto  # noqa: F401
+
     client = ZmqClient(address, index)
     fe = Frontend(fcfg, client, Metrics(), worker_prompt)
 
