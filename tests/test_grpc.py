@@ -323,7 +323,7 @@ def test_api_key(clf):
             assert (await failure(s.score(score)))[0] == C.UNAUTHENTICATED  # before the 501
             for md in ([("authorization", "Bearer sekrit")], [("authorization", "bearer  sekrit")]):
                 r = await s.classify(req, metadata=md)
-                assert r.results[0].label in s.fe.info.labels
+                assert r.results[0].label in s.fe.classifiers[0].labels
             h = await s.health(pb.HealthCheckRequest())  # no key, as /healthz
             assert h.status == pb.HealthCheckResponse.SERVING
             assert s.count("grpc:Classify", 401) == len(refused) and s.count("grpc:Score", 401) == 1

@@ -79,6 +79,13 @@ def test_busy_port_before_a_hub_download(busy_port, tmp_path):
     (["--adapter", "/nonexistent/adapter.safetensors"], "adapter file not found"),
     (["--score-template", "{query} only"], "{item}"),
     (["--dtype", "int3"], "unknown dtype"),
+    # every classifier's files and flags (--classifier: several classifiers over the one model)
+    (["--classifier", "name=a,template-file=/nonexistent/t.txt"], "cannot read template file"),
+    (["--classifier", "name=a,template=Is {query} x or y?,labels=x|y",
+      "--classifier", "name=b,head=/nonexistent/h.safetensors"],
+     "classifier b: head file not found"),
+    (["--classifier", "name=a,template={query}?,labels=x|y", "--classifier", "name=b,labels=p|q",
+      "--adapter", "seed"], "--adapter with 2 classifiers"),
 ])
 def test_flags_and_files_before_the_model(unreadable_model, flags, text):
     """Mistakes the engine process would otherwise meet only after loading (or while: the head and

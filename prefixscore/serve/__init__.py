@@ -2,10 +2,14 @@
 
     protocol.py     the wire between front ends and an engine (msgspec structs)
     config.py       FrontendConfig, EngineConfig: built once from flags + TOML, checked there
+    classifiers.py  several classifiers over one model: --classifier / [classifiers.NAME], memory
     engine_loop.py  the engine loop: everything queued -> one flat batch -> answers
     engine_proc.py  the engine process: the model, the loop, a ZeroMQ ROUTER socket
     client.py       front end -> engine: InprocClient (a thread) and ZmqClient (a process)
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit
+    catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
+    many.py         one request to several classifiers ("classifiers": [...]) and its answer
+    answers.py      Answer, the result cache, probabilities; api_error.py: ApiError
     http.py         the FastAPI app, its ASGI guard and the bounded uvicorn protocol
     compat.py       routes in other servers' shapes: vLLM /classify, TEI /predict, /rerank, /v1/models
     metrics.py      Prometheus series, summed over processes
@@ -22,8 +26,10 @@ def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_w
                engine_spin_ms: float = 0.0, engine_cpu: int | None = None,
                model_name: str | None = None, **limits):
     """An ASGI app serving `classifier` (and `scorer` for /v1/score) in this process: the engine
-    loop on a thread, as `prefixscore serve --workers 1` runs it. limits: FrontendConfig fields
-    (max_queue, max_queries, max_tokens, api_key, cache_size, ...)."""
+    loop on a thread, as `prefixscore serve --workers 1` runs it. classifier: a Classifier, served
+    under model_name (default: the model's file or folder name), or {name: Classifier} over one
+    model (Classifier.many), the first the default. limits: FrontendConfig fields (max_queue,
+    max_queries, max_tokens, api_key, cache_size, ...)."""
     import os
 
     from .client import InprocClient
@@ -35,12 +41,13 @@ def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_w
     cfg = FrontendConfig(restart_engine=restart_engine, **limits)
     check_window(batch_window_ms)
     metrics = Metrics()
-    model = model_name or os.path.basename(str(getattr(getattr(classifier, "loaded", None), "name",
+    clfs = list(classifier.values()) if isinstance(classifier, dict) else [classifier]
+    model = model_name or os.path.basename(str(getattr(getattr(clfs[0], "loaded", None), "name",
                                                       "prefixscore")))
     client = InprocClient(classifier, scorer, window=batch_window_ms / 1e3,
                           spin=engine_spin_ms / 1e3, metrics=metrics, restart=restart_engine,
                           model=model, engine_cpu=engine_cpu)
-    fe = Frontend(cfg, client, metrics, lambda info: classifier.prompt)
+    fe = Frontend(cfg, client, metrics, lambda info: [c.prompt for c in clfs])
     app = http_app(fe, on_startup=client.start, on_shutdown=client.stop)
     app.state.client = client
     return app

@@ -2,19 +2,22 @@
 -> FrontendConfig + EngineConfig -> launch.serve."""
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import sys
 
+from .classifiers import parse_tables
 from .config import EngineConfig, FrontendConfig, api_key_from, default_workers
 
 
 def add_command(subparsers, model_args) -> None:
     p = subparsers.add_parser(
         "serve", help="HTTP service: POST /v1/classify, /v1/score; GET /healthz, /metrics, /docs",
-        description="Serve one classifier over HTTP: front-end processes (HTTP, tokenization) and one "
-                    "engine process (the model). Options can also come from a TOML file (--config) "
-                    "and PREFIXSCORE_* environment variables (PREFIXSCORE_PORT for --port); flags "
-                    "given on the command line win, then the environment, then the file.")
+        description="Serve classifiers over HTTP: front-end processes (HTTP, tokenization) and one "
+                    "engine process (the model, which several classifiers may share: --classifier). "
+                    "Options can also come from a TOML file (--config) and PREFIXSCORE_* "
+                    "environment variables (PREFIXSCORE_PORT for --port); flags given on the "
+                    "command line win, then the environment, then the file.")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000)
@@ -74,6 +77,16 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--served-model-name", default=None,
                    help="the model's name in /healthz and /v1/score answers (default: its file or "
                         "folder name)")
+    g.add_argument("--classifier", action="append", default=None,
+                   metavar="name=NAME,template=T,labels=A|B",
+                   help="serve this classifier (repeat for several over the one model, the first the "
+                        "default): keys name, template or template-file, labels ('|'-separated) or "
+                        "labels-file, chat, mode, head; a comma starts the next key only before "
+                        "KEY=. In --config: a [classifiers.NAME] table each. Requests name one with "
+                        "`classifier` (or `model`)")
+    # The config file's [classifiers.NAME] tables arrive here (cmdline passes a table on as its
+    # Python form); not a flag to type.
+    g.add_argument("--classifiers", type=parse_tables, default=None, help=argparse.SUPPRESS)
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="the server's log (default info; --verbose: debug, --quiet: warning)")
     g.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
@@ -84,19 +97,28 @@ def add_command(subparsers, model_args) -> None:
 def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     """The flags as the two processes' configs (every value checked here, before any model loads)."""
     from ..classifier import classifier_labels
-    from ..cmdline import seed_adapter_default, warn_seed_prompt
+    from ..cmdline import seed_adapter_default, warn, warn_seed_prompt
+    from ..errors import ConfigError
     from ..io import labels_option, template_option
     from ..prompt import check_template
+    from .classifiers import seed_prompt_warnings, specs
 
-    seed_adapter_default(a)
+    declared = specs(a)  # before the seed adapter's default: declared classifiers run the raw model
+    if not declared:
+        seed_adapter_default(a)
+    elif getattr(a, "no_adapter", False) and a.adapter is not None:
+        raise ConfigError("--adapter and --no-adapter: pass one")
+    for line in seed_prompt_warnings(declared, a.adapter):
+        warn(line)
     template, labels = template_option(a), labels_option(a)
-    warn_seed_prompt(labels, template, a.adapter, getattr(a, "head", None))
+    if not declared:
+        warn_seed_prompt(labels, template, a.adapter, getattr(a, "head", None))
     if template is not None:
         check_template(template, ("query",))
     if labels is not None:
         labels = classifier_labels(labels)
     score_labels = None if a.score_labels is None else [l.strip() for l in a.score_labels.split(",")]
-    check_before_loading(a, score_labels)
+    check_before_loading(a, score_labels, declared)
     engine = EngineConfig(
         model=a.model, template=template, labels=tuple(labels) if labels else None, device=a.device,
         dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate, batch_tokens=a.batch_tokens,
@@ -104,7 +126,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         allow_special_tokens=getattr(a, "allow_special_tokens", False),
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
-        served_model_name=a.served_model_name or _hub_name(a.model))
+        served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared)
     workers = default_workers() if a.workers is None else a.workers
     front = FrontendConfig(
         host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, api_key=api_key_from(a.api_key),
@@ -119,11 +141,12 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     return front, engine
 
 
-def check_before_loading(a, score_labels) -> None:
+def check_before_loading(a, score_labels, classifiers=()) -> None:
     """What the engine would otherwise find wrong only after (or while) it loads the model, in
     another process: the ports' range, the engine's CPU and spin flags, the device and dtype, the
-    head and adapter files, the /v1/score template and labels. The model's own files are checked
-    after the ports are bound (launch.serve), where a hub name is also downloaded."""
+    head and adapter files (every classifier's head: their templates and labels were checked as
+    they were read, classifiers.specs), the /v1/score template and labels. The model's own files
+    are checked after the ports are bound (launch.serve), where a hub name is also downloaded."""
     from ..errors import ConfigError
     from ..loading import read_adapter, resolve_device, resolve_dtype
     from ..prompt import check_template
@@ -146,6 +169,9 @@ def check_before_loading(a, score_labels) -> None:
         from ..heads import read_head
 
         read_head(a.head)
+    from .classifiers import check_heads
+
+    check_heads(classifiers)
     if a.score_template is not None:
         from ..labels import check_labels
         from ..scorer import SLOTS

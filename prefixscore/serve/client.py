@@ -75,7 +75,10 @@ class BaseClient:
         return self.error is None
 
     # -- submitting (event loop)
-    def classify(self, ids: list[list[int]], starts: list[int], deadline: float) -> asyncio.Future:
+    def classify(self, ids: list[list[int]], starts: list[int], deadline: float,
+                 classifiers: list[int] | None = None) -> asyncio.Future:
+        """classifiers[i]: the classifier (its index in ReadyOut.classifiers) of row i; None: the
+        default for every row."""
         if self.error is not None:
             raise EngineDead(self.error)
         job = ClassifyJob(self.loop.create_future(), len(ids))
@@ -83,7 +86,8 @@ class BaseClient:
         for row, rid in enumerate(rids):
             self.jobs[rid] = (job, row)
         data, offsets = P.pack_ids(ids)
-        self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * len(ids)))
+        self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * len(ids),
+                                  classifiers or []))
         return job.future
 
     def score(self, request: dict, deadline: float) -> asyncio.Future:
@@ -182,6 +186,8 @@ class BaseClient:
 
 def _merge(msgs: list) -> P.ClassifyReq:
     rids, starts, deadlines, offsets, datas, base = [], [], [], [0], [], 0
+    mixed = any(m.classifiers for m in msgs)  # else every row is the default's: nothing to send
+    classifiers = []
     for m in msgs:
         rids += m.rids
         starts += m.starts
@@ -189,7 +195,10 @@ def _merge(msgs: list) -> P.ClassifyReq:
         offsets += [base + o for o in m.offsets[1:]]
         base += m.offsets[-1]
         datas.append(m.ids)
-    return P.ClassifyReq(msgs[0].client, rids, b"".join(datas), offsets, starts, deadlines)
+        if mixed:
+            classifiers += m.classifiers or [0] * len(m.rids)
+    return P.ClassifyReq(msgs[0].client, rids, b"".join(datas), offsets, starts, deadlines,
+                         classifiers)
 
 
 class InprocClient(BaseClient):

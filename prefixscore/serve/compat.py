@@ -10,8 +10,12 @@ http.create_app, answered by the same Frontend (limits, admission, cache, metric
                                         -> {"id", "model", "usage",
                                             "results": [{"index", "document": {"text"}, "relevance_score"}]}
     GET  /v1/models                     OpenAI's list: {"object": "list", "data": [{"id", "object": "model",
-                                            "created", "owned_by", ...}]}
+                                            "created", "owned_by", ...}]}: the model, then each
+                                            classifier (as vLLM lists LoRA adapters)
     GET  /health (and HEAD)             /healthz under vLLM's and TEI's name; GET /version: {"version"}
+
+`model` (and our `classifier`) in a request name a served classifier, or the served model for the
+default one (catalog.py); "model" in an answer is the classifier that answered.
 
 Shapes followed (read from the peers' sources):
 - vLLM: vllm/entrypoints/pooling/classify/protocol.py (ClassificationRequest/Response),
@@ -49,7 +53,8 @@ import time
 import uuid
 from http import HTTPStatus
 
-from .frontend import ApiError, Frontend, label_probs
+from .answers import label_probs
+from .frontend import ApiError, Frontend
 from .schemas import (ModelList, RerankRequest, RerankResponse, TeiError, TeiPredictRequest,
                       TeiPrediction, VllmClassifyRequest, VllmClassifyResponse, VllmError)
 
@@ -138,7 +143,7 @@ def register(app, fe: Frontend, deps) -> None:
         usage = {"prompt_tokens": ans.prompt_tokens, "total_tokens": ans.prompt_tokens,
                  "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": ans.cached_tokens}}
         return reply({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
-                      "created": int(time.time()), "model": fe.info.model, "data": data,
+                      "created": int(time.time()), "model": ans.classifier, "data": data,
                       "usage": usage, "labels": ans.labels})
 
     @app.post("/predict", response_model=list[TeiPrediction] | list[list[TeiPrediction]],
@@ -216,17 +221,14 @@ def register(app, fe: Frontend, deps) -> None:
     @app.get("/v1/models", response_model=ModelList, responses=vllm_errors, dependencies=deps,
              tags=["compatible"])
     async def models():
-        """OpenAI's model list: the served model (its name is what `model` fields accept)."""
+        """OpenAI's model list, as vLLM lists a model and its LoRA adapters: the served model
+        (its default classifier), then each classifier (parent: the model); a card's id is what
+        `model` fields accept."""
         try:
             await fe.wait_ready()
         except ApiError as e:
             return fail("/v1/models", e)
-        info = fe.info
-        cards = [{"id": name, "object": "model", "created": fe.created, "owned_by": "prefixscore",
-                  "root": info.model, "parent": None if name == info.model else info.model,
-                  "max_model_len": info.context_limit, "labels": info.labels}
-                 for name in fe.classifier_names()]
-        return reply({"object": "list", "data": cards})
+        return reply({"object": "list", "data": fe.catalog.model_cards(fe.created)})
 
     @app.get("/health", responses={503: {"description": "starting, unhealthy, or shutting down"}},
              tags=["compatible"])

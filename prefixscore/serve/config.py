@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .classifiers import ClassifierSpec
 
 MAX_WINDOW_MS = 10_000.0  # a longer batch window would outlast any client's timeout
 
@@ -31,6 +35,9 @@ class EngineConfig:
     engine_spin_ms: str = "auto"
     engine_cpu: str = "none"
     served_model_name: str | None = None
+    # Several classifiers over the one model (--classifier): then template, labels and head
+    # above are None and each spec has its own; () serves one, named like the model.
+    classifiers: tuple[ClassifierSpec, ...] = ()
 
     def __post_init__(self):
         check_window(self.batch_window_ms)

@@ -7,6 +7,11 @@ runs queued multi-item scoring requests. The same loop runs on a thread of the s
 (`--workers 1`, client.InprocClient) or as the main loop of an engine process (engine_proc.py); a
 `source` gives it messages and a reply function per message. It calls `Classifier.decide_encoded`
 (label indices and score rows, no Result objects): the tests' seam for a slow or failing engine.
+
+Several classifiers over one model (`--classifier`, Classifier.many): each request names one by
+its index in ReadyOut.classifiers; a batch's requests are grouped by classifier and the groups go
+through `EngineLoop.decide`, the one seam between the loop and the device for them (today one
+classifier's flat batches after another's; a fused pass over all of them replaces that method).
 """
 from __future__ import annotations
 
@@ -65,25 +70,38 @@ class QueueSource:
 class EngineLoop:
     def __init__(self, clf, scorer=None, source=None, window: float = 0.0, spin: float = 0.0,
                  metrics=None):
-        self.clf, self.scorer, self.window, self.spin = clf, scorer, window, spin
+        """clf: a Classifier (served under the model's name), or {name: Classifier} over one
+        loaded model (Classifier.many), the default first."""
+        self.names, self.clfs = (list(clf), list(clf.values())) if isinstance(clf, dict) else (None, [clf])
+        self.clf, self.scorer, self.window, self.spin = self.clfs[0], scorer, window, spin
         self.source = source or QueueSource()
         self.metrics = metrics
-        self.N = len(clf.labels)
+        self.N = max(len(c.labels) for c in self.clfs)  # score columns of an answer row
         self.aborted: set[tuple[int, int]] = set()
 
     def ready(self, tokenizer_path: str = "", model: str = "") -> P.ReadyOut:
+        """model: the served name; with one classifier (no names given) also the classifier's."""
         clf = self.clf
         return P.ReadyOut(
-            model=model, tokenizer_path=tokenizer_path, template=clf.prompt.template,
-            chat=clf.prompt.chat, special_tokens=getattr(clf.prompt, "special_tokens", False),
-            labels=list(clf.labels), mode=clf.mode, truncate=clf.truncate,
-            prefix_ids=list(clf.prompt.prefix_ids), context_limit=clf.prompt.context_limit or 0,
+            model=model, tokenizer_path=tokenizer_path,
+            classifiers=[classifier_info(name, c) for name, c in zip(self.names or [model], self.clfs)],
             max_batch_tokens=clf.max_batch_tokens, scorer=self.scorer is not None,
             device=str(clf.engine.device), pid=os.getpid())
 
     def warmup(self) -> None:
-        """One real batch proves the path (the Classifier built the prefix and captured graphs)."""
-        self.clf.decide_encoded([self.clf.encode("warm up")])
+        """One real batch per classifier proves the path (each built its prefix and graphs)."""
+        for c in self.clfs:
+            c.decide_encoded([c.encode("warm up")])
+
+    def decide(self, groups: dict[int, list[Encoded]]) -> dict[int, tuple[list[int], list[list[float]]]]:
+        """THE SEAM for several classifiers (every batch of an engine that has more than one):
+        {classifier index: its requests} -> {index: (label indices, score rows)}, each in its
+        group's order. Today each classifier runs its own flat batches (Classifier.decide_encoded),
+        one classifier after another. A fused multi-classifier forward pass (every group's tokens
+        in one flat batch where their buckets allow, each read out through its own prefix and
+        label rows) replaces this method; nothing else changes."""
+        clfs = self.clfs
+        return {k: clfs[k].decide_encoded(enc) for k, enc in groups.items()}
 
     def run(self) -> None:
         """Serve until STOP. An EngineFault (or anything else) propagates to the owner, after the
@@ -115,23 +133,36 @@ class EngineLoop:
 
     def _classify(self, msgs: list) -> None:
         now = time.monotonic()
-        todo, where = [], []  # Encoded, (message index, row)
-        status = []
+        todo, where, which = [], [], []  # Encoded, (message index, row), classifier index
+        status, errors = [], []
+        n_clf = len(self.clfs)
+        multi = n_clf > 1
         for k, (m, _) in enumerate(msgs):
             ids = P.unpack_ids(m.ids, m.offsets)
-            st = [P.OK] * len(m.rids)
+            st, err = [P.OK] * len(m.rids), {}
+            cl = m.classifiers  # empty: every row the default's
             for i, rid in enumerate(m.rids):
                 if (m.client, rid) in self.aborted:
                     st[i] = P.ABORTED
                 elif m.deadlines[i] + self.window < now:  # the batch window is not queueing
                     st[i] = P.EXPIRED
+                elif cl and not 0 <= cl[i] < n_clf:  # a front end of another engine's Ready
+                    st[i], err[rid] = P.BAD_INPUT, f"no classifier {cl[i]} on this engine"
                 else:
                     todo.append(Encoded({"query": ""}, "", ids[i], m.starts[i]))
                     where.append((k, i))
+                    if multi:
+                        which.append(cl[i] if cl else 0)
             status.append(st)
+            errors.append(err)
         t0 = time.perf_counter()
         try:
-            best_all, scores_all = self.clf.decide_encoded(todo) if todo else ([], [])
+            if not todo:
+                best_all, scores_all = [], []
+            elif not multi:  # one classifier: straight through, as before there were several
+                best_all, scores_all = self.clf.decide_encoded(todo)
+            else:
+                best_all, scores_all = self._decide(todo, which)
         except Exception as e:
             for k, (m, reply) in enumerate(msgs):
                 reply(P.ClassifyOut(m.rids, [P.FAULT] * len(m.rids), [0] * len(m.rids),
@@ -149,8 +180,24 @@ class EngineLoop:
             scores[k][i] = sc
         queued = self.source.pending()
         for k, (m, reply) in enumerate(msgs):
-            reply(P.ClassifyOut(m.rids, status[k], best[k].tolist(), scores[k].tobytes(), {},
+            reply(P.ClassifyOut(m.rids, status[k], best[k].tolist(), scores[k].tobytes(), errors[k],
                                 forward, len(todo), queued))
+
+    def _decide(self, todo: list[Encoded], which: list[int]):
+        """Label indices and score rows of todo, in its order, on an engine of several
+        classifiers; which[j]: todo[j]'s classifier. Grouped for decide(), rows padded to N."""
+        groups: dict[int, list[int]] = {}
+        for j, c in enumerate(which):
+            groups.setdefault(c, []).append(j)
+        out = self.decide({c: [todo[j] for j in js] for c, js in groups.items()})
+        best, scores = [0] * len(todo), [None] * len(todo)
+        for c, js in groups.items():
+            b, s = out[c]
+            rows = np.zeros((len(js), self.N), dtype=np.float32)
+            rows[:, :len(self.clfs[c].labels)] = s
+            for j, bj, row in zip(js, b, rows):
+                best[j], scores[j] = bj, row
+        return best, scores
 
     def _score(self, m: P.ScoreReq) -> P.ScoreOut:
         if (m.client, m.rid) in self.aborted:
@@ -167,3 +214,13 @@ class EngineLoop:
             log.error("engine fault in multi-item scoring", exc_info=e)
             return P.ScoreOut(m.rid, P.FAULT, None, f"engine fault: {type(e).__name__}: {e}")
         return P.ScoreOut(m.rid, P.OK, out, None)
+
+
+def classifier_info(name: str, clf) -> P.ClassifierInfo:
+    """What a front end needs of one classifier (its Prompt rebuilt over the shared tokenizer)."""
+    prompt = clf.prompt
+    return P.ClassifierInfo(
+        name=name, template=prompt.template, chat=prompt.chat,
+        special_tokens=getattr(prompt, "special_tokens", False), labels=list(clf.labels),
+        mode=clf.mode, truncate=clf.truncate, prefix_ids=list(prompt.prefix_ids),
+        context_limit=prompt.context_limit or 0, memory=dict(getattr(clf, "memory", None) or {}))

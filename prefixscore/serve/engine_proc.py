@@ -26,22 +26,37 @@ log = logging.getLogger("prefixscore.engine")
 
 
 def build(cfg: EngineConfig):
-    """The Classifier (and the /v1/score Scorer on its weights) that cfg describes."""
+    """(classifier, scorer) as cfg describes them: the Classifier, or with --classifier {name:
+    Classifier} over one loaded model (Classifier.many: shared weights and engine, a prefix,
+    label rows and graphs each), the default first; and the /v1/score Scorer on those weights."""
     from ..classifier import Classifier
 
     kw = {"allow_special_tokens": True} if cfg.allow_special_tokens else {}
-    clf = Classifier(cfg.model, cfg.template, list(cfg.labels) if cfg.labels else None,
-                     device=cfg.device, dtype=cfg.dtype, chat=cfg.chat, mode=cfg.mode,
-                     truncate=cfg.truncate, max_batch_tokens=cfg.batch_tokens, head=cfg.head,
-                     adapter=cfg.adapter, **kw)
+    common = dict(truncate=cfg.truncate, max_batch_tokens=cfg.batch_tokens, **kw)
+    if not cfg.classifiers:
+        clf = Classifier(cfg.model, cfg.template, list(cfg.labels) if cfg.labels else None,
+                         device=cfg.device, dtype=cfg.dtype, chat=cfg.chat, mode=cfg.mode,
+                         head=cfg.head, adapter=cfg.adapter, **common)
+    elif cfg.adapter is not None:  # merged into the weights: one classifier (classifiers.specs)
+        (spec,) = cfg.classifiers
+        clf = {spec.name: Classifier(cfg.model, device=cfg.device, dtype=cfg.dtype,
+                                     adapter=cfg.adapter, **spec.kwargs(cfg.chat, cfg.mode), **common)}
+    else:
+        clf = Classifier.many({s.name: s.kwargs(cfg.chat, cfg.mode) for s in cfg.classifiers},
+                              model=cfg.model, device=cfg.device, dtype=cfg.dtype, **common)
     scorer = None
     if cfg.score_template:
         from ..scorer import Scorer
 
-        scorer = Scorer(model=clf.loaded, template=cfg.score_template,
+        scorer = Scorer(model=first(clf).loaded, template=cfg.score_template,
                         labels=list(cfg.score_labels) if cfg.score_labels else None, chat=cfg.chat,
                         max_batch_tokens=cfg.batch_tokens, **kw)
     return clf, scorer
+
+
+def first(clf):
+    """The default classifier of what build() returns (the one whose model every one shares)."""
+    return next(iter(clf.values())) if isinstance(clf, dict) else clf
 
 
 def spin_seconds(spec: str, device: str) -> float:
@@ -134,7 +149,9 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
     source = ZmqSource(address)
     signal.signal(signal.SIGTERM, lambda *_: source.put(STOP, None))
     try:
-        clf, scorer = build(cfg)
+        classifiers, scorer = build(cfg)
+        clf = first(classifiers)
+        from .classifiers import log_memory
         from .launch import engine_cpu
         from .metrics import Metrics
 
@@ -142,12 +159,14 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
 
-        loop = EngineLoop(clf, scorer, source=source, window=cfg.batch_window_ms / 1e3,
+        loop = EngineLoop(classifiers, scorer, source=source, window=cfg.batch_window_ms / 1e3,
                           spin=spin_seconds(cfg.engine_spin_ms, clf.engine.device.type),
                           metrics=Metrics())
         loop.warmup()
         model = cfg.served_model_name or os.path.basename(str(clf.loaded.name))
-        source.bind(loop.ready(save_tokenizer(clf.loaded.tokenizer, run_dir), model))
+        ready = loop.ready(save_tokenizer(clf.loaded.tokenizer, run_dir), model)
+        log_memory(ready.classifiers)
+        source.bind(ready)
         log.info("ready on %s (pid %d)", clf.engine.device, os.getpid())
         if ready_event is not None:
             ready_event.set()

@@ -10,77 +10,30 @@ aborted (dropped if still queued), and counted as 499, not 200.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
 
 from ..errors import InputError
 from . import protocol as P
+from .answers import Answer, ResultCache, is_unicode, label_probs, query_name  # noqa: F401
+from .api_error import ApiError
+from .catalog import DEFAULT_MODEL, Catalog  # noqa: F401 -- importable from here, as before
 from .client import EngineDead
 from .config import FrontendConfig
+from .many import ClassifyMany
 
 
-DEFAULT_MODEL = "default/not-specified"  # what Infinity's client sends when no model is named
-
-
-class ApiError(Exception):
-    """param: the request field at fault, for error shapes that name it (vLLM's)."""
-
-    def __init__(self, status: int, detail: str, retry_after: float | None = None,
-                 param: str | None = None):
-        super().__init__(detail)
-        self.status, self.detail, self.param = status, detail, param
-        self.headers = {} if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
-
-
-@dataclass
-class Answer:
-    results: list[tuple[str, str, list[float], bool]]  # per query: (query as seen, label, scores, cached)
-    labels: list[str]
-    classifier: str  # the served classifier that answered
-    prompt_tokens: int  # every query's whole prompt, the cached prefix included
-    cached_tokens: int  # of them, not computed: the cached prefix, and whole prompts the cache answered
-    batch_size: int
-    queue_s: float
-    tokenize_s: float
-    forward_s: float
-    total_s: float
-
-
-class ResultCache:
-    """LRU of (label index, scores) keyed by the prompt's token ids: the normalized form of a query
-    that provably gets the same answer, so results are identical with and without the cache."""
-
-    def __init__(self, size: int, ttl: float):
-        self.size, self.ttl = size, ttl
-        self.items: OrderedDict[tuple, tuple] = OrderedDict()
-
-    def get(self, key):
-        hit = self.items.get(key)
-        if hit is None:
-            return None
-        if self.ttl and hit[0] < time.monotonic():
-            del self.items[key]
-            return None
-        self.items.move_to_end(key)
-        return hit[1]
-
-    def put(self, key, value) -> None:
-        self.items[key] = (time.monotonic() + self.ttl, value)
-        self.items.move_to_end(key)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
-
-
-class Frontend:
+class Frontend(ClassifyMany):
     def __init__(self, cfg: FrontendConfig, client, metrics, prompt_factory):
-        """prompt_factory(ready) -> the Prompt to tokenize with (the classifier's own in-process;
-        one built from the engine's tokenizer files in a worker process)."""
+        """prompt_factory(ready) -> the Prompts to tokenize with, one per classifier of
+        ready.classifiers (the classifiers' own in-process; built over the engine's tokenizer
+        files in a worker process)."""
         self.cfg, self.client, self.metrics = cfg, client, metrics
         self.prompt_factory = prompt_factory
-        self.prompt = None
+        self.catalog: Catalog | None = None  # the classifiers by name, and their prompts
+        self.prompts: list = []  # per classifier, in ReadyOut.classifiers order
+        self.prompt = None  # the default classifier's (its tokenizer is every classifier's)
         self.info: P.ReadyOut | None = None
+        self.classifiers: list[P.ClassifierInfo] = []
         self.created = 0  # when this front end first saw the engine ready (Unix seconds)
         self.cache = ResultCache(cfg.cache_size, cfg.cache_ttl) if cfg.cache_size > 0 else None
         self.inflight = 0  # queries admitted and not yet answered (this front end)
@@ -95,37 +48,25 @@ class Frontend:
 
     # -- state
     def sync(self) -> None:
-        """After the engine's Ready: the prompt, checked against the engine's own prefix."""
+        """After the engine's Ready: a prompt per classifier (Catalog checks each against the
+        engine's own prefix)."""
         info = self.client.info
         if info is not None and info is not self.info:
-            prompt = self.prompt_factory(info)
-            if list(prompt.prefix_ids) != list(info.prefix_ids):
-                raise RuntimeError("this front end's tokenizer splits the prompt differently from "
-                                   "the engine's")
-            prompt.context_limit = info.context_limit
-            self.prompt, self.info = prompt, info
+            catalog = Catalog(info, list(self.prompt_factory(info)))
+            self.catalog, self.prompts, self.prompt = catalog, catalog.prompts, catalog.prompts[0]
+            self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
 
     def classifier_names(self) -> list[str]:
-        """The classifiers this server serves, the default first: today one, named like the served
-        model (--served-model-name, else the model's file or folder name)."""
-        return [self.info.model]
+        """The classifiers this server serves, the default first: one named like the served model
+        (--served-model-name, else the model's file or folder name), or those --classifier
+        declared."""
+        return self.catalog.names
 
-    def resolve(self, model: str | None = None, classifier: str | None = None) -> str:
-        """The classifier a request names (`model` and/or `classifier`, as vLLM's `model` names a
-        served model or adapter; none: the default), or 404 naming the unknown one."""
-        info = self.info
-        if model is not None and model != info.model and model != DEFAULT_MODEL:
-            raise ApiError(404, f"The model `{model}` does not exist (this server serves "
-                                f"`{info.model}`).", param="model")
-        names = self.classifier_names()
-        if classifier is None:
-            return names[0]
-        if classifier not in names:
-            raise ApiError(404, f"The classifier `{classifier}` does not exist (this server serves "
-                                f"{', '.join(f'`{n}`' for n in names)}).", param="classifier")
-        return classifier
+    def resolve(self, model: str | None = None, classifier: str | None = None) -> int:
+        """The index of the classifier a request names (Catalog.resolve), or 404."""
+        return self.catalog.resolve(model, classifier)
 
     def health(self) -> tuple[int, dict]:
         c = self.client
@@ -136,10 +77,11 @@ class Frontend:
         if c.error is not None:
             return 503, {"status": "starting"}
         self.sync()
-        i = self.info
-        return 200, {"status": "ok", "model": i.model, "labels": i.labels, "mode": i.mode,
+        i, default = self.info, self.classifiers[0]
+        return 200, {"status": "ok", "model": i.model, "labels": default.labels, "mode": default.mode,
                      "scorer": i.scorer, "queue_depth": self.inflight + c.queued,
-                     "engine": {"pid": i.pid, "device": i.device}}
+                     "engine": {"pid": i.pid, "device": i.device},
+                     "classifiers": self.catalog.health_cards()}
 
     async def wait_ready(self) -> None:
         """Until the engine is ready (within --max-queue-ms), else 503."""
@@ -174,54 +116,48 @@ class Frontend:
     # -- classify
     async def classify(self, queries: list[str], model: str | None = None,
                        classifier: str | None = None, field: str = "query") -> Answer:
-        """model / classifier: what the request names (Frontend.resolve); field: the request's
-        name for its queries, as errors name them ("input" in vLLM's shape)."""
+        """model / classifier: what the request names (Catalog.resolve); field: the request's
+        name for its queries, as errors name them ("input" in vLLM's shape). Several
+        classifiers at once: classify_many (many.py)."""
         t0 = time.perf_counter()
-        cfg = self.cfg
-        if not queries:
-            raise ApiError(422, f"{field} is an empty list", param=field)
-        if len(queries) > cfg.max_queries:
-            raise ApiError(413, f"{len(queries)} queries in one request, over the limit of "
-                                f"{cfg.max_queries} (--max-queries)", param=field)
-        for i, q in enumerate(queries):  # a tokenizer raises on a lone surrogate: say what it is
-            if not isinstance(q, str):
-                raise ApiError(422, f"{query_name(i, len(queries), field)} must be a string",
-                               param=field)
-            if not is_unicode(q):
-                raise ApiError(422, f"{query_name(i, len(queries), field)} is not valid Unicode text "
-                                    f"(a lone surrogate)", param=field)
+        self._check_queries(queries, 1, field)
         await self._check_ready()
-        name = self.resolve(model, classifier)
-        encoded = self._encode(queries, field)
+        k = 0 if model is None and classifier is None else self.catalog.resolve(model, classifier)
+        info = self.classifiers[k]
+        encoded = self._encode(queries, k, field)
         t1 = time.perf_counter()
         cache, hits = self.cache, [None] * len(encoded)
-        if cache is not None:
-            hits = [cache.get(tuple(e.ids)) for e in encoded]
+        if cache is not None:  # a key per classifier: two prompts may tokenize alike
+            hits = [cache.get(tuple(e.ids) if k == 0 else (k, tuple(e.ids))) for e in encoded]
             self.metrics.cache_lookups(len(hits) - hits.count(None), hits.count(None))
         todo = [e for e, h in zip(encoded, hits) if h is None]
         job = None
-        if todo:
+        if todo:  # inline, not many.py's _engine: the latency path pays for no extra coroutine
             cost = sum(len(e.ids) - e.start for e in todo)
             self._admit(len(todo), cost)
             try:
                 fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
-                                           time.monotonic() + cfg.max_queue_ms / 1e3)
+                                           time.monotonic() + self.cfg.max_queue_ms / 1e3,
+                                           [k] * len(todo) if k else None)
                 job = await self._wait(fut)
             except EngineDead as e:
                 raise ApiError(503, str(e), 1) from None
             finally:
                 self._release(len(todo), cost)
-            self.metrics.classifier_tokens(name).inc(cost)
+            self.metrics.classifier_tokens(info.name).inc(cost)
             self._check_status(job)
-        labels = self.info.labels
+        labels = info.labels
+        # rows are as wide as the engine's most labels; a classifier's fill the first columns
+        scores = None if job is None else job.scores if job.scores.shape[1] == len(labels) else \
+            job.scores[:, :len(labels)]
         rows = iter(range(len(todo)))
         results = []
         for e, h in zip(encoded, hits):
             if h is None:
                 r = next(rows)
-                h = (job.best[r], job.scores[r].tolist())
+                h = (job.best[r], scores[r].tolist())
                 if cache is not None:
-                    cache.put(tuple(e.ids), h)
+                    cache.put(tuple(e.ids) if k == 0 else (k, tuple(e.ids)), h)
                 results.append((e.values["query"], labels[h[0]], h[1], False))
             else:
                 results.append((e.values["query"], labels[h[0]], h[1], True))
@@ -229,20 +165,39 @@ class Frontend:
         forward = job.forward_s if job else 0.0
         prompt_tokens = sum(len(e.ids) for e in encoded)
         computed = sum(len(e.ids) - e.start for e in todo)
-        ans = Answer(results, labels, name, prompt_tokens, prompt_tokens - computed,
+        ans = Answer(results, labels, info.name, prompt_tokens, prompt_tokens - computed,
                      job.batch_size if job else 0, max(0.0, t2 - t1 - forward) if job else 0.0,
                      t1 - t0, forward, t2 - t0)
-        st = self.metrics.stages(name)
+        st = self.metrics.stages(info.name)
         st["queue"].observe(ans.queue_s)
         st["tokenize"].observe(ans.tokenize_s)
         st["forward"].observe(ans.forward_s)
         st["total"].observe(ans.total_s)
         return ans
 
-    def _encode(self, queries: list[str], field: str = "query"):
-        """Tokenized (Prompt.encode_many: one tokenizer call), within --max-tokens (cut with
-        --truncate), or a 422 naming the query."""
-        prompt, info, cfg = self.prompt, self.info, self.cfg
+    def _check_queries(self, queries: list[str], per: int, field: str) -> None:
+        cfg = self.cfg
+        if not queries:
+            raise ApiError(422, f"{field} is an empty list", param=field)
+        n = len(queries) * per  # what the engine runs: a row per query and classifier
+        if n > cfg.max_queries:
+            raise ApiError(413, f"{len(queries)} queries in one request, over the limit of "
+                                f"{cfg.max_queries} (--max-queries)" if per == 1 else
+                                f"{len(queries)} queries x {per} classifiers = {n} classifications "
+                                f"in one request, over the limit of {cfg.max_queries} "
+                                f"(--max-queries)", param=field)
+        for i, q in enumerate(queries):  # a tokenizer raises on a lone surrogate: say what it is
+            if not isinstance(q, str):
+                raise ApiError(422, f"{query_name(i, len(queries), field)} must be a string",
+                               param=field)
+            if not is_unicode(q):
+                raise ApiError(422, f"{query_name(i, len(queries), field)} is not valid Unicode text "
+                                    f"(a lone surrogate)", param=field)
+
+    def _encode(self, queries: list[str], k: int = 0, field: str = "query"):
+        """Tokenized by classifier k's prompt (Prompt.encode_many: one tokenizer call), within
+        --max-tokens (cut with --truncate), or a 422 naming the query."""
+        prompt, info, cfg = self.prompts[k], self.classifiers[k], self.cfg
         try:
             encoded = prompt.encode_many([{"query": q} for q in queries], info.truncate)
         except InputError as e:
@@ -284,6 +239,8 @@ class Frontend:
             return
         if P.FAULT in bad:
             raise ApiError(503, next(iter(job.errors.values()), "engine fault"), 1)
+        if P.BAD_INPUT in bad:  # a classifier index the engine lacks (another engine's Ready)
+            raise ApiError(503, next(iter(job.errors.values()), "bad engine request"), 1)
         if P.EXPIRED in bad:
             self.metrics.expired.labels("queue_time").inc(bad.count(P.EXPIRED))
             raise ApiError(503, f"not started within --max-queue-ms ({self.cfg.max_queue_ms:g} ms): "
@@ -359,29 +316,3 @@ class Frontend:
         """At the end of the drain time: what is still waiting is answered 503 + Retry-After."""
         self.client._fail_all("the server is shutting down and this request did not finish within "
                               "--shutdown-timeout; retry on another instance", fault=False)
-
-
-def label_probs(scores: list[float]) -> tuple[list[float], list[float]]:
-    """Softmax and log-softmax of one row of label scores. Either mode's scores give the labels'
-    probabilities: log-probabilities are already normalized (softmax returns their exp), and mode
-    logits needs labels with distinct first tokens, whose first-token softmax is the label's."""
-    m = max(scores)
-    ex = [math.exp(x - m) for x in scores]
-    total = sum(ex)
-    log_total = math.log(total)
-    return [e / total for e in ex], [x - m - log_total for x in scores]
-
-
-def query_name(i: int, n: int, field: str = "query") -> str:
-    """How an error names query i of a request of n queries: its JSON index, as in items[i]."""
-    return f"{field}[{i}]" if n > 1 else field
-
-
-def is_unicode(text: str) -> bool:
-    """False for a lone surrogate: valid in JSON ("\\ud800") and in a Python str, not in UTF-8,
-    and a tokenizer raises on it."""
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False

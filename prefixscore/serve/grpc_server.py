@@ -86,7 +86,8 @@ def handlers(fe: Frontend):
     """method name -> async handler(request message) -> response message, per service."""
 
     async def classify(m):
-        ans = await fe.classify(list(m.queries))
+        ans = await fe.classify(list(m.queries), m.model if m.HasField("model") else None,
+                                m.classifier if m.HasField("classifier") else None)
         labels = ans.labels
         index = {label: i for i, label in enumerate(labels)}
         R = pb.ClassifyResult
@@ -96,7 +97,8 @@ def handlers(fe: Frontend):
                      for q, label, scores, cached in ans.results],
             batch_size=ans.batch_size,
             timing=pb.Timing(queue_ms=1e3 * ans.queue_s, tokenize_ms=1e3 * ans.tokenize_s,
-                             forward_ms=1e3 * ans.forward_s, total_ms=1e3 * ans.total_s))
+                             forward_ms=1e3 * ans.forward_s, total_ms=1e3 * ans.total_s),
+            classifier=ans.classifier)
 
     async def score(m):
         out = await fe.score(score_dict(m))

@@ -14,9 +14,11 @@ import hmac
 import json
 import time
 
-from . import compat
-from .frontend import ApiError, Frontend, label_probs
-from .schemas import ERRORS, ClassifyRequest, ClassifyResponse, ScoreRequest, ScoreResponse
+from . import compat, many
+from .answers import label_probs
+from .frontend import ApiError, Frontend
+from .schemas import (ERRORS, ClassifyManyResponse, ClassifyRequest, ClassifyResponse, ScoreRequest,
+                      ScoreResponse)
 
 PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi.json", *compat.PATHS)
 UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer KEY'"
@@ -217,12 +219,17 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
 
     async def answer_classify(req: ClassifyRequest) -> bytes:
+        if req.classifiers is not None:  # several classifiers: many.py
+            return await many.answer(fe, req)
         queries = [req.query] if isinstance(req.query, str) else req.query
         return classify_body(await fe.classify(queries, req.model, req.classifier))
 
-    @app.post("/v1/classify", response_model=ClassifyResponse, responses=ERRORS, dependencies=deps)
+    @app.post("/v1/classify", response_model=ClassifyResponse | ClassifyManyResponse,
+              responses=ERRORS, dependencies=deps)
     async def classify(req: ClassifyRequest):
-        """Label and per-label scores for one query or a list of queries."""
+        """Label and per-label scores for one query or a list of queries, by the classifier the
+        request names (`classifier` or `model`; default: the first served), or by several
+        (`classifiers`: a ClassifyManyResponse, per query a result per classifier)."""
         try:
             return Response(await answer_classify(req), media_type="application/json")
         except ApiError as e:

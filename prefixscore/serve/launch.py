@@ -103,23 +103,28 @@ def uvicorn_server(app, fcfg: FrontendConfig, frontend):
 # ---------------------------------------------------------------- --workers 1
 
 def single_process(fcfg: FrontendConfig, ecfg: EngineConfig, sock=None) -> None:
+    from .classifiers import log_memory
     from .client import InprocClient
-    from .engine_proc import build, spin_seconds
+    from .engine_loop import classifier_info
+    from .engine_proc import build, first, spin_seconds
     from .frontend import Frontend
     from .http import create_app
     from .metrics import Metrics
 
     sock = sock or bind(fcfg.host, fcfg.port)
-    clf, scorer = build(ecfg)
+    classifiers, scorer = build(ecfg)
+    clf = first(classifiers)
     cpu = engine_cpu(ecfg.engine_cpu, clf.engine.device.type)
     if cpu is not None:  # the event loop (this thread, and threads it starts) off the engine's CPU
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {cpu})
     metrics = Metrics()
     model = ecfg.served_model_name or os.path.basename(str(clf.loaded.name))
-    client = InprocClient(clf, scorer, window=ecfg.batch_window_ms / 1e3,
+    named = classifiers if isinstance(classifiers, dict) else {model: classifiers}
+    log_memory([classifier_info(name, c) for name, c in named.items()])
+    client = InprocClient(classifiers, scorer, window=ecfg.batch_window_ms / 1e3,
                           spin=spin_seconds(ecfg.engine_spin_ms, clf.engine.device.type),
                           metrics=metrics, restart=fcfg.restart_engine, model=model, engine_cpu=cpu)
-    fe = Frontend(fcfg, client, metrics, lambda info: clf.prompt)
+    fe = Frontend(fcfg, client, metrics, lambda info: [c.prompt for c in named.values()])
 
     def started(loop):
         client.start(loop)
@@ -181,7 +186,7 @@ def worker_main(fcfg: FrontendConfig, index: int, address: str, sock, avoid_cpu=
     import transformers.models.auto.tokenization_auto  # noqa: F401
 
     client = ZmqClient(address, index)
-    fe = Frontend(fcfg, client, Metrics(), worker_prompt)
+    fe = Frontend(fcfg, client, Metrics(), worker_prompts)
 
     def started(loop):
         client.start(loop)
@@ -192,15 +197,16 @@ def worker_main(fcfg: FrontendConfig, index: int, address: str, sock, avoid_cpu=
     uvicorn_server(app, fcfg, fe).run(sockets=[sock])
 
 
-def worker_prompt(info):
-    """The engine's prompt, rebuilt from its tokenizer files (the same split, checked by sync)."""
+def worker_prompts(info):
+    """The engine's prompts, one per classifier over the one tokenizer, rebuilt from its files
+    (the same split, checked by sync)."""
     from transformers import AutoTokenizer
 
     from ..prompt import Prompt
 
     tok = AutoTokenizer.from_pretrained(info.tokenizer_path, local_files_only=True)
-    kw = {"special_tokens": True} if info.special_tokens else {}
-    return Prompt(tok, info.template, chat=info.chat, **kw)
+    return [Prompt(tok, c.template, chat=c.chat, **({"special_tokens": True} if c.special_tokens else {}))
+            for c in info.classifiers]
 
 
 class Launcher:

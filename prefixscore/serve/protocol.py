@@ -25,13 +25,16 @@ class ClassifyReq(msgspec.Struct, tag=True, array_like=True):
     """Many tokenized classify requests. Request i is ids[offsets[i]:offsets[i+1]] (the whole
     prompt, int32), of which the engine computes ids[offsets[i] + starts[i]:]. deadlines are
     time.monotonic() values (one clock for every process of a host): a request still queued then
-    is answered EXPIRED instead of being run."""
+    is answered EXPIRED instead of being run. classifiers[i]: the index (in ReadyOut.classifiers)
+    of the classifier that runs request i; empty: all the default (0), so a server of one
+    classifier sends nothing per request for it."""
     client: int
     rids: list[int]
     ids: bytes
     offsets: list[int]
     starts: list[int]
     deadlines: list[float]
+    classifiers: list[int] = []
 
 
 class ScoreReq(msgspec.Struct, tag=True, array_like=True):
@@ -48,10 +51,10 @@ class AbortReq(msgspec.Struct, tag=True, array_like=True):
     rids: list[int]
 
 
-class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
-    """What only the engine knows, for the front ends (vLLM's EngineCoreReadyResponse)."""
-    model: str
-    tokenizer_path: str
+class ClassifierInfo(msgspec.Struct, array_like=True, kw_only=True):
+    """One classifier of the engine, as a front end needs it to build its Prompt (over the
+    tokenizer every classifier shares) and to name and answer it. Not a message: part of ReadyOut."""
+    name: str
     template: str
     chat: bool
     special_tokens: bool
@@ -60,6 +63,16 @@ class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     truncate: bool
     prefix_ids: list[int]
     context_limit: int  # of the prompt: the model's, less the longest label
+    memory: dict[str, int]  # bytes it adds to the shared weights (Classifier.memory)
+
+
+class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    """What only the engine knows, for the front ends (vLLM's EngineCoreReadyResponse).
+    classifiers: every classifier over the one loaded model, the default first; a request names
+    one by its index there."""
+    model: str
+    tokenizer_path: str
+    classifiers: list[ClassifierInfo]
     max_batch_tokens: int
     scorer: bool
     device: str
@@ -68,7 +81,8 @@ class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
 
 class ClassifyOut(msgspec.Struct, tag=True, array_like=True):
     """Answers of one engine batch for one front end: best[i] (label index) and scores rows
-    [n, labels] as float32 bytes, for rids[i] with status[i] OK; other statuses have a row of
+    [n, width] as float32 bytes (width: the most labels of any classifier; a classifier with
+    fewer fills the first len(labels) columns), for rids[i] with status[i] OK; other statuses have a row of
     zeros and, for BAD_INPUT / FAULT, a message in errors."""
     rids: list[int]
     status: list[int]

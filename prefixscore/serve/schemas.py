@@ -7,17 +7,25 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 
 def model_field():
-    return Field(None, description="the served model (--served-model-name, else the model's file or "
-                                   "folder name); another name is answered 404. Default: the one served")
+    return Field(None, description="a served classifier (GET /v1/models), or the served model "
+                                   "(--served-model-name, else the model's file or folder name) for "
+                                   "the default classifier; another name is answered 404. Default: "
+                                   "the default classifier")
 
 
 class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "examples": [{"query": "beige trench coat women"}, {"query": ["levis 501", "红色连衣裙"]}]})
+        "examples": [{"query": "beige trench coat women"}, {"query": ["levis 501", "红色连衣裙"]},
+                     {"query": ["levis 501"], "classifiers": ["category", "gender"]}]})
     query: str | list[str] = Field(description="one query, or a list classified independently")
     model: str | None = model_field()
     classifier: str | None = Field(None, description="the served classifier (GET /v1/models); "
-                                                     "another name is answered 404")
+                                                     "another name is answered 404. Default: the "
+                                                     "first one")
+    classifiers: list[str] | None = Field(
+        None, description="several served classifiers, each answering every query: the answer is "
+                          "then a ClassifyManyResponse (per query, a result per classifier). "
+                          "Queries x classifiers count against --max-queries")
 
 
 class ClassifyResult(BaseModel):
@@ -40,6 +48,22 @@ class Timing(BaseModel):
 class ClassifyResponse(BaseModel):
     results: list[ClassifyResult]
     batch_size: int = Field(description="queries in the engine batch (0: all from the cache)")
+    timing: Timing
+
+
+class ClassifierResults(BaseModel):
+    query: str = Field(description="the query as sent")
+    classifiers: dict[str, ClassifyResult] = Field(
+        description="per classifier of the request, in its order: exactly what a request naming "
+                    "that classifier alone answers for this query")
+
+
+class ClassifyManyResponse(BaseModel):
+    """The answer to a /v1/classify request with `classifiers`."""
+    results: list[ClassifierResults] = Field(description="one per query, in request order")
+    classifiers: list[str] = Field(description="the classifiers of the request, in its order")
+    batch_size: int = Field(description="rows (queries x classifiers) in the engine batch (0: all "
+                                        "from the cache)")
     timing: Timing
 
 
@@ -75,6 +99,7 @@ class Error(BaseModel):
 
 ERRORS = {s: {"model": Error, "description": d} for s, d in [
     (400, "body is not UTF-8"), (401, "missing or wrong API key"),
+    (404, "model or classifier not served (GET /v1/models lists them)"),
     (408, "headers or body not received in time"),
     (413, "body, query count, tokens or labels over the limit"), (422, "invalid request or query"),
     (429, "queue full: retry after Retry-After seconds"),

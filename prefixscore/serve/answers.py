@@ -1,0 +1,73 @@
+"""What a classify request answers (Answer), the result cache, and the helpers every route uses
+on answers and queries: probabilities from scores, a query's name in errors, the Unicode check."""
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Answer:
+    results: list[tuple[str, str, list[float], bool]]  # per query: (query as seen, label, scores, cached)
+    labels: list[str]
+    classifier: str  # the served classifier that answered
+    prompt_tokens: int  # every query's whole prompt, the cached prefix included
+    cached_tokens: int  # of them, not computed: the cached prefix, and whole prompts the cache answered
+    batch_size: int
+    queue_s: float
+    tokenize_s: float
+    forward_s: float
+    total_s: float
+
+
+class ResultCache:
+    """LRU of (label index, scores) keyed by the prompt's token ids: the normalized form of a query
+    that provably gets the same answer, so results are identical with and without the cache."""
+
+    def __init__(self, size: int, ttl: float):
+        self.size, self.ttl = size, ttl
+        self.items: OrderedDict[tuple, tuple] = OrderedDict()
+
+    def get(self, key):
+        hit = self.items.get(key)
+        if hit is None:
+            return None
+        if self.ttl and hit[0] < time.monotonic():
+            del self.items[key]
+            return None
+        self.items.move_to_end(key)
+        return hit[1]
+
+    def put(self, key, value) -> None:
+        self.items[key] = (time.monotonic() + self.ttl, value)
+        self.items.move_to_end(key)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
+def label_probs(scores: list[float]) -> tuple[list[float], list[float]]:
+    """Softmax and log-softmax of one row of label scores. Either mode's scores give the labels'
+    probabilities: log-probabilities are already normalized (softmax returns their exp), and mode
+    logits needs labels with distinct first tokens, whose first-token softmax is the label's."""
+    m = max(scores)
+    ex = [math.exp(x - m) for x in scores]
+    total = sum(ex)
+    log_total = math.log(total)
+    return [e / total for e in ex], [x - m - log_total for x in scores]
+
+
+def query_name(i: int, n: int, field: str = "query") -> str:
+    """How an error names query i of a request of n queries: its JSON index, as in items[i]."""
+    return f"{field}[{i}]" if n > 1 else field
+
+
+def is_unicode(text: str) -> bool:
+    """False for a lone surrogate: valid in JSON ("\\ud800") and in a Python str, not in UTF-8,
+    and a tokenizer raises on it."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -1,0 +1,126 @@
+"""One request to several classifiers of the server (`--classifier`), as /v1/classify takes it:
+
+    {"query": ["levis 501", "红色连衣裙"], "classifiers": ["category", "gender"]}
+    -> {"results": [{"query": "levis 501",
+                     "classifiers": {"category": {"query", "label", "scores", "probs", "cached"},
+                                     "gender": {...}}},
+                    ...],
+        "classifiers": ["category", "gender"], "batch_size": 12, "timing": {...}}
+
+Each classifier's entry is exactly the result a request naming that classifier alone gets (the
+same fields and numbers); the top-level `query` is the query as sent (a classifier's own `query`
+is as it saw it, cut by --truncate). The front end tokenizes the queries once per classifier and
+sends every row in one engine message, so the engine takes them in one pass of its loop
+(EngineLoop.decide). Queries x classifiers count against --max-queries and admission. `model` may
+be left out or name the served model; `classifier` and `classifiers` are exclusive.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from .answers import Answer, label_probs
+from .api_error import ApiError
+from .client import EngineDead
+
+
+class ClassifyMany:
+    """Frontend's classify_many (a mixin: Frontend's helpers do the rest, as for one classifier)."""
+
+    async def classify_many(self, queries: list[str], classifiers: list[str],
+                            model: str | None = None, field: str = "query") -> list[Answer]:
+        """The same queries by several classifiers (their names): an Answer per classifier, in
+        their order, sharing one engine request and its timing."""
+        t0 = time.perf_counter()
+        cache = self.cache
+        self._check_queries(queries, max(1, len(classifiers)), field)
+        await self._check_ready()
+        ks = self.catalog.resolve_many(model, classifiers)
+        encs = [self._encode(queries, k, field) for k in ks]
+        t1 = time.perf_counter()
+        todo, rows, hits_all, costs = [], [], [], []
+        for k, encoded in zip(ks, encs):
+            hits = [None] * len(encoded)
+            if cache is not None:  # keyed as Frontend.classify keys it
+                hits = [cache.get(tuple(e.ids) if k == 0 else (k, tuple(e.ids))) for e in encoded]
+                self.metrics.cache_lookups(len(hits) - hits.count(None), hits.count(None))
+            missed = [e for e, h in zip(encoded, hits) if h is None]
+            todo += missed
+            rows += [k] * len(missed)
+            hits_all.append(hits)
+            costs.append(sum(len(e.ids) - e.start for e in missed))
+        job = None
+        if todo:
+            job = await self._engine(todo, sum(costs), rows if any(rows) else None)
+            for k, cost in zip(ks, costs):
+                if cost:
+                    self.metrics.classifier_tokens(self.classifiers[k].name).inc(cost)
+        r, out = 0, []
+        for k, encoded, hits in zip(ks, encs, hits_all):
+            labels, results = self.classifiers[k].labels, []
+            # rows are as wide as the engine's most labels; a classifier's fill the first columns
+            scores = job.scores[:, :len(labels)] if job else None
+            for e, h in zip(encoded, hits):
+                if h is None:
+                    h = (job.best[r], scores[r].tolist())
+                    r += 1
+                    if cache is not None:
+                        cache.put(tuple(e.ids) if k == 0 else (k, tuple(e.ids)), h)
+                    results.append((e.values["query"], labels[h[0]], h[1], False))
+                else:
+                    results.append((e.values["query"], labels[h[0]], h[1], True))
+            out.append(results)
+        t2 = time.perf_counter()
+        forward = job.forward_s if job else 0.0
+        answers = []
+        for k, encoded, results, cost in zip(ks, encs, out, costs):
+            info, prompt_tokens = self.classifiers[k], sum(len(e.ids) for e in encoded)
+            ans = Answer(results, info.labels, info.name, prompt_tokens, prompt_tokens - cost,
+                         job.batch_size if job else 0, max(0.0, t2 - t1 - forward) if job else 0.0,
+                         t1 - t0, forward, t2 - t0)
+            st = self.metrics.stages(info.name)
+            for stage, v in (("queue", ans.queue_s), ("tokenize", ans.tokenize_s),
+                             ("forward", ans.forward_s), ("total", ans.total_s)):
+                st[stage].observe(v)
+            answers.append(ans)
+        return answers
+
+    async def _engine(self, todo: list, cost: int, classifiers: list[int] | None):
+        """The engine's answers (a ClassifyJob) to todo's rows, admitted by cost; classifiers: each
+        row's classifier (None: the default's). Frontend.classify does the same inline."""
+        self._admit(len(todo), cost)
+        try:
+            fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
+                                       time.monotonic() + self.cfg.max_queue_ms / 1e3, classifiers)
+            job = await self._wait(fut)
+        except EngineDead as e:
+            raise ApiError(503, str(e), 1) from None
+        finally:
+            self._release(len(todo), cost)
+        self._check_status(job)
+        return job
+
+
+async def answer(fe, req) -> bytes:
+    """The ClassifyManyResponse JSON of a /v1/classify request with `classifiers` (fe: the
+    Frontend; req: the ClassifyRequest)."""
+    if req.classifier is not None:
+        raise ApiError(422, "give classifier (one) or classifiers (several), not both",
+                       param="classifier")
+    queries = [req.query] if isinstance(req.query, str) else req.query
+    answers = await fe.classify_many(queries, req.classifiers, req.model)
+    results = []
+    for i, q in enumerate(queries):
+        per = {}
+        for a in answers:
+            seen, label, scores, cached = a.results[i]
+            per[a.classifier] = {"query": seen, "label": label, "scores": dict(zip(a.labels, scores)),
+                                 "probs": dict(zip(a.labels, label_probs(scores)[0])),
+                                 "cached": cached}
+        results.append({"query": q, "classifiers": per})
+    first = answers[0]  # one engine request: the same batch and timing for each classifier
+    body = {"results": results, "classifiers": [a.classifier for a in answers],
+            "batch_size": first.batch_size,
+            "timing": {"queue_ms": 1e3 * first.queue_s, "tokenize_ms": 1e3 * first.tokenize_s,
+                       "forward_ms": 1e3 * first.forward_s, "total_ms": 1e3 * first.total_s}}
+    return json.dumps(body, ensure_ascii=False).encode()
