@@ -11,12 +11,13 @@ import sys
 
 from . import __version__
 from .errors import InputError, PrefixScoreError
-from .cmdline import (apply_sources, err, error, log, make_classifier, model_args, quiet, run_batches,
-                      seed_adapter_default, verbosity)
+from .cmdline import (apply_sources, classifier_kwargs, err, error, log, make_classifier, model_args,
+                      quiet, run_batches, seed_adapter_default, verbosity)
+from .files import is_many
 from .io import labels_option
 from .report import confusion_report, format_confusion, format_per_label, rows_digest
 from .prompt import SEED_LABELS
-from .stream import CHUNK_ROWS
+from .stream import CHUNK_ROWS, model_record
 
 
 def cmd_classify(a) -> int:
@@ -31,6 +32,11 @@ def cmd_classify(a) -> int:
         raise InputError(f"--top-k must be at least 1, got {a.top_k}")
     if a.show_prompt:
         return _show_prompt(a, a.queries[0] if a.queries else _first_query(a))
+    if a.ray or is_many(a.input):
+        if a.queries or not a.input or a.input == "-":
+            raise InputError("--ray and several files (a glob or a directory) classify files: give "
+                             "them with -i and the output with -o")
+        return _classify_files(a)
     if a.queries:
         reader = RowReader(column=a.column, queries=a.queries)
     elif a.input or not sys.stdin.isatty():
@@ -38,25 +44,68 @@ def cmd_classify(a) -> int:
     else:
         raise InputError("no queries: pass them as arguments, with --input FILE, or on stdin")
     with reader:
-        flags = {k: getattr(a, k) for k in ("batch_tokens", "mode", "truncate", "allow_special_tokens",
-                                            "probs", "top_k")}
         job = ClassifyJob(reader, a.output, a.format, _keep_columns(a.keep_columns), a.chunk_rows,
-                          a.resume, a.strict, flags, quiet=quiet())
+                          a.resume, a.strict, _flags(a), quiet=quiet())
         seed_adapter_default(a)
         clf = make_classifier(a)
-        model = {"model": clf.loaded.name, "adapter": _path_or_name(a.adapter),
-                 "head": _path_or_name(a.head), "template": clf.prompt.template,
-                 "chat": clf.prompt.chat, "dtype": str(clf.engine.dtype).removeprefix("torch."),
-                 "device": clf.engine.device.type}
-        return job.run(clf, model, err, log.warning)
+        return job.run(clf, model_record(clf, a.adapter, a.head), err, log.warning)
+
+
+def _classify_files(a) -> int:
+    """One output file per input file (files.py): on Ray Data with --ray (prefixscore/ray/), else
+    here, a file at a time with one model. Each output is written as OUT.partial and renamed when
+    complete; --resume skips the finished ones (here a partial CSV or JSONL output also continues)."""
+    from . import files
+    from .io import RowReader
+    from .stream import ClassifyJob
+
+    keep = _keep_columns(a.keep_columns)
+    if a.ray:
+        from .ray import data  # without Ray: one ConfigError line naming the extra
+        from .ray.files import classify_files
+
+        data.quiet_logs()
+        seed_adapter_default(a)
+        classify_files(a.input, a.output, input_format=a.input_format, column=a.column,
+                       format=a.format, keep_columns=keep, probs=a.probs, top_k=a.top_k,
+                       chunk_rows=a.chunk_rows, resume=a.resume, strict=a.strict, actors=a.ray_actors,
+                       quiet=quiet(), info=err, **classifier_kwargs(a))
+        return 0
+    targets = files.plan(a.input, a.output, a.format, a.input_format)
+    flags = _flags(a)
+    options = [files.check(t, a.input_format, a.column, keep, a.chunk_rows, a.strict, flags)
+               for t in targets]  # every file's, before the model loads
+    seed_adapter_default(a)
+    clf = make_classifier(a)
+    model = model_record(clf, a.adapter, a.head)
+    for t, o in zip(targets, options):
+        if a.resume and files.finished(t, o | model | {"labels": clf.labels}):
+            err(f"{t.src} -> {t.dst}: finished before, skipped")
+            continue
+        err(f"{t.src} -> {t.dst}")
+        with RowReader(t.src, a.input_format, a.column) as reader:
+            job = ClassifyJob(reader, t.partial, t.fmt, keep, a.chunk_rows,
+                              a.resume and t.fmt != "parquet", a.strict, flags, quiet=quiet())
+            status = job.run(clf, model, err, log.warning)
+        if status:
+            return status
+        files.commit(t, job.options, job.done)
+    return 0
+
+
+def _flags(a) -> dict:
+    return {k: getattr(a, k) for k in ("batch_tokens", "mode", "truncate", "allow_special_tokens",
+                                       "probs", "top_k")}
 
 
 def _first_query(a) -> str:
     """--show-prompt's example: the first row of --input that has a query, else a stand-in."""
+    from .files import expand
     from .io import RowReader
 
     if a.input:
-        with RowReader(a.input, a.input_format, a.column) as reader:
+        path = expand(a.input)[0] if is_many(a.input) else a.input
+        with RowReader(path, a.input_format, a.column) as reader:
             q = next((r.query for r in reader if r.error is None), None)
             if q is not None:
                 return q
@@ -83,10 +132,6 @@ def _keep_columns(value: str):
     if not all(names):
         raise InputError(f"--keep-columns: all, none, or a comma-separated list of columns, got {value!r}")
     return names
-
-
-def _path_or_name(v):
-    return os.path.abspath(v) if v is not None and os.path.exists(v) else v
 
 
 def cmd_eval(a) -> int:
@@ -175,11 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
     c = sub.add_parser("classify", help="classify queries (arguments, a file, or stdin)")
     c.add_argument("queries", nargs="*", help="queries to classify")
-    c.add_argument("-i", "--input", help="file with queries (txt: one per line, csv, jsonl); - for stdin")
+    c.add_argument("-i", "--input", help="file with queries (txt: one per line, csv, jsonl, parquet); - "
+                        "for stdin; a glob ('logs/*.parquet') or a directory: one output per file in -o DIR")
     c.add_argument("--input-format", default="auto", choices=["auto", "txt", "csv", "jsonl", "parquet"],
                    help="default: from the file's extension; txt for stdin")
     c.add_argument("--column", default="query", help="query column for CSV/JSONL input")
-    c.add_argument("-o", "--output", default=None, help="output file (default: stdout)")
+    c.add_argument("-o", "--output", default=None,
+                   help="output file (default: stdout); a directory for several input files")
     c.add_argument("--format", default="auto", choices=["auto", "csv", "jsonl", "parquet"],
                    help="output format (default: from the output file's extension, else csv)")
     c.add_argument("--probs", action="store_true",
@@ -202,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS,
                    help=f"rows read, classified and written at a time (default {CHUNK_ROWS}; the "
                         "first chunks are shorter); --resume needs the same value")
+    c.add_argument("--ray", action="store_true",
+                   help="classify on Ray Data (pip install 'prefixscore[ray]'): one actor per GPU of "
+                        "the cluster (RAY_ADDRESS, else a local one), one output file per input file; "
+                        "-i may then be a glob or a directory (so it may without --ray), -o a directory")
+    c.add_argument("--ray-actors", type=int, default=None, metavar="N",
+                   help="with --ray: N actors (default: one per GPU; without GPUs one per CPU save one)")
     model_args(c)
     c.set_defaults(func=cmd_classify)
     e = sub.add_parser("eval", help="accuracy and confusion matrix against a label column")

@@ -64,21 +64,27 @@ def common_args(p: argparse.ArgumentParser) -> None:
                    help="debug logging on stderr")
 
 
+def classifier_kwargs(a) -> dict:
+    """Classifier's keyword arguments from the model and prompt flags (template and label files
+    read here, so a process that builds the classifier elsewhere, a Ray actor, needs neither)."""
+    labels, template = labels_option(a), template_option(a)
+    warn_seed_prompt(labels, template, getattr(a, "adapter", None), getattr(a, "head", None))
+    kw = dict(model=a.model, template=template, labels=labels, device=a.device, dtype=a.dtype,
+              chat=a.chat, mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
+              head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
+              allow_special_tokens=a.allow_special_tokens)
+    log.debug("Classifier(%s)", ", ".join(f"{k}={v!r}" for k, v in kw.items()))
+    return kw
+
+
 def make_classifier(a, graphs: bool = True):
     from .classifier import Classifier
 
     t0 = time.perf_counter()
-    labels, template = labels_option(a), template_option(a)
-    warn_seed_prompt(labels, template, getattr(a, "adapter", None), getattr(a, "head", None))
-    kw = dict(device=a.device, dtype=a.dtype, chat=a.chat, mode=a.mode, truncate=a.truncate,
-              max_batch_tokens=a.batch_tokens, head=getattr(a, "head", None),
-              adapter=getattr(a, "adapter", None), allow_special_tokens=a.allow_special_tokens)
-    log.debug("Classifier(model=%r, template=%r, labels=%r, %s)", a.model, template, labels,
-              ", ".join(f"{k}={v!r}" for k, v in kw.items()))
     from .hub import quiet_downloads
 
     with quiet_downloads(quiet()):  # a hub name downloads here (loading.resolve), bars on stderr
-        clf = Classifier(a.model, template, labels, graphs=graphs, **kw)
+        clf = Classifier(graphs=graphs, **classifier_kwargs(a))
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")

@@ -229,13 +229,7 @@ class RowReader:
             yield self._checked(n, n, obj)
 
     def _checked(self, n: int, line: int, fields: dict) -> Row:
-        q = fields.get(self.column)
-        if q is not None and not isinstance(q, str):  # JSONL: a number, a list...
-            return Row(n, line, fields, error=f"{self.column!r} must be a string, got {type(q).__name__}")
-        if not q or not q.strip():
-            why = {"txt": BLANK, "args": "empty query"}.get(self.fmt, f"{self.column!r} is missing or empty")
-            return Row(n, line, fields, error=why)
-        return Row(n, line, fields, q)
+        return query_row(n, line, fields, self.column, self.fmt)
 
     def close(self) -> None:
         if self.f is not None and self.f is not sys.stdin.buffer:
@@ -246,6 +240,18 @@ class RowReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def query_row(n: int, line: int, fields: dict, column: str, fmt: str = "parquet") -> Row:
+    """A Row of these fields: its query, or the error that says why it has none (a value missing,
+    blank or not text; the wording by the input's format)."""
+    q = fields.get(column)
+    if q is not None and not isinstance(q, str):  # JSONL: a number, a list...
+        return Row(n, line, fields, error=f"{column!r} must be a string, got {type(q).__name__}")
+    if not q or not q.strip():
+        why = {"txt": BLANK, "args": "empty query"}.get(fmt, f"{column!r} is missing or empty")
+        return Row(n, line, fields, error=why)
+    return Row(n, line, fields, q)
 
 
 def _checked(row: dict, columns, path, n) -> dict:

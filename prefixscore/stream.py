@@ -180,12 +180,15 @@ META_FORMAT = "prefixscore.classify.output"
 ADDED_OPTIONS = {"probs": False, "top_k": None}
 
 
-def write_meta(output: str, options: dict) -> None:
+def write_meta(output: str, options: dict, done: dict | None = None) -> None:
+    """The sidecar of `output`; `done` (files.py: the rows written and the input's size and mtime)
+    marks an output that is complete."""
     path = meta_path(output)
     tmp = f"{path}.tmp{os.getpid()}"
+    meta = {"format": META_FORMAT, "version": 1, "options": options} | ({"done": done} if done else {})
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"format": META_FORMAT, "version": 1, "options": options}, f, indent=1)
+            json.dump(meta, f, indent=1)
             f.write("\n")
         os.replace(tmp, path)  # never a half-written sidecar
     except OSError as e:
@@ -211,6 +214,16 @@ def check_meta(output: str, options: dict) -> None:
             raise InputError(f"--resume: {output} was written with {k} {_short(old)}, not {_short(v)} "
                              f"(see {path}): give the options it was written with, or drop --resume "
                              f"to start it over")
+
+
+def model_record(clf, adapter=None, head=None) -> dict:
+    """What a sidecar records of the model a run classified with (in-process or on Ray's actors)."""
+    def path_or_name(v):
+        return os.path.abspath(v) if v is not None and os.path.exists(v) else v
+
+    return {"model": clf.loaded.name, "adapter": path_or_name(adapter), "head": path_or_name(head),
+            "template": clf.prompt.template, "chat": clf.prompt.chat,
+            "dtype": str(clf.engine.dtype).removeprefix("torch."), "device": clf.engine.device.type}
 
 
 def _short(v) -> str:
@@ -404,6 +417,7 @@ class ClassifyJob:
             finally:
                 progress.close()
         secs, n = time.perf_counter() - t0, done - start
+        self.done = done  # the last row written (files.py records it when the output is complete)
         if stop.signum is not None:
             where = f"in {self.output}" if self.output not in (None, "-") else "on stdout"
             again = ("; the same command with --resume continues from there" if self.resumable else
