@@ -412,14 +412,20 @@ def read_adapter(path) -> Adapter:
     return Adapter(parsed, lora, head)
 
 
-def check_adapter(adapter: Adapter, base: str, template: str, labels, chat: bool, path="adapter") -> None:
-    """Refuse an adapter trained on other base weights (base: base_hash of the unmerged model), or
-    for another template, chat flag or label list (ConfigError): its weights only mean its labels."""
+def check_adapter_base(adapter: Adapter, base: str, path="adapter") -> None:
+    """Refuse an adapter trained on other base weights (base: base_hash of the unmerged model)."""
     m = adapter.meta
     if m["base_hash"] != base:
         raise ConfigError(f"{path} was trained on another base model ({m['base_model']}, weights hash "
                           f"{m['base_hash'][:12]}); this model's weights hash to {base[:12]}: load "
                           f"the model it was trained on, or fine-tune for this one")
+
+
+def check_adapter(adapter: Adapter, base: str, template: str, labels, chat: bool, path="adapter") -> None:
+    """Refuse an adapter trained on other base weights (base: base_hash of the unmerged model), or
+    for another template, chat flag or label list (ConfigError): its weights only mean its labels."""
+    check_adapter_base(adapter, base, path)
+    m = adapter.meta
     if m["template"] != template or m["chat"] != chat:
         raise ConfigError(f"{path} was trained with template {m['template']!r} (chat={m['chat']}); "
                           f"this classifier uses {template!r} (chat={chat}): pass the same template "

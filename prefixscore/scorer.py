@@ -129,7 +129,18 @@ class Scorer:
                  device=None, dtype=None, chat: bool | None = None, mode: str = "logprobs",
                  layout: str = "auto", max_items: int = 1024, max_batch_tokens: int = 16384,
                  prefix_ids: list[int] | None = None, graphs: bool = True,
-                 allow_special_tokens: bool = False):
+                 allow_special_tokens: bool = False, adapter=None):
+        adapter_file = None
+        if adapter is not None:  # unreadable or unsuitable: an error before the model loads
+            from .loading import LoadedModel, read_adapter
+
+            adapter_file = read_adapter(adapter)
+            if adapter_file.head is not None:
+                raise ConfigError(f"{adapter} was fine-tuned with objective 'head': its linear head, "
+                                  f"not the label tokens, decides, and a Scorer scores label tokens")
+            if isinstance(model, LoadedModel):
+                raise ConfigError("an adapter is merged into the weights it loads with: pass the "
+                                  "model's path, not a loaded model (whose weights others share)")
         if labels is not None and label_token_ids is not None:
             raise ConfigError("give labels or label_token_ids, not both")
         if not isinstance(allow_special_tokens, bool):
@@ -145,6 +156,17 @@ class Scorer:
         if template is not None:
             check_template(template, SLOTS)  # fail fast, before loading a model
         self.loaded = obtain(model, device, dtype)
+        self.adapter_meta = None
+        if adapter_file is not None:
+            # Merged before the prefix and graphs are computed from the weights. Only the base
+            # model is checked: a Scorer's prompt is its own ({query}, {item}), never the
+            # classification prompt the adapter was trained with, so its scores mean the adapted
+            # model's reading of this prompt (use an adapter trained for related text).
+            from .loading import base_hash, check_adapter_base, merge_adapter
+
+            check_adapter_base(adapter_file, base_hash(self.loaded), str(adapter))
+            merge_adapter(self.loaded, adapter_file)
+            self.adapter_meta = adapter_file.meta
         self.engine = Engine.shared(self.loaded)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer

@@ -384,3 +384,31 @@ def test_command_line_teacher(llama, tmp_path, capsys):
     assert train_main(["finetune", str(data), "-o", str(out), "--model", str(llama), *flags,
                        "--quiet"]) == 2  # no label column and no teacher
     assert "label" in capsys.readouterr().err
+
+
+def test_scorer_merges_an_adapter(llama, tiny_model, trained, tmp_path, capsys):
+    """Scorer(adapter=) and `score --adapter` merge it like Classifier does: the scores equal a
+    Scorer over weights merged by hand (and differ from the raw model's); another base is refused."""
+    import json
+
+    from prefixscore import Scorer
+    from prefixscore.cli import main
+
+    path, adapter = trained
+    template = "Is the item relevant to the query?\nQuery: {query}\nItem: {item}\nAnswer:"
+    reqs = [("trench coat", ["beige trench", "blue jeans", "cotton tee"]), ("dress", ["red dress"])]
+    want = Scorer(merged(llama, adapter), template, chat=False, graphs=False).score_batch(reqs)
+    got = Scorer(llama, template, chat=False, adapter=path, graphs=False).score_batch(reqs)
+    raw = Scorer(llama, template, chat=False, graphs=False).score_batch(reqs)
+    flat = lambda rs: [s for r in rs for item in r for s in item.scores.values()]  # noqa: E731
+    assert flat(got) == pytest.approx(flat(want), abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(flat(got), flat(raw))) > 1e-3  # the adapter changed them
+    with pytest.raises(ConfigError, match="another base model"):
+        Scorer(tiny_model("qwen2"), template, chat=False, adapter=path, graphs=False)
+    src = tmp_path / "req.jsonl"
+    src.write_text("".join(json.dumps({"query": q, "items": it}) + "\n" for q, it in reqs))
+    assert main(["score", "--model", str(llama), "--device", "cpu", "--template", template,
+                 "--no-chat", "--adapter", str(path), "-i", str(src)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert [s for r in rows for item in r["scores"] for s in item] == pytest.approx(
+        flat(want), abs=1e-4)
