@@ -4,13 +4,15 @@
   `classify_dataset(ds)` adds a label, the scores and an error column to any Ray Dataset.
 - files.py: `classify_files(inputs, output)` is `prefixscore classify --ray`: one output file per
   input file, the rows the in-process command writes.
-- The Ray Serve deployment of the online server is to live here too.
+- serve.py: Ray Serve: `app(model, template, labels, ...)` is the online server as a Serve
+  application (a replica per GPU, each the single-process server); `serve run
+  prefixscore.ray.serve:app_builder model=... template=... labels=...` builds it from arguments.
 
 Importing this package imports no Ray: its functions import it when first asked for, and without it
 raise ConfigError naming the extra to install. No library module imports this package (only the
 command line does), so Ray is never a dependency of classifying in-process."""
 
-__all__ = ["classify_dataset", "classify_files"]
+__all__ = ["app", "app_builder", "classify_dataset", "classify_files"]
 
 
 def __getattr__(name):
@@ -22,4 +24,8 @@ def __getattr__(name):
         from .files import classify_files
 
         return classify_files
+    if name in ("app", "app_builder"):  # ray.serve only when asked for: Ray Data does without it
+        from . import serve
+
+        return getattr(serve, name)
     raise AttributeError(f"module 'prefixscore.ray' has no attribute {name!r}")
