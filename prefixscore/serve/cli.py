@@ -28,6 +28,11 @@ def add_command(subparsers, model_args) -> None:
                    help="front-end processes (HTTP, validation, tokenization) in front of one engine "
                         "process; 1: one process, the engine on a thread (default: half the CPUs, at "
                         "most 8; 1 on 2 CPUs or fewer)")
+    g.add_argument("--data-parallel", type=int, default=None, metavar="N",
+                   help="engine processes, one per GPU (engine i on cuda:i; choose the GPUs with "
+                        "CUDA_VISIBLE_DEVICES): each front end sends each batch of requests to the "
+                        "least-loaded engine (default: every visible GPU when the device is cuda, "
+                        "else 1). With N > 1, --workers 1 means one front-end process")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSCORE_API_KEY; "
                         "a blank key is refused)")
@@ -119,8 +124,10 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         labels = classifier_labels(labels)
     score_labels = None if a.score_labels is None else [l.strip() for l in a.score_labels.split(",")]
     check_before_loading(a, score_labels, declared)
+    dp = data_parallel(a)
     engine = EngineConfig(
-        model=a.model, template=template, labels=tuple(labels) if labels else None, device=a.device,
+        model=a.model, template=template, labels=tuple(labels) if labels else None,
+        device=a.device if dp == 1 else _device_type(a.device),  # engine i: cuda:i (launch)
         dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate, batch_tokens=a.batch_tokens,
         head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
         allow_special_tokens=getattr(a, "allow_special_tokens", False),
@@ -129,7 +136,8 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared)
     workers = default_workers() if a.workers is None else a.workers
     front = FrontendConfig(
-        host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, api_key=api_key_from(a.api_key),
+        host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, data_parallel=dp,
+        api_key=api_key_from(a.api_key),
         max_queue=a.max_queue, max_queue_tokens=a.max_queue_tokens, max_queue_ms=a.max_queue_ms,
         max_body_bytes=a.max_body_bytes,
         max_queries=a.max_queries, max_tokens=a.max_tokens, max_score_tokens=a.max_score_tokens,
@@ -160,6 +168,7 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
         raise ConfigError(f"--grpc-port and --port are both {a.port}: HTTP and gRPC need a port each")
     spin_seconds(a.engine_spin_ms, "cpu")
     engine_cpu(a.engine_cpu, "cuda")  # the device only decides what 'auto' picks
+    data_parallel(a)
     resolve_dtype(a.dtype, resolve_device(a.device))
     if getattr(a, "adapter", None) is not None:
         if getattr(a, "head", None) is not None:
@@ -179,6 +188,47 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
         check_template(a.score_template, SLOTS)
         if score_labels is not None:
             check_labels(score_labels)
+
+
+def data_parallel(a) -> int:
+    """--data-parallel, checked: at least 1; more only over whole CUDA devices (at most the
+    visible ones; --device cuda, not cuda:K: engine i takes cuda:i) or on CPU (each engine its own
+    process and threads: how the tests run several); default every visible GPU on cuda, else 1."""
+    import torch
+
+    from ..errors import ConfigError
+    from ..loading import resolve_device
+
+    dev = resolve_device(a.device)
+    visible = torch.cuda.device_count() if dev.type == "cuda" else 0
+    n = given = getattr(a, "data_parallel", None)
+    if n is None:
+        n = max(1, visible) if dev.type == "cuda" and dev.index is None else 1
+    if n < 1:
+        raise ConfigError(f"--data-parallel must be at least 1, got {n}")
+    if n == 1:
+        return 1
+    flag = f"--data-parallel {n}" + (" (the default: every visible GPU)" if given is None else "")
+    if dev.type == "cuda" and dev.index is not None:
+        raise ConfigError(f"--data-parallel {n} puts engine i on cuda:i: pass --device cuda, not "
+                          f"{a.device} (CUDA_VISIBLE_DEVICES chooses which GPUs)")
+    if dev.type == "cuda" and n > visible:
+        raise ConfigError(f"--data-parallel {n}: only {visible} CUDA device(s) visible (one engine "
+                          f"per GPU)")
+    if dev.type not in ("cuda", "cpu"):
+        raise ConfigError(f"--data-parallel {n}: one engine per CUDA device; {dev.type} is one device")
+    if a.engine_cpu != "none":
+        raise ConfigError(f"--engine-cpu pins one engine; with {flag} leave it 'none' (or pass "
+                          f"--data-parallel 1)")
+    return n
+
+
+def _device_type(device) -> str:
+    """'cuda' or 'cpu' for a device flag (None and 'auto' resolved), as data-parallel engines get
+    it before launch.engine_config gives each its index."""
+    from ..loading import resolve_device
+
+    return resolve_device(device).type
 
 
 def _hub_name(model) -> str | None:

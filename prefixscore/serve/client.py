@@ -2,6 +2,7 @@
 
 - InprocClient: the engine loop on a thread of this process (`--workers 1`; the tests' seam).
 - ZmqClient: an engine process over a ZeroMQ DEALER socket (several front-end processes).
+- DataParallelClient (dp_client.py): several engine processes, a ZmqClient each (--data-parallel).
 
 Both batch: every request submitted during one event-loop pass leaves in one message, and each
 engine batch comes back as one message per front end. Both watch the engine: when it dies every
@@ -73,6 +74,10 @@ class BaseClient:
     @property
     def ready(self) -> bool:
         return self.error is None
+
+    def health(self) -> dict:
+        """What /healthz adds about the engines (several: dp_client); one says nothing more."""
+        return {}
 
     # -- submitting (event loop)
     def classify(self, ids: list[list[int]], starts: list[int], deadline: float,

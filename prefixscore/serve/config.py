@@ -55,6 +55,7 @@ class FrontendConfig:
     port: int = 8000
     grpc_port: int | None = None
     workers: int = 1
+    data_parallel: int = 1  # engine processes, one per GPU (the launcher's and the front ends')
     api_key: str | None = None
     max_queue: int = 1024  # queries admitted and not yet answered, per front end
     max_queue_tokens: int = 65536  # and their tokens (a request over it alone is still admitted)
@@ -78,7 +79,8 @@ class FrontendConfig:
     def __post_init__(self):
         for name in ("max_queue", "max_queue_tokens", "max_body_bytes", "max_queries", "max_tokens",
                      "max_score_tokens",
-                     "max_label_ids", "max_connections", "max_header_bytes", "workers"):
+                     "max_label_ids", "max_connections", "max_header_bytes", "workers",
+                     "data_parallel"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {v!r}")

@@ -143,8 +143,11 @@ def save_tokenizer(tokenizer, run_dir: str) -> str:
 
 
 def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
-         ready_event=None) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:     engine: %(message)s")
+         ready_event=None, index: int = 0, engines: int = 1) -> None:
+    """index of engines (--data-parallel): its metrics carry it when there are several; cfg
+    already names its own device (launch.engine_config)."""
+    name = "engine" if engines == 1 else f"engine {index}"
+    logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     {name}: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     source = ZmqSource(address)
     signal.signal(signal.SIGTERM, lambda *_: source.put(STOP, None))
@@ -161,7 +164,7 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
 
         loop = EngineLoop(classifiers, scorer, source=source, window=cfg.batch_window_ms / 1e3,
                           spin=spin_seconds(cfg.engine_spin_ms, clf.engine.device.type),
-                          metrics=Metrics())
+                          metrics=Metrics(engines, index))
         loop.warmup()
         model = cfg.served_model_name or os.path.basename(str(clf.loaded.name))
         ready = loop.ready(save_tokenizer(clf.loaded.tokenizer, run_dir), model)

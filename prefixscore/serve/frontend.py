@@ -73,7 +73,7 @@ class Frontend(ClassifyMany):
         if self.draining:
             return 503, {"status": "shutting down"}
         if c.error is not None and c.error != "starting":
-            return 503, {"status": "unhealthy", "error": c.error}
+            return 503, {"status": "unhealthy", "error": c.error, **c.health()}
         if c.error is not None:
             return 503, {"status": "starting"}
         self.sync()
@@ -81,7 +81,7 @@ class Frontend(ClassifyMany):
         return 200, {"status": "ok", "model": i.model, "labels": default.labels, "mode": default.mode,
                      "scorer": i.scorer, "queue_depth": self.inflight + c.queued,
                      "engine": {"pid": i.pid, "device": i.device},
-                     "classifiers": self.catalog.health_cards()}
+                     "classifiers": self.catalog.health_cards(), **c.health()}
 
     async def wait_ready(self) -> None:
         """Until the engine is ready (within --max-queue-ms), else 503."""

@@ -3,6 +3,12 @@
     --workers 1:  one process: uvicorn's event loop + the engine loop on a thread (InprocClient)
     --workers N:  launcher ── N front-end processes (HTTP, sharing one listening socket)
                          └── 1 engine process (the device), ZeroMQ between them (ipc://)
+    --data-parallel D > 1: the same, with D engine processes (engine i on cuda:i; all on cpu for
+                  the tests), an ipc address each; every front end holds a socket per engine and
+                  sends each pass's message to the least-loaded one (dp_client.py). --workers 1
+                  then means one front-end process, not the single-process layout: the engines
+                  need processes of their own, and refusing would break the default on a host of
+                  2 CPUs (1 worker) and several GPUs (D = every GPU).
 
 serve() checks in this order, so that nothing slow comes before a mistake it could report: the
 flags and small files (cli.configs), the ports (bound now: a busy port is one line and exit 2), the
@@ -10,9 +16,10 @@ model's files (a hub name is downloaded here, once, and the engine gets the loca
 model loads. The launcher starts the engine, then the front ends, and watches every process: an
 engine that dies before it was ever ready ends the server (exit 2, its error on stderr); one that
 dies later is restarted with --restart-engine (front ends answer 503 meanwhile), else the front
-ends stay up unhealthy. A dead front end is restarted. SIGTERM/SIGINT: the front ends drain
-(accepted requests finish within --shutdown-timeout, the rest get 503 + Retry-After), then the
-engine stops.
+ends stay up unhealthy. With several engines the same holds per engine, except that the server
+stays healthy (the others take the load) until none is left. A dead front end is restarted.
+SIGTERM/SIGINT: the front ends drain (accepted requests finish within --shutdown-timeout, the rest
+get 503 + Retry-After), then the engines stop.
 """
 from __future__ import annotations
 
@@ -169,8 +176,12 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def worker_main(fcfg: FrontendConfig, index: int, address: str, sock, avoid_cpu=None) -> None:
-    """A front-end process: HTTP on the shared socket, an engine client over ZeroMQ."""
+MISMATCH_EXIT = 3  # a front end whose engines disagree (dp_client): the launcher ends the server
+
+
+def worker_main(fcfg: FrontendConfig, index: int, addresses: list[str], sock, avoid_cpu=None) -> None:
+    """A front-end process: HTTP on the shared socket, an engine client over ZeroMQ (a client per
+    engine behind a router with --data-parallel)."""
     die_with_parent()
     if avoid_cpu is not None:  # the engine process's CPU (--engine-cpu)
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {avoid_cpu})
@@ -185,8 +196,14 @@ def worker_main(fcfg: FrontendConfig, index: int, address: str, sock, avoid_cpu=
     # (and the torch it imports) takes seconds cold, with several processes starting at once.
     import transformers.models.auto.tokenization_auto  # noqa: F401
 
-    client = ZmqClient(address, index)
-    fe = Frontend(fcfg, client, Metrics(), worker_prompts)
+    if len(addresses) == 1:
+        client = ZmqClient(addresses[0], index)
+    else:
+        from .dp_client import DataParallelClient
+
+        client = DataParallelClient(addresses, index)
+        client.on_mismatch = _mismatch
+    fe = Frontend(fcfg, client, Metrics(engines=len(addresses)), worker_prompts)
 
     def started(loop):
         client.start(loop)
@@ -195,6 +212,21 @@ def worker_main(fcfg: FrontendConfig, index: int, address: str, sock, avoid_cpu=
 
     app = create_app(fe, on_startup=started, on_shutdown=client.stop)
     uvicorn_server(app, fcfg, fe).run(sockets=[sock])
+
+
+def _mismatch(message: str) -> None:
+    print(f"prefixscore: error: {message}", file=sys.stderr, flush=True)
+    os._exit(MISMATCH_EXIT)
+
+
+def engine_config(ecfg: EngineConfig, index: int, engines: int) -> EngineConfig:
+    """Engine index's config: its own GPU (cli.configs resolved the device to its type when
+    engines > 1), or the one config as given."""
+    import dataclasses
+
+    if engines > 1 and ecfg.device == "cuda":
+        return dataclasses.replace(ecfg, device=f"cuda:{index}")
+    return ecfg
 
 
 def worker_prompts(info):
@@ -218,24 +250,29 @@ class Launcher:
         os.makedirs(os.path.join(self.run_dir, "metrics"))
         # Before any child imports prometheus_client: every process writes its metrics there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(self.run_dir, "metrics")
-        self.address = f"ipc://{self.run_dir}/engine"
-        self.engine = None
-        self.engine_ready = self.ctx.Event()
+        n = fcfg.data_parallel
+        self.addresses = [f"ipc://{self.run_dir}/engine"] if n == 1 else \
+            [f"ipc://{self.run_dir}/engine-{i}" for i in range(n)]
+        self.engines: list = [None] * n
+        self.engine_ready = [self.ctx.Event() for _ in range(n)]
+        self.ever_ready = [False] * n
         self.workers: list = []
         self.stopping = False
         self.signals = 0
 
-    def start_engine(self):
-        self.engine_ready.clear()
-        self.engine = self.ctx.Process(
-            target=_engine_entry, name="prefixscore-engine", daemon=False,
-            args=(self.ecfg, self.address, self.run_dir, self.fcfg.log_level, self.engine_ready))
-        self.engine.start()
+    def start_engine(self, i: int = 0):
+        n = len(self.engines)
+        self.engine_ready[i].clear()
+        self.engines[i] = self.ctx.Process(
+            target=_engine_entry, name="prefixscore-engine" + (f"-{i}" if n > 1 else ""),
+            daemon=False, args=(engine_config(self.ecfg, i, n), self.addresses[i], self.run_dir,
+                                self.fcfg.log_level, self.engine_ready[i], i, n))
+        self.engines[i].start()
 
     def start_worker(self, i: int):
         cpu = engine_cpu(self.ecfg.engine_cpu, "cuda") if self.ecfg.engine_cpu != "none" else None
         p = self.ctx.Process(target=worker_main, name=f"prefixscore-worker-{i}", daemon=False,
-                             args=(self.fcfg, i, self.address, self.sock, cpu))
+                             args=(self.fcfg, i, self.addresses, self.sock, cpu))
         p.start()
         return p
 
@@ -244,10 +281,12 @@ class Launcher:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._signal)
         try:
-            self.start_engine()
+            for i in range(len(self.engines)):
+                self.start_engine(i)
             self.workers = [self.start_worker(i) for i in range(self.fcfg.workers)]
-            log.info("serving on http://%s:%d: %d front-end processes, engine pid %d",
-                     self.fcfg.host, self.sock.getsockname()[1], self.fcfg.workers, self.engine.pid)
+            log.info("serving on http://%s:%d: %d front-end processes, engine pid %s",
+                     self.fcfg.host, self.sock.getsockname()[1], self.fcfg.workers,
+                     ", ".join(str(p.pid) for p in self.engines))
             return self._watch()
         finally:
             self._shutdown()
@@ -263,30 +302,41 @@ class Launcher:
                 os.kill(p.pid, signal.SIGTERM)
 
     def _watch(self) -> int:
-        ever_ready = False
+        dead: set[int] = set()  # engines that died for good (no --restart-engine)
+        name = (lambda i: "the engine process") if len(self.engines) == 1 else \
+            (lambda i: f"engine process {i}")
         while not self.stopping:
-            sentinels = [self.engine.sentinel] + [p.sentinel for p in self.workers]
-            done = mp.connection.wait(sentinels, timeout=0.5)
-            ever_ready = ever_ready or self.engine_ready.is_set()
+            live = [p for i, p in enumerate(self.engines) if i not in dead]
+            done = mp.connection.wait([p.sentinel for p in live + self.workers], timeout=0.5)
+            self.ever_ready = [r or e.is_set() for r, e in zip(self.ever_ready, self.engine_ready)]
             if self.stopping:
                 break
-            if self.engine.sentinel in done:
-                code = self.engine.exitcode
-                if not ever_ready:
-                    print(f"prefixscore: error: the engine process exited ({code}) before it was "
-                          f"ready; see its log above", file=sys.stderr)
+            for i, engine in enumerate(self.engines):
+                if i in dead or engine.sentinel not in done:
+                    continue
+                code = engine.exitcode
+                if not self.ever_ready[i]:
+                    print(f"prefixscore: error: {name(i)} exited ({code}) before it was ready; "
+                          f"see its log above", file=sys.stderr)
                     return 2
                 if self.fcfg.restart_engine:
-                    log.error("the engine process died (exit %s): restarting it", code)
-                    self.start_engine()
-                else:
-                    log.error("the engine process died (exit %s): the server answers 503 and "
-                              "/healthz is unhealthy (start with --restart-engine to restart it)", code)
-                    self.engine_ready.clear()
-                    self._wait_workers()
-                    return 1
+                    log.error("%s died (exit %s): restarting it", name(i), code)
+                    self.start_engine(i)
+                    continue
+                dead.add(i)
+                self.engine_ready[i].clear()
+                if len(dead) < len(self.engines):
+                    log.error("%s died (exit %s): the other engines serve (start with "
+                              "--restart-engine to restart it)", name(i), code)
+                    continue
+                log.error("%s died (exit %s): the server answers 503 and /healthz is unhealthy "
+                          "(start with --restart-engine to restart it)", name(i), code)
+                self._wait_workers()
+                return 1
             for i, p in enumerate(self.workers):
                 if p.sentinel in done and not self.stopping:
+                    if p.exitcode == MISMATCH_EXIT:  # said why on stderr; a restart would too
+                        return 2
                     log.error("front-end process %d died (exit %s): restarting it", i, p.exitcode)
                     self.workers[i] = self.start_worker(i)
         return 0
@@ -301,11 +351,13 @@ class Launcher:
             p.join(self.fcfg.shutdown_timeout + 5)
             if p.is_alive():
                 p.kill()
-        if self.engine is not None and self.engine.is_alive():
-            self.engine.terminate()  # SIGTERM: the loop ends after its batch
-            self.engine.join(10)
-            if self.engine.is_alive():
-                self.engine.kill()
+        live = [e for e in self.engines if e is not None and e.is_alive()]
+        for engine in live:
+            engine.terminate()  # SIGTERM: the loop ends after its batch
+        for engine in live:
+            engine.join(10)
+            if engine.is_alive():
+                engine.kill()
 
 
 def _engine_entry(*args) -> None:
@@ -329,7 +381,7 @@ def serve(fcfg: FrontendConfig, ecfg: EngineConfig) -> int:
     except BaseException:
         sock.close()
         raise
-    if fcfg.workers == 1:
+    if fcfg.workers == 1 and fcfg.data_parallel == 1:
         single_process(fcfg, ecfg, sock)
         return 0
     return Launcher(fcfg, ecfg, sock).run()

@@ -8,6 +8,11 @@ the same value on each series (prometheus-client has no constant labels; the Go 
 ConstLabels do this). Process metrics (CPU, memory, open files) are the answering front end's and
 the engine process's, labelled `process` ("frontend", "engine", or "server" when one process is
 both) and `pid`.
+
+With several engines (--data-parallel N > 1) the engine-side series (batch size, forward time)
+and each engine's process metrics also carry `engine` (its index, 0..N-1): the sum over engines
+is the server's, one engine's share says how the front ends spread the load. With one engine
+there is no `engine` label, as before.
 """
 from __future__ import annotations
 
@@ -25,7 +30,9 @@ class Metrics:
     """The series every process may write; a registry of its own, so several servers can live in
     one process (the tests)."""
 
-    def __init__(self):
+    def __init__(self, engines: int = 1, engine: int | None = None):
+        """engines: how many engine processes serve (> 1: the `engine` label on their series);
+        engine: this process's index among them (None: a front end, which only reads them)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         r = self.registry = CollectorRegistry()
@@ -39,10 +46,18 @@ class Metrics:
             buckets=LATENCY_BUCKETS)
         self.queue_depth = Gauge("prefixscore_queue_depth", "queries admitted and not yet answered",
                                  registry=r, multiprocess_mode="livesum")
-        self.batch_size = Histogram("prefixscore_batch_size", "queries per engine batch", registry=r,
-                                    buckets=[2 ** i for i in range(14)])
+        # Every process declares them with the same labels, so the sums over processes' files
+        # (multiprocess mode) never mix a labelled and an unlabelled sample of one series.
+        self.engines = engines
+        by_engine = ["engine"] if engines > 1 else []
+        self.batch_size = Histogram("prefixscore_batch_size", "queries per engine batch", by_engine,
+                                    registry=r, buckets=[2 ** i for i in range(14)])
         self.forward = Histogram("prefixscore_engine_forward_seconds", "engine call per batch",
-                                 registry=r, buckets=LATENCY_BUCKETS)
+                                 by_engine, registry=r, buckets=LATENCY_BUCKETS)
+        self._batch, self._forward = self.batch_size, self.forward
+        if by_engine and engine is not None:
+            self._batch = self.batch_size.labels(str(engine))
+            self._forward = self.forward.labels(str(engine))
         # Per request, so the stages of one request add up to its total.
         self.latency = Histogram("prefixscore_latency_seconds",
                                  "per classify request: queue, tokenize, forward (its batch), total",
@@ -63,6 +78,7 @@ class Metrics:
             self.cache_ratio.set_function(lambda: self.hits / max(1, self.hits + self.misses))
         self.hits = self.misses = 0
         self.model, self.engine_pid = "", None  # known once the engine is ready (served())
+        self.engine_pids: dict[int, int] = {}  # --data-parallel: engine index -> its pid, once ready
         self._stages, self._tokens, self._routes = {}, {}, {}
         self._scrape = None
 
@@ -97,8 +113,8 @@ class Metrics:
         self.cache_misses.inc(misses)
 
     def engine_batch(self, size: int, seconds: float) -> None:
-        self.batch_size.observe(size)
-        self.forward.observe(seconds)
+        self._batch.observe(size)
+        self._forward.observe(seconds)
 
     def exposition(self) -> bytes:
         """The text format: this registry (or every process's files in multiprocess mode), the
@@ -136,9 +152,39 @@ class Metrics:
         reg.register(Labelled(PlatformCollector(registry=None), model))
         reg.register(Labelled(ProcessCollector(registry=None),
                               lambda: {**own_labels(), **model()}))
-        reg.register(Labelled(ProcessCollector(pid=engine_pid, registry=None),
-                              lambda: {"process": "engine", "pid": str(self.engine_pid), **model()}))
+        if self.engines > 1:  # their pids come from dp_client as each engine is ready
+            reg.register(EngineProcesses(self.engine_pids, model))
+        else:
+            reg.register(Labelled(ProcessCollector(pid=engine_pid, registry=None),
+                                  lambda: {"process": "engine", "pid": str(self.engine_pid), **model()}))
         return reg
+
+
+class EngineProcesses:
+    """The process metrics of every engine process, one family per metric (as the text format
+    requires), a sample per engine labelled process="engine", engine and pid. An engine that died
+    has no /proc entry and no samples until its restart's pid is known."""
+
+    def __init__(self, pids: dict, labels):
+        self.pids, self.labels = pids, labels
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client import ProcessCollector
+
+        families = {}
+        for i, pid in sorted(self.pids.items()):
+            extra = {"process": "engine", "engine": str(i), "pid": str(pid), **self.labels()}
+            collector = Labelled(ProcessCollector(pid=lambda pid=pid: pid, registry=None),
+                                 lambda extra=extra: extra)
+            for family in collector.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
 
 
 class Labelled:
