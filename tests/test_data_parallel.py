@@ -130,6 +130,17 @@ def clf(model):
     return Classifier(model, device="cpu")
 
 
+def all_engines_ready(base, timeout=90):
+    """/healthz once every engine is ready (the server is healthy from the first one on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = httpx.get(base + "/healthz").json()
+        if all(e["ready"] for e in h.get("engines", [])) and h["status"] == "ok":
+            return h
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)
+
+
 def engines_served(text):
     """Requests per engine, from the engine-labelled batch-size histogram."""
     out = {}
@@ -147,9 +158,9 @@ def test_data_parallel_answers_like_one_engine(model, clf):
     queries = random_queries(160, seed=23)
     want = clf.classify_batch(queries)
     with serve(model, "--data-parallel", "2", workers=2) as (base, proc):
-        h = httpx.get(base + "/healthz").json()
+        h = all_engines_ready(base)
         engines = h["engines"]
-        assert len(engines) == 2 and all(e["ready"] for e in engines), h
+        assert len(engines) == 2, h
         assert len({e["pid"] for e in engines}) == 2 and h["engine"]["pid"] == engines[0]["pid"]
 
         responses = post_all(base, [{"query": q} for q in queries[:150]] + [{"query": queries[150:]}])
@@ -204,7 +215,7 @@ def test_one_worker_two_engines_restart(model, clf):
     single process; with --restart-engine a killed engine (here the one whose Ready the front end
     took first) comes back with a new pid and serves again, the other serving meanwhile."""
     with serve(model, "--data-parallel", "2", "--restart-engine", workers=1) as (base, proc):
-        h = httpx.get(base + "/healthz").json()
+        h = all_engines_ready(base)
         pids = [e["pid"] for e in h["engines"]]
         assert proc.pid not in pids and len(set(pids)) == 2
         os.kill(pids[0], signal.SIGKILL)

@@ -65,7 +65,7 @@ class DataParallelClient(BaseClient):
         super().__init__(client_id)
         for i, e in enumerate(self.engines):
             e.on_ready = functools.partial(self._engine_ready, i)
-        self.turn = itertools.count()
+        self.turn = itertools.count(client_id)  # front ends start their ties on different engines
         self.rejected: dict[int, str] = {}  # engines whose Ready disagreed (why): never routed to
         # Called with a message when an engine's Ready disagrees with the first one's; the worker
         # process exits then (launch.worker_main), and the launcher ends the server.

@@ -152,6 +152,12 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
     source = ZmqSource(address)
     signal.signal(signal.SIGTERM, lambda *_: source.put(STOP, None))
     try:
+        if engines > 1 and str(cfg.device).startswith("cuda:"):  # engine i: cuda:i
+            import torch
+
+            # Current device too, not only the tensors': Triton launches, CUDA graphs and streams
+            # are made on the current device, which is cuda:0 unless set.
+            torch.cuda.set_device(cfg.device)
         classifiers, scorer = build(cfg)
         clf = first(classifiers)
         from .classifiers import log_memory

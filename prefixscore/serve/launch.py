@@ -303,8 +303,8 @@ class Launcher:
 
     def _watch(self) -> int:
         dead: set[int] = set()  # engines that died for good (no --restart-engine)
-        name = (lambda i: "the engine process") if len(self.engines) == 1 else \
-            (lambda i: f"engine process {i}")
+        name = ["the engine process"] if len(self.engines) == 1 else \
+            [f"engine process {i}" for i in range(len(self.engines))]
         while not self.stopping:
             live = [p for i, p in enumerate(self.engines) if i not in dead]
             done = mp.connection.wait([p.sentinel for p in live + self.workers], timeout=0.5)
@@ -316,26 +316,27 @@ class Launcher:
                     continue
                 code = engine.exitcode
                 if not self.ever_ready[i]:
-                    print(f"prefixscore: error: {name(i)} exited ({code}) before it was ready; "
+                    print(f"prefixscore: error: {name[i]} exited ({code}) before it was ready; "
                           f"see its log above", file=sys.stderr)
                     return 2
                 if self.fcfg.restart_engine:
-                    log.error("%s died (exit %s): restarting it", name(i), code)
+                    log.error("%s died (exit %s): restarting it", name[i], code)
                     self.start_engine(i)
                     continue
                 dead.add(i)
                 self.engine_ready[i].clear()
                 if len(dead) < len(self.engines):
                     log.error("%s died (exit %s): the other engines serve (start with "
-                              "--restart-engine to restart it)", name(i), code)
+                              "--restart-engine to restart it)", name[i], code)
                     continue
                 log.error("%s died (exit %s): the server answers 503 and /healthz is unhealthy "
-                          "(start with --restart-engine to restart it)", name(i), code)
+                          "(start with --restart-engine to restart it)", name[i], code)
                 self._wait_workers()
                 return 1
             for i, p in enumerate(self.workers):
                 if p.sentinel in done and not self.stopping:
                     if p.exitcode == MISMATCH_EXIT:  # said why on stderr; a restart would too
+                        self._signal(signal.SIGTERM, None)  # the other front ends stop now
                         return 2
                     log.error("front-end process %d died (exit %s): restarting it", i, p.exitcode)
                     self.workers[i] = self.start_worker(i)
