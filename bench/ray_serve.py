@@ -97,7 +97,8 @@ def stats(ms: list[float]) -> dict:
 def start_server(a, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "prefixscore.cli", "serve", "--workers", "1", "--host", "127.0.0.1",
            "--port", str(port), "--log-level", "warning", *model_flags(a)]
-    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": threads})
 
 
 def model_flags(a) -> list[str]:
