@@ -133,3 +133,22 @@ def _block(n: int, paths: tuple) -> tuple:
     pos.flags.writeable = False  # shared by every plan of this length
     i32 = lambda x: torch.tensor(x, dtype=torch.int32)
     return (pos, i32([0] * at), i32(end), i32(own), torch.tensor(rows), torch.tensor([0, at]))
+
+
+def concat_plans(plans: list[Plan], columns: list[int], n_columns: int) -> Plan:
+    """Several classifiers' plans as one flat batch over their concatenated label rows: plan c's
+    tokens, rows and ranges shifted past the plans before it, its `allowed` [R_c, N_c] placed at
+    label column columns[c] of n_columns (False elsewhere, so each row chooses only among its own
+    classifier's labels). The prefix each token sees is the caller's (Context.prefix_range)."""
+    tok_off = np.cumsum([0] + [p.num_tokens for p in plans])
+    shift = lambda name: torch.cat([getattr(p, name) + int(o) for p, o in zip(plans, tok_off)])  # noqa: E731
+    cat = lambda name: torch.cat([getattr(p, name) for p in plans])  # noqa: E731
+    allowed = torch.zeros(sum(p.rows.shape[0] for p in plans), n_columns, dtype=torch.bool)
+    r = 0
+    for p, c in zip(plans, columns):
+        allowed[r:r + p.rows.shape[0], c:c + p.allowed.shape[1]] = p.allowed
+        r += p.rows.shape[0]
+    seg = torch.cat([plans[0].seg_offsets[:1]] + [p.seg_offsets[1:] + int(o) for p, o in zip(plans, tok_off)])
+    return Plan(tokens=cat("tokens"), positions=cat("positions"), base_start=shift("base_start"),
+                base_end=shift("base_end"), own_start=shift("own_start"), seg_offsets=seg,
+                rows=shift("rows"), allowed=allowed, batch=sum(p.batch for p in plans))

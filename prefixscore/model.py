@@ -70,10 +70,10 @@ class Attention(nn.Module):
         pk, pv = ctx.prefix_kv[layer]
         if ctx.layout is None and not q.is_cuda:  # CPU: spans and masks once per forward
             ctx.layout = span_layout(ctx.base_start, ctx.base_end, ctx.own_start, ctx.seg_offsets,
-                                     pk.shape[0])
+                                     pk.shape[0], ctx.prefix_range)
         return attention_o(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                            c.head_dim ** -0.5, self.o_proj.weight, residual, ctx.seg_offsets,
-                           ctx.layout, self.o_proj.bias)
+                           ctx.layout, self.o_proj.bias, ctx.prefix_range)
 
 
 class MLP(nn.Module):
@@ -143,6 +143,9 @@ class Context:
     seg_offsets: torch.Tensor | None = None  # CPU hint for the torch reference only
     kv_out: list | None = None
     layout: tuple | None = None  # CPU attention's padded spans and masks (kernels/attention.py)
+    # (prefix_start, prefix_end) int32 [T]: the pinned keys each token sees, when prefix_kv is a
+    # bank of several classifiers' prefixes (kernels/attention.py); None: all of them.
+    prefix_range: tuple | None = None
 
 
 class Transformer(nn.Module):

@@ -99,31 +99,35 @@ def main():
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True)
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
-    at_types.update({p: "*i32" for p in ("BS", "BE", "OS")}, qk_scale="fp32")
-    for T, Gq, Hkv, D in ((16, 7, 4, 128), (8, 7, 2, 64), (4096, 7, 2, 64)):
+    at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, qk_scale="fp32")
+    for T, Gq, Hkv, D, ranges in ((16, 7, 4, 128, False), (8, 7, 2, 64, False), (4096, 7, 2, 64, False),
+                                  (8, 7, 2, 64, True), (4096, 7, 2, 64, True)):
         cfg, nw, ns = split_launch(AT.attn_config(T, Gq, Hkv, D, BF16, CPU))
-        compile_kernel(f"attention T={T} G={Gq} D={D} {cfg}", AT._prefix_attn_kernel, at_types,
-                       dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, **cfg), nw, ns)
+        compile_kernel(f"attention T={T} G={Gq} D={D} ranges={ranges} {cfg}", AT._prefix_attn_kernel,
+                       at_types, dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, RANGES=ranges, **cfg),
+                       nw, ns)
 
     # Triton compiles an int argument equal to 1 as a constant: a one-key prefix, one token.
     cfg, nw, ns = split_launch(AT.attn_config(1, 7, 2, 64, BF16, CPU))
     compile_kernel(f"attention P=1 T=1 {cfg}", AT._prefix_attn_kernel, at_types,
-                   dict(G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, **cfg), nw, ns)
+                   dict(G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, RANGES=False, **cfg), nw, ns)
 
     ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
-    ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "CNT")}, SSQ="*fp32", WS="*fp32",
+    ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "CNT")}, SSQ="*fp32", WS="*fp32",
                     qk_scale="fp32")
-    for T, trig, in_tile in ((16, False, True), (64, False, True), (16, True, True), (16, True, False),
-                             (16, 2, True)):
+    for T, trig, in_tile, ranges in ((16, False, True, False), (64, False, True, False),
+                                     (16, True, True, False), (16, True, False, False),
+                                     (16, 2, True, False), (16, True, True, True), (64, True, False, True)):
         cfg, nw, ns = split_launch(AO.attn_o_config(T, 14, 896, 64, BF16, CPU))
         cfg["IN_TILE"] = in_tile
-        compile_kernel(f"attention+O T={T} trigger={trig} {cfg}", AO._attn_o_kernel, ao_types,
-                       dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, TRIG=trig, **cfg),
-                       nw, ns)
+        compile_kernel(f"attention+O T={T} trigger={trig} ranges={ranges} {cfg}", AO._attn_o_kernel,
+                       ao_types, dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, TRIG=trig,
+                                      RANGES=ranges, **cfg), nw, ns)
 
     cfg, nw, ns = split_launch(AO.attn_o_config(1, 14, 896, 64, BF16, CPU))
     compile_kernel(f"attention+O P=1 T=1 {cfg}", AO._attn_o_kernel, ao_types,
-                   dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, **cfg), nw, ns)
+                   dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, RANGES=False,
+                        **cfg), nw, ns)
 
     for R, N in ((1, 19), (512, 19), (1, 9)):  # (1, 9): W1's one tile (ONE)
         cfg, nw, ns = split_launch(LH.head_config(R, N, 896, CPU))

@@ -329,3 +329,66 @@ def test_label_head(case):
     else:  # bf16 may flip near-ties; the pick must score within tolerance of the reference max
         picked = ref_s.gather(1, best[:, None])[:, 0]
         assert (picked >= ref_s.max(1).values - 2 * TOL[dtype]).all()
+
+
+# Per-token prefix ranges (a bank of several classifiers' prefixes, Classifier.many's fused pass):
+# P per classifier, G, Hkv, D, dtype, block_m, requests' suffix lengths, fused kernel config
+BANK_CASES = [
+    ([73, 30], 7, 2, 64, torch.bfloat16, None, [8, 5, 9, 3], None),  # 0.5B heads, two classifiers
+    ([5, 0, 130], 2, 2, 64, torch.float32, 16, [4, 6, 1, 7, 2, 9], {"IN_TILE": False}),  # an empty prefix
+    ([64, 64], 1, 2, 128, torch.float32, 32, [30, 2], {"EARLY": False}),
+]
+
+
+def _bank(Ps, lengths, gen):
+    """(prefix_start, prefix_end) per token, requests cycling through the classifiers; plain plan."""
+    offs = [sum(Ps[:i]) for i in range(len(Ps))]
+    ps = torch.cat([torch.full((L,), offs[i % len(Ps)], dtype=torch.int32) for i, L in enumerate(lengths)])
+    pe = torch.cat([torch.full((L,), offs[i % len(Ps)] + Ps[i % len(Ps)], dtype=torch.int32)
+                    for i, L in enumerate(lengths)])
+    return ps, pe
+
+
+@pytest.mark.parametrize("case", range(len(BANK_CASES)))
+def test_attention_prefix_ranges(case):
+    """Each request attends to its own classifier's prefix only: the reference over the bank with
+    ranges equals the reference over that classifier's prefix alone, request by request; the Triton
+    kernels (alone and fused with O) and the CPU SDPA path equal the reference with ranges."""
+    from prefixscore.kernels.attention import attention_sdpa, span_layout
+    from prefixscore.kernels.attention_o_triton import attention_o_residual_small
+
+    Ps, G, Hkv, D, dtype, block_m, lengths, ocfg = BANK_CASES[case]
+    gen = torch.Generator().manual_seed(7000 + case)
+    bs, be, own = _plain_plan(lengths)
+    ps, pe = _bank(Ps, lengths, gen)
+    T, Hq, P = bs.shape[0], G * Hkv, sum(Ps)
+    q = torch.randn(T, Hq, D, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    pk, pv = (torch.randn(P, Hkv, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    bs, be, own, ps, pe = (x.to(DEVICE) for x in (bs, be, own, ps, pe))
+    scale = D ** -0.5
+    ref = attention_ref(q, k, v, pk, pv, bs, be, own, scale, prefix_range=(ps, pe))
+    at = 0
+    for i, L in enumerate(lengths):  # request i alone, with its classifier's prefix only
+        c = i % len(Ps)
+        lo, hi = sum(Ps[:c]), sum(Ps[:c + 1])
+        sl = slice(at, at + L)
+        alone = attention_ref(q[sl], k[sl], v[sl], pk[lo:hi], pv[lo:hi], bs[sl] * 0, be[sl] * 0,
+                              own[sl] - at, scale)
+        torch.testing.assert_close(ref[sl].float(), alone.float(), atol=1e-5, rtol=1e-5)
+        at += L
+    cfg = None if block_m is None else {"BLOCK_M": block_m}
+    _check_close(attention_triton(q, k, v, pk, pv, bs, be, own, scale, config=cfg,
+                                  prefix_range=(ps, pe)), ref, dtype)
+    layout = span_layout(bs.cpu(), be.cpu(), own.cpu(), None, P, (ps.cpu(), pe.cpu()))
+    f32 = [x.cpu().float() for x in (q, k, v, pk, pv)]
+    _check_close(attention_sdpa(*f32, layout, scale), attention_ref(
+        *f32, bs.cpu(), be.cpu(), own.cpu(), scale, prefix_range=(ps.cpu(), pe.cpu())), torch.float32)
+    N = 96
+    wo = (torch.randn(N, Hq * D, generator=gen) / (Hq * D) ** 0.5).to(DEVICE, dtype)
+    r = torch.randn(T, N, generator=gen).to(DEVICE, dtype)
+    out, _ = attention_o_residual_small(q, k, v, pk, pv, bs, be, own, scale, wo, r, config=ocfg,
+                                        prefix_range=(ps, pe))
+    y = ref.reshape(T, -1).float() @ wo.float().t()
+    err = (out.float() - (r.float() + y)).abs()
+    assert (err <= TOL[dtype] * (1 + r.float().abs() + y.abs())).all(), err.max()

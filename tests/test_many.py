@@ -71,3 +71,27 @@ def test_many_refuses_bad_specs(tiny_model):
                        ({"a": {**CATEGORY, "adapter": "seed"}}, "share one model")]:
         with pytest.raises(ConfigError, match=match):
             Classifier.many(bad, model=path, device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_pass_equals_classifiers_alone(tiny_model, arch):
+    """decide_many: several classifiers' requests in one flat pass over the bank of their prefixes
+    and label rows give the decisions and scores each classifier gives alone (fp32, 1e-5), for
+    one request each, batches of several, a classifier with no requests, and multi-token labels."""
+    from prefixscore.many import decide_many
+
+    many = Classifier.many({"category": CATEGORY, "gender": GENDER,
+                            "short": dict(template="{query}", labels=["yes", "no"])},
+                           model=str(tiny_model(arch)), device="cpu", chat=False)
+    clfs = list(many.values())
+    seed = random.randrange(1 << 30)
+    for sizes in [(1, 1, 1), (5, 3, 0), (0, 7, 2), (1, 0, 0)]:
+        batches = [c.encode_many(queries(seed + sum(sizes), n)) if n else [] for c, n in zip(clfs, sizes)]
+        fused = decide_many(clfs, batches)
+        for c, b, (best, scores) in zip(clfs, batches, fused):
+            if not b:
+                assert (best, scores) == ([], [])
+                continue
+            want_best, want_scores = c.decide_encoded(b)
+            assert best == want_best
+            assert max(abs(x - y) for r, w in zip(scores, want_scores) for x, y in zip(r, w)) <= 1e-5

@@ -9,6 +9,10 @@ multi-item scoring: base = the shared part (suffix / query), own range = the bra
 
 Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; prefix_k, prefix_v [P, Hkv, D] (P may be 0);
 base_start, base_end, own_start int32 [T]. Hq is a multiple of Hkv (GQA). Returns [T, Hq, D].
+
+prefix_range (optional): (prefix_start, prefix_end) int32 [T]: token t sees only the pinned keys
+prefix_start[t] <= p < prefix_end[t] instead of all P. Several classifiers then run in one flat
+batch over one bank of their prefixes, concatenated (Classifier.many's fused pass); None: all P.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ def use_triton() -> bool:
 
 
 def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
-                  seg_offsets=None):
+                  seg_offsets=None, prefix_range=None):
     """Plain torch: scores over (prefix keys) ++ (visible in-batch keys), softmax in fp32.
 
     seg_offsets (optional, [S+1], on the CPU) splits the flat batch into spans that no visibility
@@ -60,6 +64,9 @@ def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, 
     s_in = s_in.masked_fill(~vis[:, None, None], float("-inf"))
     if prefix_k.shape[0] > 0:
         s_pre = torch.einsum("sihgd,phd->shgip", qs, prefix_k.float()) * scale
+        if prefix_range is not None:
+            s_pre = s_pre.masked_fill(~prefix_visible(prefix_range, idx, prefix_k.shape[0])[:, None, None],
+                                      float("-inf"))
         s = torch.cat([s_pre, s_in], dim=-1)
     else:
         s = s_in
@@ -73,7 +80,14 @@ def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, 
     return out.to(q.dtype)
 
 
-def span_layout(base_start, base_end, own_start, seg_offsets, P):
+def prefix_visible(prefix_range, idx, P):
+    """[S, L, P] bool: which pinned keys each (span, slot) token sees (prefix_range: see above)."""
+    ps, pe = (x.long()[idx][:, :, None] for x in prefix_range)
+    p = torch.arange(P, device=ps.device)
+    return (p >= ps) & (p < pe)
+
+
+def span_layout(base_start, base_end, own_start, seg_offsets, P, prefix_range=None):
     """The CPU path's view of a batch, built once per forward (not per layer): spans padded to
     [S, L] (index into the flat arrays, validity) and the boolean mask over prefix ++ span keys."""
     T = base_start.shape[0]
@@ -86,7 +100,9 @@ def span_layout(base_start, base_end, own_start, seg_offsets, P):
     j, t = idx[:, None, :], idx[:, :, None]
     bs, be, os_ = (x.long()[idx][:, :, None] for x in (base_start, base_end, own_start))
     vis = (((j >= bs) & (j < be)) | ((j >= os_) & (j <= t))) & valid[:, None, :]
-    mask = torch.cat([torch.ones(idx.shape[0], L, P, dtype=torch.bool), vis], dim=-1)[:, None]
+    pre = (torch.ones(idx.shape[0], L, P, dtype=torch.bool) if prefix_range is None else
+           prefix_visible(prefix_range, idx, P))
+    mask = torch.cat([pre, vis], dim=-1)[:, None]
     return idx, valid, mask
 
 
@@ -104,7 +120,7 @@ def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
 
 
 def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, wo, residual,
-                seg_offsets=None, layout=None, bias=None):
+                seg_offsets=None, layout=None, bias=None, prefix_range=None):
     """residual + attention(...) @ wo^T (+ bias) -> (out, ssq) as gemm.linear_residual returns them:
     one Triton kernel for few tokens on CUDA (kernels/attention_o_triton.py), else attention, then
     linear_residual. The fused kernel has no bias input: an O bias (Llama, Qwen3 with
@@ -122,20 +138,21 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
         from .attention_o_triton import attention_o_residual_small
 
         return attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end,
-                                          own_start, scale, wo, residual)
+                                          own_start, scale, wo, residual, prefix_range=prefix_range)
     o = attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets,
-                  layout)
+                  layout, prefix_range)
     return linear_residual(o.reshape(T, -1), wo, bias, residual)
 
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
-              layout=None):
+              layout=None, prefix_range=None):
     """Dispatch: the Triton kernel on CUDA, SDPA with a per-batch layout on CPU (or the reference)."""
     if q.is_cuda and use_triton():
         from .attention_triton import attention_triton
 
-        return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale)
-    if layout is not None:
+        return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
+                                prefix_range=prefix_range)
+    if layout is not None:  # (built with the same prefix_range)
         return attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale)
     return attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
-                         seg_offsets)
+                         seg_offsets, prefix_range)

@@ -21,20 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _attend, _dot, _num_sms, _prefix_tile, _ranges
+from .attention_triton import _attend, _dot, _num_sms, _prefix_ranges, _prefix_tile, _ranges
 from .gemm_triton import _counters, tuned
 from .pdl import early, launch_kwargs, trigger, wait
 
 
 @triton.jit
 def _attn_o_kernel(
-    Q, K, V, PK, PV, BS, BE, OS, WO, R, OUT, SSQ, WS, CNT,
+    Q, K, V, PK, PV, BS, BE, OS, PS, PE, WO, R, OUT, SSQ, WS, CNT,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, IN_TILE: tl.constexpr,
-    TRIG: tl.constexpr, GDC: tl.constexpr,
+    TRIG: tl.constexpr, GDC: tl.constexpr, RANGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
@@ -60,6 +60,7 @@ def _attn_o_kernel(
     tok = tl.minimum(t, T - 1)  # padding rows repeat token T-1 (valid loads, never stored)
 
     bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)
+    ps, pe, p_lo, p_hi = _prefix_ranges(PS, PE, tok, P, RANGES)
     tc = t[:, None]
     m_out = t_ok[:, None] & c_ok[None, :]
     r = tl.load(R + tc * N + cols[None, :], mask=m_out, other=0.0)  # the residual, for the epilogue
@@ -81,8 +82,8 @@ def _attn_o_kernel(
             kin_t, vin = q, q
         o, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h,
                          PV + kvh * spv_h, spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t,
-                         P, qk_scale, kt0, v0, kin_t, vin, T, BLOCK_T, D, BLOCK_P, BLOCK_NI,
-                         DOT_PREC, UPCAST, PRE, IN_TILE)
+                         P, qk_scale, kt0, v0, kin_t, vin, T, ps, pe, p_lo, p_hi, BLOCK_T, D,
+                         BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST, PRE, IN_TILE, RANGES)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
     if TRIG == 1:  # Wo is read: let the next kernel's programs start their preloads
@@ -129,7 +130,7 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
-                               wo, residual, config=None):
+                               wo, residual, config=None, prefix_range=None):
     """residual + attention(q, k, v | prefix, ranges) @ wo^T -> (out [T, N], ssq [tiles, T] fp32),
     as attention_ref + linear_residual. q [T, Hq, D]; k, v [T, Hkv, D]; wo [N, Hq * D]."""
     T, Hq, D = q.shape
@@ -148,6 +149,7 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         prefix_k, prefix_v = k, v
     wo, residual = wo.contiguous(), residual.contiguous()
     base_start, base_end, own_start = (x.contiguous() for x in (base_start, base_end, own_start))
+    ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     tiles, split = triton.cdiv(N, cfg["BLOCK_N"]), Hq // cfg["HPP"]
     out = torch.empty((T, N), dtype=q.dtype, device=q.device)
     ssq = torch.empty((tiles, T), dtype=torch.float32, device=q.device)
@@ -158,11 +160,13 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
     else:
         ws = cnt = out  # never touched
     _attn_o_kernel[(tiles, split)](
-        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, wo, residual, out, ssq, ws, cnt,
+        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, ps, pe, wo, residual, out, ssq,
+        ws, cnt,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o"), **cfg, **launch_kwargs(q.device),
+        UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o"), RANGES=prefix_range is not None,
+        **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

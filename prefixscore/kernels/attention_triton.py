@@ -78,17 +78,37 @@ def _prefix_tile(pk_base, pv_base, spk_t, spv_t, P, start, D: tl.constexpr, BLOC
 
 
 @triton.jit
+def _prefix_ranges(PS, PE, tok, P, RANGES: tl.constexpr):
+    """Per-row pinned-key range [ps, pe) and the block's [p_lo, p_hi) (RANGES: from the plan's
+    prefix_start / prefix_end; else every row sees [0, P))."""
+    if RANGES:
+        ps = tl.load(PS + tok)
+        pe = tl.load(PE + tok)
+        p_lo = tl.min(ps, 0)
+        p_hi = tl.max(pe, 0)
+    else:  # whole prefix: _attend scans [0, P) and reads none of these (tensors, not constants,
+        # so both branches return the same kinds of values)
+        ps = tok
+        pe = tok
+        p_lo = tl.min(tok, 0) * 0
+        p_hi = p_lo + P
+    return ps, pe, p_lo, p_hi
+
+
+@triton.jit
 def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t, spv_t,
-            k_base, v_base, sk_t, sv_t, P, qk_scale, kt0, v0, kin_t, vin, T,
+            k_base, v_base, sk_t, sv_t, P, qk_scale, kt0, v0, kin_t, vin, T, ps, pe, p_lo, p_hi,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NI: tl.constexpr,
             DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PRE_KV: tl.constexpr,
-            IN_TILE: tl.constexpr):
+            IN_TILE: tl.constexpr, RANGES: tl.constexpr):
     """Online softmax of q [M, D] (row i: token tok[i]) over one kv head's keys: the prefix, then
     the in-batch base and own ranges (see _ranges) -> (unnormalised output [M, D], row sums).
     PRE_KV: kt0, v0 are the prefix's first tile (_prefix_tile at 0), loaded by the caller.
     IN_TILE: the rows are the whole batch (tok = 0..T-1, T <= M) and kin_t [D, M], vin [M, D] all
     of its in-batch keys, loaded by the caller: one masked tile instead of the two range loops,
-    whose loads wait on the ranges (one dependent round trip to memory fewer)."""
+    whose loads wait on the ranges (one dependent round trip to memory fewer).
+    RANGES: row i sees only the pinned keys [ps[i], pe[i]) (a bank of several prefixes); the block
+    scans [p_lo, p_hi), the union of its rows' ranges."""
     d = tl.arange(0, D)
     # Finite start for the running max: a row whose keys in a tile are all masked then gets
     # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
@@ -102,16 +122,31 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
             # (own names: with P == 1 specialised this `if` is static, and a name reused by the
             # loops below with another shape would be loop-carried)
             s0 = _dot(q, kt0, tl.zeros([M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
-            s0 = tl.where((tl.arange(0, BLOCK_N) < P)[None, :], s0, float("-inf"))
+            c0 = tl.arange(0, BLOCK_N)
+            if RANGES:
+                vis0 = (c0 < P)[None, :] & (c0[None, :] >= ps[:, None]) & (c0[None, :] < pe[:, None])
+            else:
+                vis0 = (c0 < P)[None, :]
+            s0 = tl.where(vis0, s0, float("-inf"))
             m_i, l_i, acc = _softmax_step(s0, v0, m_i, l_i, acc, DOT_PREC, UPCAST)
         first = BLOCK_N
-    for start in range(first, P, BLOCK_N):
+    if RANGES:  # the block's union of its rows' ranges
+        lo = tl.maximum(p_lo, first)
+        hi = p_hi
+    else:
+        lo = first
+        hi = P
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < P
+        col_ok = cols < hi
         kt = tl.load(pk_base + cols[None, :] * spk_t + d[:, None], mask=col_ok[None, :], other=0.0)
         v = tl.load(pv_base + cols[:, None] * spv_t + d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, kt, tl.zeros([M, BLOCK_N], tl.float32), DOT_PREC, UPCAST) * qk_scale
-        s = tl.where(col_ok[None, :], s, float("-inf"))
+        if RANGES:
+            vis = col_ok[None, :] & (cols[None, :] >= ps[:, None]) & (cols[None, :] < pe[:, None])
+        else:
+            vis = col_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
     if IN_TILE:  # 2) in-batch key c is visible to a row iff bs <= c < be or os <= c <= t
         s = _dot(q, kin_t, tl.zeros([M, M], tl.float32), DOT_PREC, UPCAST) * qk_scale
@@ -152,11 +187,12 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
 
 @triton.jit
 def _prefix_attn_kernel(
-    Q, K, V, PK, PV, BS, BE, OS, O,
+    Q, K, V, PK, PV, BS, BE, OS, PS, PE, O,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
     T, P, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
+    RANGES: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
@@ -172,9 +208,11 @@ def _prefix_attn_kernel(
 
     q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :])
     bs, be, os_, b_lo, b_hi, o_lo, o_hi = _ranges(BS, BE, OS, tok, T)  # latency hides behind the prefix
+    ps, pe, p_lo, p_hi = _prefix_ranges(PS, PE, tok, P, RANGES)
     acc, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h, PV + kvh * spv_h,
                        spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t, P, qk_scale,
-                       q, q, q, q, T, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC, UPCAST, False, False)
+                       q, q, q, q, T, ps, pe, p_lo, p_hi, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC,
+                       UPCAST, False, False, RANGES)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -224,7 +262,7 @@ def _last_dim_contiguous(x):
 
 
 def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, out=None,
-                     config=None):
+                     config=None, prefix_range=None):
     """q [T, Hq, D]; k, v [T, Hkv, D]; prefix_k, prefix_v [P, Hkv, D]; int [T] ranges -> [T, Hq, D].
 
     Any stride on dims 0 and 1 is fine (e.g. views into a fused QKV buffer). `config` overrides
@@ -245,17 +283,18 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
     base_start, base_end, own_start = (x.contiguous() for x in (base_start, base_end, own_start))
     if P == 0:  # never read; avoids handing the launcher an empty (null) pointer
         prefix_k, prefix_v = k, v
+    ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     G = Hq // Hkv
     cfg = attn_config(T, G, Hkv, D, q.dtype, q.device)
     cfg.update(config or {})
     grid = (triton.cdiv(T * G, cfg["BLOCK_M"]), Hkv)
     _prefix_attn_kernel[grid](
-        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, out,
+        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, ps, pe, out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         out.stride(0), out.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        **cfg, **launch_kwargs(q.device),
+        RANGES=prefix_range is not None, **cfg, **launch_kwargs(q.device),
     )
     return out

@@ -1,0 +1,112 @@
+"""Several classifiers of one model in one flat forward pass (Classifier.many's fused path).
+
+At batch 1 a forward is bound by reading the weights, so two classifiers asked for the same query
+cost two weight reads when run one after the other (H200, 0.5B: x1.91 of one). Here their requests
+share one pass: the pinned prefixes are concatenated into one bank, each token sees only its own
+classifier's slice of it (Context.prefix_range, kernels/attention.py), and the label rows of every
+classifier form one head whose columns each read-out row may choose among only its own
+(batch.concat_plans). Scores and decisions equal those of the classifiers run alone: the same
+keys with the same positions reach every token, and the head's masked softmax sees only its own
+labels (tests/test_many.py).
+
+Eager only for now: no CUDA graph is captured over a bank yet, so on a GPU this pays the launches
+a graph would save (the next step for the x1.3 target).
+"""
+from __future__ import annotations
+
+import torch
+
+from .batch import concat_plans, plan_classify
+
+
+class Bank:
+    """The concatenated prefixes and label rows of some classifiers over one engine."""
+
+    def __init__(self, clfs: list):
+        self.clfs = clfs
+        engine = clfs[0].engine
+        lens = [c.prefix_len for c in clfs]
+        self.kv_at = [sum(lens[:i]) for i in range(len(clfs))]
+        self.kv_len = lens
+        self.kv = [(torch.cat([c.prefix_kv[layer][0] for c in clfs]).contiguous(),
+                    torch.cat([c.prefix_kv[layer][1] for c in clfs]).contiguous())
+                   for layer in range(engine.config.num_layers)]
+        widths = [c.weight.shape[0] for c in clfs]
+        self.col_at = [sum(widths[:i]) for i in range(len(clfs))]
+        self.weight = torch.cat([c.weight for c in clfs]).contiguous()
+
+
+def fusable(clfs: list) -> bool:
+    """One pass needs one engine, one scoring mode, and no trained head (its own projection)."""
+    return (len({id(c.engine) for c in clfs}) == 1 and len({c.mode for c in clfs}) == 1
+            and all(c.head is None for c in clfs))
+
+
+def bank_of(clfs: list) -> Bank:
+    """The bank of these classifiers, built once and kept on their engine."""
+    banks = clfs[0].engine.__dict__.setdefault("banks", {})
+    key = tuple(id(c) for c in clfs)
+    bank = banks.get(key)
+    if bank is None:
+        bank = banks[key] = Bank(clfs)
+    return bank
+
+
+def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[list[float]]]]:
+    """batches[c]: classifier c's requests (Encoded) -> per classifier (label indices, score rows),
+    as clfs[c].decide_encoded(batches[c]) returns them, from one flat forward pass. Classifiers
+    that cannot share a pass (fusable) run one after the other."""
+    if not fusable(clfs):
+        return [c.decide_encoded(b) if b else ([], []) for c, b in zip(clfs, batches)]
+    live = [i for i, b in enumerate(batches) if b]
+    out: list = [([], [])] * len(clfs)
+    if not live:
+        return out
+    bank = bank_of(clfs)
+    logprobs = clfs[0].mode == "logprobs"
+    plans, starts, ends = [], [], []
+    for i in live:
+        c, b = clfs[i], batches[i]
+        p = plan_classify([e.ids[e.start:] for e in b], [e.start for e in b], c.trie, branches=logprobs)
+        plans.append(p)
+        # A request whose prompt did not keep the prefix's tokens (start 0) sees no pinned key.
+        cached = b[0].start > 0
+        lo = bank.kv_at[i]
+        starts.append(torch.full((p.num_tokens,), lo, dtype=torch.int32))
+        ends.append(torch.full((p.num_tokens,), lo + (bank.kv_len[i] if cached else 0), dtype=torch.int32))
+        if any((e.start > 0) != cached for e in b):  # mixed: per request
+            at = 0
+            for e, n in zip(b, _spans(p)):
+                ends[-1][at:at + n] = lo + (bank.kv_len[i] if e.start > 0 else 0)
+                at += n
+    plan = concat_plans(plans, [bank.col_at[i] for i in live], bank.weight.shape[0])
+    engine = clfs[0].engine
+    scores, best = _run(engine, plan, bank, (torch.cat(starts), torch.cat(ends)), logprobs)
+    r = 0
+    for i, p in zip(live, plans):
+        c, n = clfs[i], p.rows.shape[0]
+        lo, w = bank.col_at[i], c.weight.shape[0]
+        s, b = scores[r:r + n, lo:lo + w].contiguous(), best[r:r + n] - lo
+        r += n
+        label_scores, decision = (c.trie.assemble(s, b, p.batch) if logprobs
+                                  else c.trie.assemble_logits(s, b))
+        out[i] = (decision.tolist(), label_scores.tolist())
+    return out
+
+
+def _spans(plan) -> list[int]:
+    """Tokens per request of a plan, in order."""
+    return (plan.seg_offsets[1:] - plan.seg_offsets[:-1]).tolist()
+
+
+@torch.inference_mode()
+def _run(engine, plan, bank: Bank, prefix_range, logprobs: bool):
+    """One eager forward over the bank -> (scores [R, N_all] fp32, best [R]) on the CPU."""
+    from .model import Context
+
+    p = plan.to(engine.device)
+    rng = tuple(x.to(engine.device) for x in prefix_range)
+    ctx = Context(bank.kv, p.base_start, p.base_end, p.own_start, p.seg_offsets, prefix_range=rng)
+    scores, best = engine.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, bank.weight,
+                                         logprobs)
+    return scores.float().cpu(), best.cpu()
