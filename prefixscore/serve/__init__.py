@@ -6,6 +6,7 @@
     engine_loop.py  the engine loop: everything queued -> one flat batch -> answers
     engine_proc.py  the engine process: the model, the loop, a ZeroMQ ROUTER socket
     client.py       front end -> engine: InprocClient (a thread) and ZmqClient (a process)
+    dp_client.py    --data-parallel: one ZmqClient per engine, each pass to the least loaded
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
     many.py         one request to several classifiers ("classifiers": [...]) and its answer
