@@ -36,6 +36,14 @@ class Plan:
     # One-request plans: what fixes every field but the tokens (suffix length, branch paths, first
     # position), so a graph runner can keep its filled input buffer per layout (engine.py).
     layout: tuple | None = None
+    # Several classifiers' requests over a bank of their prefixes (batch.concat_plans, many.py):
+    # the pinned keys each token sees, [prefix_start, prefix_end) int32 [T]; None: all of them.
+    prefix_start: torch.Tensor | None = None
+    prefix_end: torch.Tensor | None = None
+
+    @property
+    def prefix_range(self):
+        return None if self.prefix_start is None else (self.prefix_start, self.prefix_end)
 
     @property
     def num_tokens(self) -> int:
@@ -135,11 +143,11 @@ def _block(n: int, paths: tuple) -> tuple:
     return (pos, i32([0] * at), i32(end), i32(own), torch.tensor(rows), torch.tensor([0, at]))
 
 
-def concat_plans(plans: list[Plan], columns: list[int], n_columns: int) -> Plan:
+def concat_plans(plans: list[Plan], columns: list[int], n_columns: int, prefix_range=None) -> Plan:
     """Several classifiers' plans as one flat batch over their concatenated label rows: plan c's
     tokens, rows and ranges shifted past the plans before it, its `allowed` [R_c, N_c] placed at
     label column columns[c] of n_columns (False elsewhere, so each row chooses only among its own
-    classifier's labels). The prefix each token sees is the caller's (Context.prefix_range)."""
+    classifier's labels). prefix_range: (start, end) int32 [T], the pinned keys each token sees."""
     tok_off = np.cumsum([0] + [p.num_tokens for p in plans])
     shift = lambda name: torch.cat([getattr(p, name) + int(o) for p, o in zip(plans, tok_off)])  # noqa: E731
     cat = lambda name: torch.cat([getattr(p, name) for p in plans])  # noqa: E731
@@ -151,4 +159,6 @@ def concat_plans(plans: list[Plan], columns: list[int], n_columns: int) -> Plan:
     seg = torch.cat([plans[0].seg_offsets[:1]] + [p.seg_offsets[1:] + int(o) for p, o in zip(plans, tok_off)])
     return Plan(tokens=cat("tokens"), positions=cat("positions"), base_start=shift("base_start"),
                 base_end=shift("base_end"), own_start=shift("own_start"), seg_offsets=seg,
-                rows=shift("rows"), allowed=allowed, batch=sum(p.batch for p in plans))
+                rows=shift("rows"), allowed=allowed, batch=sum(p.batch for p in plans),
+                prefix_start=prefix_range[0] if prefix_range else None,
+                prefix_end=prefix_range[1] if prefix_range else None)

@@ -86,7 +86,8 @@ class Engine:
     @torch.inference_mode()
     def hidden(self, plan: Plan, prefix_kv):
         plan = plan.to(self.device)
-        ctx = Context(prefix_kv, plan.base_start, plan.base_end, plan.own_start, plan.seg_offsets)
+        ctx = Context(prefix_kv, plan.base_start, plan.base_end, plan.own_start, plan.seg_offsets,
+                      prefix_range=plan.prefix_range)
         return self.model(plan.tokens, plan.positions, ctx), plan
 
     @torch.inference_mode()
@@ -116,7 +117,8 @@ class Engine:
             return lambda: out
         cuda = self.device.type == "cuda"
         p = plan.pinned().to(self.device) if cuda else plan  # pinned: the copies do not block
-        ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets)
+        ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets,
+                      prefix_range=p.prefix_range)
         scores, best = self.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, weight,
                                            logprobs)
         if not cuda:
@@ -134,8 +136,9 @@ class Engine:
 
         return collect
 
-    def capture(self, prefix_kv, weight, logprobs: bool, max_tokens: int) -> dict:
-        """CUDA graphs for every bucket up to max_tokens; returns capture time and memory."""
+    def capture(self, prefix_kv, weight, logprobs: bool, max_tokens: int, ranges: bool = False) -> dict:
+        """CUDA graphs for every bucket up to max_tokens; returns capture time and memory.
+        ranges: plans carry per-token prefix ranges (a bank of several prefixes, many.py)."""
         if self.device.type != "cuda":
             return {}
         torch.cuda.synchronize()
@@ -143,7 +146,7 @@ class Engine:
         # memory (-1.7 GB after the prefill's temporaries): empty it before the baseline too.
         torch.cuda.empty_cache()
         mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
-        runner = GraphRunner(self, prefix_kv, weight, logprobs, min(max_tokens, GRAPH_MAX_TOKENS))
+        runner = GraphRunner(self, prefix_kv, weight, logprobs, min(max_tokens, GRAPH_MAX_TOKENS), ranges)
         self.graphs[(id(prefix_kv), id(weight), logprobs)] = runner
         torch.cuda.synchronize()
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets,
@@ -154,15 +157,18 @@ class GraphRunner:
     """Static buffers + one CUDA graph per token bucket for one (prefix, label weight, mode).
 
     A call's inputs are one byte buffer, laid out per bucket Tb as the int32 rows [6, Tb] (tokens,
-    positions, base_start, base_end, own_start, read-out rows) and then allowed [Tb, N] (bool), so
+    positions, base_start, base_end, own_start, read-out rows; with `ranges` 8 rows, then
+    prefix_start and prefix_end) and then allowed [Tb, N] (bool), so
     they travel in one contiguous H2D copy; the label head writes best [Tb] (int64) and scores
     [Tb, N] (fp32) into one output byte buffer, read back with one D2H copy. Each bucket's graph
     is captured on its own views of the two buffers. Padding tokens see only themselves and the
     prefix; padding rows read token 0 with every label allowed; their outputs are never read.
     """
 
-    def __init__(self, engine: Engine, prefix_kv, weight, logprobs, max_tokens):
+    def __init__(self, engine: Engine, prefix_kv, weight, logprobs, max_tokens, ranges: bool = False):
         self.engine, self.prefix_kv, self.weight, self.logprobs = engine, prefix_kv, weight, logprobs
+        self.ranges = ranges
+        self.rows_in = 8 if ranges else 6  # int32 rows of the input
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
         self.max_tokens = Tmax = self.buckets[-1]
         self.N = N = weight.shape[0]
@@ -218,15 +224,17 @@ class GraphRunner:
             self.graphs[T] = g
 
     def _in_bytes(self, T):
-        return 24 * T + T * self.N
+        return 4 * self.rows_in * T + T * self.N
 
     def _out_bytes(self, T):
         return 8 * T + 4 * T * self.N
 
     def _split_in(self, buf, T):
-        """(ints [6, T] int32, allowed [T, N] bool) views of a byte buffer (torch or numpy)."""
+        """(ints [rows_in, T] int32, allowed [T, N] bool) views of a byte buffer (torch or numpy)."""
         i32, b8 = (np.int32, np.bool_) if isinstance(buf, np.ndarray) else (torch.int32, torch.bool)
-        return buf[:24 * T].view(i32).reshape(6, T), buf[24 * T:self._in_bytes(T)].view(b8).reshape(T, self.N)
+        n = 4 * self.rows_in * T
+        return (buf[:n].view(i32).reshape(self.rows_in, T),
+                buf[n:self._in_bytes(T)].view(b8).reshape(T, self.N))
 
     def _split_out(self, buf, T):
         """(best [T] int64, scores [T, N] fp32) views of a byte buffer (torch or numpy)."""
@@ -234,7 +242,7 @@ class GraphRunner:
         return buf[:8 * T].view(i64), buf[8 * T:self._out_bytes(T)].view(f32).reshape(T, self.N)
 
     def _idle(self, T):
-        ints = np.zeros((6, T), dtype=np.int32)
+        ints = np.zeros((self.rows_in, T), dtype=np.int32)  # (a padding token's prefix range: empty)
         ints[4] = self.pad[:T]
         return ints
 
@@ -244,9 +252,10 @@ class GraphRunner:
             from .kernels.fused_triton import copy_bytes  # (CUDA only: triton is imported lazily)
 
             copy_bytes(self.host_in, self.dev_in, self._in_bytes(T))
-        (tokens, pos, bs, be, own, rows), allowed = self._split_in(self.dev_in, T)
+        ints, allowed = self._split_in(self.dev_in, T)
+        tokens, pos, bs, be, own, rows = ints[:6]
         best, scores = self._split_out(self.dev_out, T)
-        ctx = Context(self.prefix_kv, bs, be, own)
+        ctx = Context(self.prefix_kv, bs, be, own, prefix_range=(ints[6], ints[7]) if self.ranges else None)
         self.engine.forward_scores(tokens, pos, ctx, rows, allowed, self.weight, self.logprobs,
                                    out=(scores, best))
         if copies:
@@ -269,6 +278,9 @@ class GraphRunner:
             for i, x in enumerate((plan.tokens, plan.positions, plan.base_start, plan.base_end,
                                    plan.own_start)):
                 h[i, :T] = x.numpy()
+            if self.ranges:
+                h[6, :T] = plan.prefix_start.numpy()
+                h[7, :T] = plan.prefix_end.numpy()
             h[:, T:Tb] = 0
             h[4, T:Tb] = self.pad[T:Tb]
             h[5, :R] = plan.rows.numpy()

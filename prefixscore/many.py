@@ -9,14 +9,18 @@ classifier form one head whose columns each read-out row may choose among only i
 keys with the same positions reach every token, and the head's masked softmax sees only its own
 labels (tests/test_many.py).
 
-Eager only for now: no CUDA graph is captured over a bank yet, so on a GPU this pays the launches
-a graph would save (the next step for the x1.3 target).
+On a GPU a bank captures CUDA graphs for the latency buckets (up to GRAPH_TOKENS flat tokens, the
+engine's graph pool shared with the classifiers' own graphs); larger batches run eagerly.
 """
 from __future__ import annotations
 
 import torch
 
 from .batch import concat_plans, plan_classify
+
+# Flat tokens up to which a bank's plans replay CUDA graphs: a few requests per classifier (each
+# ~10-20 suffix tokens plus label branches); past it a batch is throughput work, run eagerly.
+GRAPH_TOKENS = 256
 
 
 class Bank:
@@ -34,6 +38,9 @@ class Bank:
         widths = [c.weight.shape[0] for c in clfs]
         self.col_at = [sum(widths[:i]) for i in range(len(clfs))]
         self.weight = torch.cat([c.weight for c in clfs]).contiguous()
+        self.logprobs = clfs[0].mode == "logprobs"
+        self.capture_info = engine.capture(self.kv, self.weight, self.logprobs, GRAPH_TOKENS,
+                                           ranges=True) if any(c.capture_info for c in clfs) else {}
 
 
 def fusable(clfs: list) -> bool:
@@ -79,14 +86,14 @@ def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[l
             for e, n in zip(b, _spans(p)):
                 ends[-1][at:at + n] = lo + (bank.kv_len[i] if e.start > 0 else 0)
                 at += n
-    plan = concat_plans(plans, [bank.col_at[i] for i in live], bank.weight.shape[0])
-    engine = clfs[0].engine
-    scores, best = _run(engine, plan, bank, (torch.cat(starts), torch.cat(ends)), logprobs)
+    plan = concat_plans(plans, [bank.col_at[i] for i in live], bank.weight.shape[0],
+                        (torch.cat(starts), torch.cat(ends)))
+    scores, best = clfs[0].engine.run(plan, bank.kv, bank.weight, logprobs)  # a graph if captured
     r = 0
     for i, p in zip(live, plans):
         c, n = clfs[i], p.rows.shape[0]
         lo, w = bank.col_at[i], c.weight.shape[0]
-        s, b = scores[r:r + n, lo:lo + w].contiguous(), best[r:r + n] - lo
+        s, b = scores[r:r + n, lo:lo + w].float().contiguous(), best[r:r + n].cpu() - lo
         r += n
         label_scores, decision = (c.trie.assemble(s, b, p.batch) if logprobs
                                   else c.trie.assemble_logits(s, b))
@@ -97,16 +104,3 @@ def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[l
 def _spans(plan) -> list[int]:
     """Tokens per request of a plan, in order."""
     return (plan.seg_offsets[1:] - plan.seg_offsets[:-1]).tolist()
-
-
-@torch.inference_mode()
-def _run(engine, plan, bank: Bank, prefix_range, logprobs: bool):
-    """One eager forward over the bank -> (scores [R, N_all] fp32, best [R]) on the CPU."""
-    from .model import Context
-
-    p = plan.to(engine.device)
-    rng = tuple(x.to(engine.device) for x in prefix_range)
-    ctx = Context(bank.kv, p.base_start, p.base_end, p.own_start, p.seg_offsets, prefix_range=rng)
-    scores, best = engine.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, bank.weight,
-                                         logprobs)
-    return scores.float().cpu(), best.cpu()

@@ -61,6 +61,20 @@ def test_many_share_graph_pool_on_gpu(tiny_model):
     within bf16 noise of separately built classifiers (2e-2, DESIGN.md §5), decisions equal."""
     many = check_many(tiny_model("qwen2"), "cuda", "bfloat16", 2e-2, seed=random.randrange(1 << 30))
     assert many["category"].engine.pool is not None
+    # the fused pass on the GPU: graphs over the bank (small batches) and eager (past them)
+    from prefixscore.many import GRAPH_TOKENS, bank_of, decide_many
+
+    clfs = [many["category"], many["gender"]]
+    seed = random.randrange(1 << 30)
+    for sizes in [(1, 1), (3, 2), (40, 30)]:
+        batches = [c.encode_many(queries(seed + sum(sizes), n)) for c, n in zip(clfs, sizes)]
+        for c, b, (best, scores) in zip(clfs, batches, decide_many(clfs, batches)):
+            want_best, want_scores = c.decide_encoded(b)
+            for d, w, r, ws in zip(best, want_best, scores, want_scores):
+                assert max(abs(x - y) for x, y in zip(r, ws)) <= 5e-2
+                top = sorted(ws, reverse=True)
+                assert d == w or top[0] - top[1] <= 5e-2  # bf16 near-ties may flip
+    assert bank_of(clfs).capture_info["buckets"][-1] == GRAPH_TOKENS
 
 
 def test_many_refuses_bad_specs(tiny_model):
