@@ -70,7 +70,7 @@ def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[l
     if not live:
         return out
     bank = bank_of(clfs)
-    logprobs = clfs[0].mode == "logprobs"
+    logprobs = bank.logprobs
     plans, starts, ends = [], [], []
     for i in live:
         c, b = clfs[i], batches[i]
@@ -93,7 +93,7 @@ def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[l
     for i, p in zip(live, plans):
         c, n = clfs[i], p.rows.shape[0]
         lo, w = bank.col_at[i], c.weight.shape[0]
-        s, b = scores[r:r + n, lo:lo + w].float().contiguous(), best[r:r + n].cpu() - lo
+        s, b = scores[r:r + n, lo:lo + w].contiguous(), best[r:r + n] - lo  # (engine.run: fp32, CPU)
         r += n
         label_scores, decision = (c.trie.assemble(s, b, p.batch) if logprobs
                                   else c.trie.assemble_logits(s, b))
