@@ -114,20 +114,9 @@ def test_router_sends_each_pass_to_the_least_loaded_engine():
 
 # ---------------------------------------------------------------- the server (processes)
 
-from test_serve_procs import check, post_all, serve  # noqa: E402
+# the same servers and fixtures (a tiny Llama, its in-process Classifier) as test_serve_procs
+from test_serve_procs import check, clf, model, post_all, serve  # noqa: E402,F401
 from test_startup import one_error, serve as serve_cmd, unreadable_model  # noqa: E402,F401
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model):
-    return tiny_model("llama")
-
-
-@pytest.fixture(scope="module")
-def clf(model):
-    from prefixscore import Classifier
-
-    return Classifier(model, device="cpu")
 
 
 def all_engines_ready(base, timeout=90):

@@ -11,10 +11,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 import prefixscore
-from prefixscore import Classifier
-from prefixscore.scorer import Scorer
 from prefixscore.serve import create_app
-from test_server import JSON, LIMITS, SCORE_TEMPLATE, running
+from test_server import JSON, LIMITS, clf, running, scorer  # noqa: F401 (clf, scorer: fixtures)
 
 QUERIES = ["beige trench coat women", "levis 501", "红色连衣裙"]
 
@@ -134,16 +132,6 @@ def softmax(scores):
 
 
 # ---------------------------------------------------------------- fixtures
-
-@pytest.fixture(scope="module")
-def clf(tiny_model):
-    return Classifier(tiny_model("llama"), device="cpu")
-
-
-@pytest.fixture(scope="module")
-def scorer(clf):
-    return Scorer(clf.loaded, SCORE_TEMPLATE, ["yes", "no"], chat=False)
-
 
 @pytest.fixture(scope="module")
 def server(clf, scorer):
