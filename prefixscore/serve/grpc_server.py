@@ -131,7 +131,9 @@ def unary(fe: Frontend, endpoint: str, handle, auth: bool):
     requests = fe.metrics.requests
 
     async def call(request, context):
-        status = 499  # cancelled (the client left or its deadline passed): CancelledError
+        # Counted before the answer leaves: context.abort sends the status and only then raises,
+        # so a count in `finally` could land after the client has read the reply.
+        status = None
         try:
             if api_key is not None and not authorized(bearer(context), api_key):
                 error = ApiError(401, UNAUTHORIZED)
@@ -142,8 +144,10 @@ def unary(fe: Frontend, endpoint: str, handle, auth: bool):
                     error = e
                 else:
                     status = 200
+                    requests.labels(endpoint, "200").inc()
                     return reply
             status = error.status
+            requests.labels(endpoint, str(status)).inc()
             trailers = [("http-status", str(error.status))]
             trailers += [(k.lower(), v) for k, v in error.headers.items()]
             await context.abort(grpc_code(status), error.detail, tuple(trailers))
@@ -151,10 +155,12 @@ def unary(fe: Frontend, endpoint: str, handle, auth: bool):
             raise
         except Exception:
             status = 500
+            requests.labels(endpoint, "500").inc()
             log.exception("%s failed", endpoint)
             await context.abort(C.INTERNAL, "internal server error", (("http-status", "500"),))
         finally:
-            requests.labels(endpoint, str(status)).inc()
+            if status is None:  # cancelled (the client left or its deadline passed)
+                requests.labels(endpoint, "499").inc()
 
     return call
 
