@@ -14,6 +14,10 @@ engine's graph pool shared with the classifiers' own graphs); larger batches run
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
+import numpy as np
 import torch
 
 from .batch import concat_plans, plan_classify
@@ -21,6 +25,9 @@ from .batch import concat_plans, plan_classify
 # Flat tokens up to which a bank's plans replay CUDA graphs: a few requests per classifier (each
 # ~10-20 suffix tokens plus label branches); past it a batch is throughput work, run eagerly.
 GRAPH_TOKENS = 256
+# Layouts a bank keeps for one request per classifier (suffix lengths x first positions): a few
+# hundred in practice, each a small plan.
+MAX_LAYOUTS = 4096
 
 
 class Bank:
@@ -28,7 +35,7 @@ class Bank:
 
     def __init__(self, clfs: list):
         self.clfs = clfs
-        engine = clfs[0].engine
+        self.engine = engine = clfs[0].engine
         lens = [c.prefix_len for c in clfs]
         self.kv_at = [sum(lens[:i]) for i in range(len(clfs))]
         self.kv_len = lens
@@ -39,6 +46,9 @@ class Bank:
         self.col_at = [sum(widths[:i]) for i in range(len(clfs))]
         self.weight = torch.cat([c.weight for c in clfs]).contiguous()
         self.logprobs = clfs[0].mode == "logprobs"
+        self.paths = [tuple(map(tuple, c.trie.branch_paths())) if self.logprobs else () for c in clfs]
+        # one request per classifier (the latency path): layout -> (plan, read-out slices)
+        self.layouts: dict[tuple, tuple] = {}
         self.capture_info = engine.capture(self.kv, self.weight, self.logprobs, GRAPH_TOKENS,
                                            ranges=True) if any(c.capture_info for c in clfs) else {}
 
@@ -47,6 +57,13 @@ def fusable(clfs: list) -> bool:
     """One pass needs one engine, one scoring mode, and no trained head (its own projection)."""
     return (len({id(c.engine) for c in clfs}) == 1 and len({c.mode for c in clfs}) == 1
             and all(c.head is None for c in clfs))
+
+
+def fused_tokens(clfs: list, groups: dict) -> int:
+    """Flat tokens of a fused plan of groups ({classifier index: requests}): each request's new
+    tokens and its classifier's label branches."""
+    branch = {k: clfs[k]._branch_tokens() for k in groups}
+    return sum(len(e.ids) - e.start + branch[k] for k, b in groups.items() for e in b)
 
 
 def bank_of(clfs: list) -> Bank:
@@ -70,12 +87,55 @@ def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[l
     if not live:
         return out
     bank = bank_of(clfs)
-    logprobs = bank.logprobs
-    plans, starts, ends = [], [], []
+    if bank.logprobs and all(len(batches[i]) == 1 for i in live):
+        return _decide_ones(bank, batches, live, out)
+    plan, parts = _fused_plan(bank, batches, live)
+    scores, best = bank.engine.run(plan, bank.kv, bank.weight, bank.logprobs)  # a graph if captured
+    for i, p, (r, n, lo, w) in parts:
+        s, b = scores[r:r + n, lo:lo + w].contiguous(), best[r:r + n] - lo  # (engine.run: fp32, CPU)
+        trie = clfs[i].trie
+        label_scores, decision = (trie.assemble(s, b, p.batch) if bank.logprobs
+                                  else trie.assemble_logits(s, b))
+        out[i] = (decision.tolist(), label_scores.tolist())
+    return out
+
+
+def _decide_ones(bank: Bank, batches: list[list], live: list[int], out: list) -> list:
+    """One request per classifier, the latency path: the plan of each layout is built once (as
+    plan_classify keeps one request's layout), so a call only strings the tokens together and the
+    graph runner's input image for the layout takes them (engine.GraphRunner.run)."""
+    enc = [batches[i][0] for i in live]
+    key = tuple((i, len(e.ids) - e.start, e.start) for i, e in zip(live, enc))
+    entry = bank.layouts.get(key)
+    if entry is None:
+        plan, parts = _fused_plan(bank, batches, live)
+        entry = (dataclasses.replace(plan, layout=key), parts)
+        if len(bank.layouts) < MAX_LAYOUTS:
+            bank.layouts[key] = entry
+    plan, parts = entry
+    tokens = np.fromiter(itertools.chain.from_iterable(
+        itertools.chain(e.ids[e.start:], *bank.paths[i]) for i, e in zip(live, enc)), np.int64,
+        plan.num_tokens)
+    scores, best = bank.engine.run(dataclasses.replace(plan, tokens=torch.from_numpy(tokens)),
+                                   bank.kv, bank.weight, True)
+    for i, _, (r, n, lo, w) in parts:
+        one, d = bank.clfs[i].trie.assemble_one(scores[r:r + n, lo:lo + w], best[r:r + n] - lo)
+        out[i] = ([d], [one])
+    return out
+
+
+def _fused_plan(bank: Bank, batches: list[list], live: list[int]):
+    """The flat plan of the live classifiers' requests over the bank, and per classifier
+    (index, its plan, (first read-out row, rows, first label column, label columns))."""
+    plans, starts, ends, parts = [], [], [], []
+    r = 0
     for i in live:
-        c, b = clfs[i], batches[i]
-        p = plan_classify([e.ids[e.start:] for e in b], [e.start for e in b], c.trie, branches=logprobs)
+        c, b = bank.clfs[i], batches[i]
+        p = plan_classify([e.ids[e.start:] for e in b], [e.start for e in b], c.trie,
+                          branches=bank.logprobs)
         plans.append(p)
+        parts.append((i, p, (r, p.rows.shape[0], bank.col_at[i], c.weight.shape[0])))
+        r += p.rows.shape[0]
         # A request whose prompt did not keep the prefix's tokens (start 0) sees no pinned key.
         cached = b[0].start > 0
         lo = bank.kv_at[i]
@@ -88,17 +148,7 @@ def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[l
                 at += n
     plan = concat_plans(plans, [bank.col_at[i] for i in live], bank.weight.shape[0],
                         (torch.cat(starts), torch.cat(ends)))
-    scores, best = clfs[0].engine.run(plan, bank.kv, bank.weight, logprobs)  # a graph if captured
-    r = 0
-    for i, p in zip(live, plans):
-        c, n = clfs[i], p.rows.shape[0]
-        lo, w = bank.col_at[i], c.weight.shape[0]
-        s, b = scores[r:r + n, lo:lo + w].contiguous(), best[r:r + n] - lo  # (engine.run: fp32, CPU)
-        r += n
-        label_scores, decision = (c.trie.assemble(s, b, p.batch) if logprobs
-                                  else c.trie.assemble_logits(s, b))
-        out[i] = (decision.tolist(), label_scores.tolist())
-    return out
+    return plan, parts
 
 
 def _spans(plan) -> list[int]:

@@ -43,9 +43,11 @@ def check_many(path, device, dtype, tol, seed):
     same(cat.classify_batch(qs), alone["category"].classify_batch(qs), tol)
     same(gen.classify_batch(qs), alone["gender"].classify_batch(qs), tol)
     mem = gen.memory
-    assert mem["model_bytes"] == sum(p.numel() * p.element_size() for p in
-                                     {id(t): t for t in [*cat.engine.model.parameters(),
-                                                         cat.engine.lm_head]}.values())
+    e = cat.engine  # every weight a forward reads: parameters, the fused QKV and gate/up, the head
+    weights = [*e.model.parameters(), e.lm_head, e.model.inv_freq,
+               *(w for layer in e.model.layers for w in (layer.self_attn.wqkv, layer.self_attn.bqkv,
+                                                         layer.mlp.wgu, layer.mlp.bgu) if w is not None)]
+    assert mem["model_bytes"] == sum({t.data_ptr(): t.numel() * t.element_size() for t in weights}.values())
     assert 0 < mem["prefix_kv"] and mem["label_rows"] == (
         len(gen.trie.columns) * cat.engine.config.hidden_size * (2 if dtype == "bfloat16" else 4))
     return many
@@ -92,7 +94,8 @@ def test_fused_pass_equals_classifiers_alone(tiny_model, arch):
     """decide_many: several classifiers' requests in one flat pass over the bank of their prefixes
     and label rows give the decisions and scores each classifier gives alone (fp32, 1e-5), for
     one request each, batches of several, a classifier with no requests, and multi-token labels."""
-    from prefixscore.many import decide_many
+    from prefixscore.many import bank_of, decide_many
+    from prefixscore.prompt import Encoded
 
     many = Classifier.many({"category": CATEGORY, "gender": GENDER,
                             "short": dict(template="{query}", labels=["yes", "no"])},
@@ -109,3 +112,17 @@ def test_fused_pass_equals_classifiers_alone(tiny_model, arch):
             want_best, want_scores = c.decide_encoded(b)
             assert best == want_best
             assert max(abs(x - y) for r, w in zip(scores, want_scores) for x, y in zip(r, w)) <= 1e-5
+    # one request each reuses the plan of its layout (lengths, first positions): other tokens of the
+    # same lengths must be read, not the first call's
+    rng = random.Random(seed)
+    first = [c.encode_many(queries(seed, 1)) for c in clfs]
+    layouts = len(bank_of(clfs).layouts)
+    for _ in range(3):
+        batches = [[Encoded(b[0].values, None, b[0].ids[:b[0].start] + [rng.randrange(1000) for _ in
+                                                                          b[0].ids[b[0].start:]],
+                            b[0].start)] for b in first]
+        for c, b, got in zip(clfs, batches, decide_many(clfs, batches)):
+            want_best, want_scores = c.decide_encoded(b)
+            assert got[0] == want_best
+            assert max(abs(x - y) for x, y in zip(got[1][0], want_scores[0])) <= 1e-5
+    assert len(bank_of(clfs).layouts) <= layouts + 1  # one more layout at most, built once

@@ -81,7 +81,10 @@ def test_two_classifiers_answer_what_two_separate_classifiers_answer(multi, sepa
              classify(separate["category"], query=QUERIES)["results"])
 
 
-def test_a_request_to_several_classifiers_equals_separate_requests(multi):
+def test_a_request_to_several_classifiers_equals_separate_requests(multi, many):
+    """... through the fused pass: the engine loop runs the groups over one bank (many.py)."""
+    engine = next(iter(many.values())).engine
+    engine.__dict__.get("banks", {}).clear()  # (built by the warm-up: must be built again)
     for names in (["category", "gender"], ["gender", "category"], ["gender"]):
         body = classify(multi, query=QUERIES, classifiers=names)
         assert body["classifiers"] == names and len(body["results"]) == len(QUERIES)
@@ -96,6 +99,8 @@ def test_a_request_to_several_classifiers_equals_separate_requests(multi):
             assert all(set(r) == {"query", "label", "scores", "probs", "cached"} for r in got)
     one = classify(multi, query="levis 501", classifiers=["gender", "category"])
     assert one["results"][0]["query"] == "levis 501" and one["batch_size"] >= 2
+    bank, = engine.banks.values()
+    assert len(bank.clfs) == len(many) and bank.layouts  # one bank; the one-query layout kept
 
 
 def test_concurrent_requests_of_mixed_classifiers(multi, separate):

@@ -10,8 +10,10 @@ runs queued multi-item scoring requests. The same loop runs on a thread of the s
 
 Several classifiers over one model (`--classifier`, Classifier.many): each request names one by
 its index in ReadyOut.classifiers; a batch's requests are grouped by classifier and the groups go
-through `EngineLoop.decide`, the one seam between the loop and the device for them (today one
-classifier's flat batches after another's; a fused pass over all of them replaces that method).
+through `EngineLoop.decide`, the one seam between the loop and the device for them: small batches
+of several classifiers run as one flat forward pass over a bank of every classifier's prefix and
+label rows (many.decide_many: one weight read instead of one per classifier), larger ones one
+classifier's flat batches after another's (there the pass is compute-bound and fusing gains little).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from queue import Empty, SimpleQueue
 import numpy as np
 
 from ..errors import PrefixScoreError
+from ..many import GRAPH_TOKENS, decide_many, fusable, fused_tokens
 from ..prompt import Encoded
 from . import protocol as P
 
@@ -78,6 +81,8 @@ class EngineLoop:
         self.metrics = metrics
         self.N = max(len(c.labels) for c in self.clfs)  # score columns of an answer row
         self.aborted: set[tuple[int, int]] = set()
+        # a bank of every classifier: one set of graphs whichever classifiers a batch asks for
+        self.fuse = len(self.clfs) > 1 and fusable(self.clfs)
 
     def ready(self, tokenizer_path: str = "", model: str = "") -> P.ReadyOut:
         """model: the served name; with one classifier (no names given) also the classifier's."""
@@ -92,15 +97,18 @@ class EngineLoop:
         """One real batch per classifier proves the path (each built its prefix and graphs)."""
         for c in self.clfs:
             c.decide_encoded([c.encode("warm up")])
+        if self.fuse:  # builds the bank and captures its graphs now, not on the first request
+            decide_many(self.clfs, [[c.encode("warm up")] for c in self.clfs])
 
     def decide(self, groups: dict[int, list[Encoded]]) -> dict[int, tuple[list[int], list[list[float]]]]:
         """THE SEAM for several classifiers (every batch of an engine that has more than one):
         {classifier index: its requests} -> {index: (label indices, score rows)}, each in its
-        group's order. Today each classifier runs its own flat batches (Classifier.decide_encoded),
-        one classifier after another. A fused multi-classifier forward pass (every group's tokens
-        in one flat batch where their buckets allow, each read out through its own prefix and
-        label rows) replaces this method; nothing else changes."""
+        group's order. Several groups whose flat tokens fit the bank's graphs share one forward
+        pass (many.decide_many); otherwise each classifier runs its own flat batches in turn."""
         clfs = self.clfs
+        if self.fuse and len(groups) > 1 and fused_tokens(clfs, groups) <= GRAPH_TOKENS:
+            out = decide_many(clfs, [groups.get(k, []) for k in range(len(clfs))])
+            return {k: out[k] for k in groups}
         return {k: clfs[k].decide_encoded(enc) for k, enc in groups.items()}
 
     def run(self) -> None:
