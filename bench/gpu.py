@@ -122,9 +122,11 @@ def measure_floors():
 class Synthetic:
     """Our engine on an in-memory HF model's weights, driven by token ids."""
 
-    def __init__(self, hf, max_tokens=32768):
+    def __init__(self, hf, max_tokens=32768, fp8=False):
         cfg = ModelConfig.from_hf(hf.config)
         self.loaded = from_tensors(cfg, hf.state_dict(), None, "random", torch.device("cuda"), torch.bfloat16)
+        if fp8:  # e4m3 linear weights, per-row scales (kernels/fp8.py), as dtype="fp8" loads them
+            self.loaded.model.quantize_fp8()
         self.engine = Engine(self.loaded)
         self.trie = LabelTrie([str(t) for t in LABELS], [[t] for t in LABELS], None)
         g = torch.Generator().manual_seed(1)

@@ -62,10 +62,9 @@ class Engine:
         return engine
 
     def weight_bytes(self) -> int:
-        """The model's parameter bytes (what classifiers over this engine share)."""
-        params = {id(t): t for t in self.model.parameters()}
-        params[id(self.lm_head)] = self.lm_head
-        return sum(t.numel() * t.element_size() for t in params.values())
+        """The model's weight bytes, output head included (what classifiers over this engine
+        share)."""
+        return self.model.weight_bytes(self.lm_head)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

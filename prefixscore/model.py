@@ -25,6 +25,7 @@ from torch import nn
 from .config import ModelConfig, rope_parameters
 from .errors import ModelLoadError
 from .kernels.attention import attention_o, span_layout
+from .kernels.fp8 import Fp8Weight
 from .kernels.fused import embed_rope
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
 
@@ -92,6 +93,15 @@ class MLP(nn.Module):
     def forward(self, h: Normed, residual):
         return linear_residual(gate_up_silu(h, self.wgu, self.bgu), self.down_proj.weight,
                                self.down_proj.bias, residual)
+
+
+class Fp8Linear(nn.Module):
+    """An nn.Linear with its weight in e4m3 and per-row scales (kernels/fp8.py); bias unchanged."""
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.weight = Fp8Weight.quantize(lin.weight)  # (a plain attribute: not a tensor)
+        self.bias = lin.bias
 
 
 class Block(nn.Module):
@@ -165,6 +175,27 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.fuse()
         return self
+
+    def quantize_fp8(self):
+        """After fuse(): every block's linear weights (QKV with its norm folded in, O, gate/up
+        with its norm, down) to e4m3 with one scale per output row. Embeddings, norms and biases
+        stay in the model's dtype (kernels/fp8.py)."""
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            a.wqkv, m.wgu = Fp8Weight.quantize(a.wqkv), Fp8Weight.quantize(m.wgu)
+            a.o_proj, m.down_proj = Fp8Linear(a.o_proj), Fp8Linear(m.down_proj)
+        return self
+
+    def weight_bytes(self, *extra: torch.Tensor) -> int:
+        """Bytes of every weight the forward reads (and of `extra` tensors, e.g. the output head),
+        each storage once: parameters, the fused QKV and gate/up tensors (plain attributes after
+        fuse()) and FP8 weights with their scales."""
+        seen = {}
+        for v in [*extra, *(v for mod in self.modules()
+                             for v in [*mod._parameters.values(), *vars(mod).values()])]:
+            for t in ((v.q, v.scale) if isinstance(v, Fp8Weight) else (v,) if torch.is_tensor(v) else ()):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
 
     def rope(self, positions, dtype):
         """cos, sin [T, D] in dtype, computed in fp32 as HF does."""

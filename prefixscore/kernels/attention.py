@@ -126,6 +126,7 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
     linear_residual. The fused kernel has no bias input: an O bias (Llama, Qwen3 with
     attention_bias) takes the two-kernel path."""
     from . import FUSE_ATTN_O
+    from .fp8 import is_fp8
     from .gemm import SMALL_T_MAX, linear_residual
 
     T = q.shape[0]
@@ -134,7 +135,8 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
     # (bench/results/kernels_attn_o.json): there the O GEMM is a weight stream that the per-program
     # attention only delays.
     if (q.is_cuda and use_triton() and FUSE_ATTN_O and bias is None and 0 < T <= SMALL_T_MAX
-            and q.dtype == wo.dtype == residual.dtype and wo.numel() * wo.element_size() <= 8 << 20):
+            and q.dtype == residual.dtype and (wo.dtype == q.dtype or is_fp8(wo) and q.dtype != torch.float32)
+            and wo.numel() * wo.element_size() <= 8 << 20):
         from .attention_o_triton import attention_o_residual_small
 
         return attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end,

@@ -22,19 +22,20 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _prefix_ranges, _prefix_tile, _ranges
+from .fp8 import is_fp8
 from .gemm_triton import _counters, tuned
 from .pdl import early, launch_kwargs, trigger, wait
 
 
 @triton.jit
 def _attn_o_kernel(
-    Q, K, V, PK, PV, BS, BE, OS, PS, PE, WO, R, OUT, SSQ, WS, CNT,
+    Q, K, V, PK, PV, BS, BE, OS, PS, PE, WO, R, OUT, SSQ, WS, CNT, WSC,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
     T, P, qk_scale,
     N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, IN_TILE: tl.constexpr,
-    TRIG: tl.constexpr, GDC: tl.constexpr, RANGES: tl.constexpr,
+    TRIG: tl.constexpr, GDC: tl.constexpr, RANGES: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
@@ -64,6 +65,8 @@ def _attn_o_kernel(
     tc = t[:, None]
     m_out = t_ok[:, None] & c_ok[None, :]
     r = tl.load(R + tc * N + cols[None, :], mask=m_out, other=0.0)  # the residual, for the epilogue
+    if FP8:  # e4m3 Wo: per-output-row scales, applied once to the sum over heads (kernels/fp8.py)
+        sc = tl.load(WSC + cols, mask=c_ok, other=0.0)[None, :]
 
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for hh in tl.static_range(HPP):
@@ -73,6 +76,8 @@ def _attn_o_kernel(
             wo = wo0
         else:
             wo = tl.load(wo_rows + head * D)  # [BLOCK_N, D]: issued first, its latency hides below
+        if FP8:
+            wo = wo.to(dt)
         tok64 = tok.to(tl.int64)
         q = tl.load(Q + tok64[:, None] * sq_t + head * sq_h + d[None, :])
         if IN_TILE:  # every in-batch key (the program holds the whole batch), with q
@@ -103,6 +108,8 @@ def _attn_o_kernel(
     else:
         last = True
     if last:  # HF: residual + o_proj(attn), both in the dtype, the sum rounded once
+        if FP8:
+            acc *= sc
         y = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
         yf = tl.where(m_out, y.to(tl.float32), 0.0)
         tl.store(SSQ + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
@@ -112,7 +119,7 @@ def _attn_o_kernel(
 _INTERPRETED = type(_attn_o_kernel).__name__ == "InterpretedFunction"
 
 
-def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
+def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device, w_elem=None) -> dict:
     """Column tiles x heads. H200 sweep (bench.kernels --only attn_o --sweep, Qwen2.5-0.5B, T = 8
     and 16): 64 columns and one head per program (196 programs) 6.2 / 7.7 us, 32 columns 6.6 / 8.0,
     two heads per program 7.4 / 9.5. Past ~3 programs per SM, wider tiles."""
@@ -121,7 +128,7 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device) -> dict:
     block_n = 64
     while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * _num_sms(device):
         block_n *= 2
-    pre = early(N * Hq * D * (4 if dtype == torch.float32 else 2))
+    pre = early(N * Hq * D * (w_elem or (4 if dtype == torch.float32 else 2)))
     # 8 warps where Wo loads early (H200, W1 in place: attention + O 7.65 -> 6.78 us, span 524.2 ->
     # 520.4 us, bench/results/gpu_ab_gu_trigger_session9.json; 2 warps: +50 us)
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
@@ -139,7 +146,8 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
     P = prefix_k.shape[0]
     assert Hq % Hkv == 0 and wo.shape[1] == Hq * D and residual.shape == (T, N)
     assert D >= 16 and D & (D - 1) == 0
-    cfg = attn_o_config(T, Hq, N, D, q.dtype, q.device)
+    wo, wsc = (wo.q, wo.scale) if is_fp8(wo) else (wo, None)
+    cfg = attn_o_config(T, Hq, N, D, q.dtype, q.device, wo.element_size())
     cfg.update(config or {})
     tuned(cfg, "attn_o")
     assert cfg["BLOCK_T"] >= T and Hq % cfg["HPP"] == 0
@@ -161,12 +169,13 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         ws = cnt = out  # never touched
     _attn_o_kernel[(tiles, split)](
         q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, ps, pe, wo, residual, out, ssq,
-        ws, cnt,
+        ws, cnt, wsc if wsc is not None else out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o"), RANGES=prefix_range is not None,
+        FP8=wsc is not None,
         **cfg, **launch_kwargs(q.device),
     )
     return out, ssq

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import fp8
 from .attention import use_triton
 from .fused import rms_norm, rope_qk, rope_qk_ref, silu_mul, silu_mul_ref
 
@@ -77,7 +78,12 @@ def _prologue(x, skinny: bool):
 # ---------------------------------------------------------------- dispatch
 def _small(x, w) -> bool:
     return (x.is_cuda and use_triton() and x.dim() == 2 and 0 < x.shape[0] <= SMALL_T_MAX
-            and x.dtype in _DTYPES and w.dtype == x.dtype)
+            and x.dtype in _DTYPES and (w.dtype == x.dtype or fp8.is_fp8(w) and x.dtype != torch.float32))
+
+
+def _linear(x, w, bias=None):
+    """F.linear, or the FP8 GEMM for an e4m3 weight (kernels/fp8.py)."""
+    return fp8.linear(x, w, bias) if fp8.is_fp8(w) else F.linear(x, w, bias)
 
 
 def linear_residual(x, w, bias, residual):
@@ -87,9 +93,9 @@ def linear_residual(x, w, bias, residual):
         from .gemm_triton import linear_residual_small
 
         return linear_residual_small(x, w, bias, residual)
-    if bias is None:  # cuBLAS adds the residual in its epilogue (one rounding instead of HF's two)
-        return torch.addmm(residual, x, w.t()), None
-    return residual + F.linear(x, w, bias), None
+    if bias is None and not fp8.is_fp8(w):  # cuBLAS adds the residual in its epilogue (one
+        return torch.addmm(residual, x, w.t()), None  # rounding instead of HF's two)
+    return residual + _linear(x, w, bias), None
 
 
 def gate_up_silu(x, w_gu, bias=None):
@@ -99,7 +105,7 @@ def gate_up_silu(x, w_gu, bias=None):
         from .gemm_triton import gate_up_silu_small
 
         return gate_up_silu_small(x, w_gu, bias, norm=norm)
-    return silu_mul(F.linear(x, w_gu, bias))
+    return silu_mul(_linear(x, w_gu, bias))
 
 
 def _rope_fits(D):
@@ -114,4 +120,4 @@ def qkv_rope(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps
         from .gemm_triton import qkv_rope_small
 
         return qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, norm=norm)
-    return rope_qk(F.linear(x, w_qkv, bias), cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
+    return rope_qk(_linear(x, w_qkv, bias), cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .attention_triton import _num_sms
+from .fp8 import is_fp8
 from .pdl import early, launch_kwargs, trigger, wait
 
 
@@ -52,7 +53,7 @@ from .pdl import early, launch_kwargs, trigger, wait
 def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
-    SSQ_IN, R, SSQ_OUT,
+    SSQ_IN, R, SSQ_OUT, WSC,
     T, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -61,7 +62,7 @@ def _skinny_kernel(
     SPLIT: tl.constexpr, ITERS: tl.constexpr,
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr,
+    PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -123,6 +124,10 @@ def _skinny_kernel(
         for tile in tl.static_range(NT):
             ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0)
         rstd = tl.rsqrt(ssq / K + norm_eps)[:, None]
+    if FP8:  # per-output-row weight scales (kernels/fp8.py)
+        sc_a = tl.load(WSC + cols_a, mask=c_ok, other=0.0)[None, :]
+        if TWO:
+            sc_b = tl.load(WSC + cols_b, mask=c_ok, other=0.0)[None, :]
     if HAS_BIAS:
         bias_a = tl.load(B + cols_a, mask=c_ok, other=0.0).to(tl.float32)[None, :]
         if TWO:
@@ -140,6 +145,10 @@ def _skinny_kernel(
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
         xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0)
+        if FP8:  # e4m3 weights: to the activations' dtype in registers (scaled in the epilogue)
+            wpa = wpa.to(X.dtype.element_ty)
+            if TWO:
+                wpb = wpb.to(X.dtype.element_ty)
         if UPCAST:
             xp = xp.to(tl.float32)
             wpa = wpa.to(tl.float32)
@@ -157,6 +166,8 @@ def _skinny_kernel(
             k_ok = k < K
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        if FP8:
+            wa = wa.to(X.dtype.element_ty)
         # acc += x @ w^T, inlined (a nested jit call costs ~10 ms per call in the interpreter)
         if DOT:
             if UPCAST:  # interpreter only: it multiplies bf16 bit patterns in tl.dot (triton#11584)
@@ -172,6 +183,8 @@ def _skinny_kernel(
             else:
                 wb = tl.load(wb_ptr + k[None, :], mask=k_ok[None, :], other=0.0,
                              eviction_policy="evict_first")
+            if FP8:
+                wb = wb.to(X.dtype.element_ty)
             if DOT:
                 if UPCAST:
                     wb = wb.to(tl.float32)
@@ -203,6 +216,10 @@ def _skinny_kernel(
         last = True
 
     if last:
+        if FP8:  # a row's scale factors out of its dot product: applied once, to the sum
+            acc_a *= sc_a
+            if TWO:
+                acc_b *= sc_b
         if NORM:
             acc_a *= rstd
             acc_b *= rstd
@@ -347,7 +364,7 @@ def tuned(cfg: dict, role: str) -> dict:
     return cfg
 
 
-def _finish_config(cfg, K, dtype, epi, weight_bytes):
+def _finish_config(cfg, K, dtype, epi, weight_bytes, w_elem=None):
     """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem,
     and pick PRE: the leading K-steps whose weight tiles load before the PDL wait (a power of two:
     they are one tile), all of them for the small layers (PRE_ALL_BYTES, PRE_BYTES), none where
@@ -362,7 +379,8 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes):
         cfg["BLOCK_T"] = cfg.get("BLOCK_T_FMA", cfg["BLOCK_T"])
     cfg.pop("BLOCK_T_FMA", None)
     if "PRE" not in cfg:
-        step = (2 if epi else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] * (4 if dtype == torch.float32 else 2)
+        w_elem = w_elem or (4 if dtype == torch.float32 else 2)  # weight bytes per element
+        step = (2 if epi else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] * w_elem
         pre = 0
         if early(weight_bytes) and cfg.get("DOT", True):
             from . import GU_PRE_KB
@@ -384,7 +402,8 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
-    cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size())
+    w, wsc = (w.q, w.scale) if is_fp8(w) else (w, None)
+    cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size(), w.element_size())
     assert cfg["BLOCK_T"] >= T
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
     grid = (tiles, cfg["SPLIT"])
@@ -415,12 +434,12 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
-        ssq_in, r, ssq_out,
+        ssq_in, r, ssq_out, wsc if wsc is not None else x,
         T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi]),
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, FP8=wsc is not None, TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi]),
         **cfg, **launch_kwargs(x.device),
     )
 
@@ -429,7 +448,7 @@ def _prep(x, w, bias):
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    w = w.contiguous()
+    w = w.contiguous()  # (an Fp8Weight is)
     if bias is not None:
         bias = bias.contiguous()
     return x, w, bias

@@ -1,0 +1,125 @@
+"""FP8 (e4m3) linear weights: one fp32 scale per output row, W ~= q * scale[:, None].
+
+At batch 1 a forward is bound by reading the weights (0.5B: ~0.5 ms of a 0.6 ms request on the
+H200), so storing the linear layers' weights in one byte instead of two halves what each GEMM
+streams. Per output channel, because a row's scale then factors out of its dot product: the GEMM
+multiplies the e4m3 values (converted to the activations' dtype in registers) and scales each
+output column once in the epilogue, exactly (scale * sum(x * q) == sum(x * (q * scale)) in real
+arithmetic), and split-K partials stay unscaled until they are summed.
+
+Which weights: the four linears of each block (QKV, O, gate/up, down), quantized after the RMSNorm
+weights are folded into QKV and gate/up (model.py fuse), so the fold is not rounded twice. The
+embeddings, the norms, the label head's rows and every bias stay in the activations' dtype.
+
+Large token counts (past the skinny kernels) run FP8 x FP8 on the tensor cores
+(torch._scaled_mm, row-wise scales): the activations are quantized per token (one scale per row,
+amax / 448) just before the GEMM.
+"""
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+class Fp8Weight:
+    """A linear weight [N, K] as e4m3 values `q` and fp32 per-row scales `scale` [N].
+
+    Duck-types the few tensor attributes the GEMM dispatch reads (shape, dtype, device, numel,
+    element_size): dtype is e4m3, so code that requires a bf16 weight (the fused attention + O
+    kernel) takes its other path."""
+
+    __slots__ = ("q", "scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        assert q.dtype == E4M3 and q.dim() == 2 and scale.shape == (q.shape[0],)
+        self.q, self.scale = q.contiguous(), scale.float().contiguous()
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Fp8Weight":
+        """Per output row: scale = amax(|row|) / 448, q = round_to_e4m3(row / scale) (an all-zero
+        row gets scale 1). Computed in fp32 from w's values."""
+        w32 = w.float()
+        amax = w32.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        q = (w32 / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        return cls(q, scale)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale[:, None]).to(dtype)
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    @property
+    def dtype(self):
+        return self.q.dtype
+
+    @property
+    def device(self):
+        return self.q.device
+
+    def numel(self) -> int:
+        return self.q.numel()
+
+    def dim(self) -> int:
+        return 2
+
+    def element_size(self) -> int:
+        return 1
+
+    def nbytes(self) -> int:
+        """Bytes held: the e4m3 values and the scales."""
+        return self.q.numel() + 4 * self.scale.numel()
+
+    def contiguous(self) -> "Fp8Weight":
+        return self
+
+
+def is_fp8(w) -> bool:
+    return isinstance(w, Fp8Weight)
+
+
+def supported(device: torch.device) -> str | None:
+    """None when this device runs FP8 weights, else why not (a sentence for the user)."""
+    if device.type != "cuda":
+        return ("dtype fp8 needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                f"this is {device.type}: use bfloat16 or float32 here")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (f"dtype fp8 needs compute capability 8.9 or newer (Ada, Hopper); {name} is "
+                f"{major}.{minor}: use bfloat16")
+    return None
+
+
+# ---------------------------------------------------------------- torch references and the large-T path
+
+def linear_ref(x, w: Fp8Weight, bias=None):
+    """x @ dequantize(w)^T (+ bias), in fp32 then rounded to x's dtype: the reference the kernels
+    are checked against (the same math, summed in another order)."""
+    y = x.float() @ w.dequantize().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token activation quantization: x [T, K] -> (e4m3 [T, K], fp32 scales [T, 1])."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def linear(x, w: Fp8Weight, bias=None):
+    """x [T, K] @ w^T (+ bias) -> [T, N] in x's dtype, for token counts past the skinny kernels:
+    FP8 x FP8 tensor-core GEMM with per-token and per-channel scales on CUDA; the reference
+    elsewhere (CPU tests)."""
+    if not x.is_cuda:
+        return linear_ref(x, w, bias)
+    xq, xs = quantize_rows(x)
+    # _scaled_mm wants the second operand column-major: w.q^T is, as a view of the row-major q.
+    y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=x.dtype)
+    return y if bias is None else y + bias
