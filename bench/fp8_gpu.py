@@ -73,7 +73,7 @@ def real_form(quick: bool) -> dict:
         q = queries[0]
         res[dtype] = {"classify": stats(wall_times(lambda: clf.classify(q), 500, 50)),
                       "memory_mb": clf.memory["model_bytes"] / 2**20}
-        del clf
+        clf = None  # (freed before the next one loads)
         torch.cuda.empty_cache()
     res["same_label"] = sum(a == b for a, b in zip(labels["bfloat16"], labels["fp8"]))
     res["n"] = len(queries)

@@ -26,7 +26,7 @@ fix_interpreter_loop_bounds()
 
 from prefixscore.kernels import fp8  # noqa: E402
 from prefixscore.kernels.fp8 import E4M3_MAX, Fp8Weight  # noqa: E402
-from prefixscore.kernels.gemm import gate_up_silu_ref, linear_ref, qkv_rope_ref  # noqa: E402
+from prefixscore.kernels.gemm import gate_up_silu_ref, qkv_rope_ref  # noqa: E402
 from prefixscore.kernels.gemm_triton import (  # noqa: E402
     gate_up_silu_small, linear_residual_small, linear_small, qkv_rope_small)
 
