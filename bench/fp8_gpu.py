@@ -57,6 +57,23 @@ def sweep(ours, batches) -> dict:
     return out
 
 
+def block_k_ab(hf) -> dict:
+    """W1 GPU replay p50 of the fp8 model with each GEMM role's BLOCK_K at 128 (the bf16 tuning)
+    and 256 (kernels.TUNE, read at capture)."""
+    from prefixscore import kernels
+
+    one, out = random_suffixes(1, seed=9), {}
+    for bk in (128, 256, 128):  # (128 again last: drift between captures)
+        kernels.TUNE = {f"{role}.BLOCK_K": bk for role in ("linear", "gu", "down", "qkv")}
+        try:
+            ours = Synthetic(hf, max_tokens=64, fp8=True)
+            out.setdefault(str(bk), []).append(stats(gpu_times(ours.replay_fn(one)))["p50_ms"])
+        finally:
+            kernels.TUNE = {}
+        del ours
+    return out
+
+
 def real_form(quick: bool) -> dict:
     """Classifier(dtype=...) on the seed prompt in its chat template and real queries."""
     import csv
@@ -100,6 +117,9 @@ def main(argv=None):
             batches = [1, 16, 64, 256, 1024, 4096] if shape == "0.5B" else [1, 16, 256]
             r[name]["sweep"] = sweep(ours, [] if a.quick and shape != "0.5B" else batches)
             print(shape, name, json.dumps(r[name]), flush=True)
+        if shape == "0.5B":  # launch-config A/B: e4m3 tiles of 256 columns stream the bytes of bf16's 128
+            r["fp8_w1_block_k"] = block_k_ab(hf)
+            print(shape, "fp8 BLOCK_K A/B", json.dumps(r["fp8_w1_block_k"]), flush=True)
         del hf, variants
         torch.cuda.empty_cache()
         (OUT / "fp8_gpu.json").write_text(json.dumps(results, indent=1))

@@ -63,19 +63,23 @@ def split_launch(cfg):
 
 
 def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           nt=28, trig=False, cfg=None):
-    """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled)."""
+           nt=28, trig=False, cfg=None, fp8=False):
+    """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
+    fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py)."""
     cfg = cfg or G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
-    cfg = G._finish_config(cfg, K, BF16, epi, N * K * 2)
+    cfg = G._finish_config(cfg, K, BF16, epi, N * K * (1 if fp8 else 2), 1 if fp8 else None)
     cfg, nw, ns = split_launch(cfg)
     types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
     types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
                   "eps": "fp32", "norm_eps": "fp32"})
+    if fp8:
+        types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
-                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, **cfg)
-    compile_kernel(f"skinny {name} {cfg}", G._skinny_kernel, types, consts, nw, ns)
+                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, FP8=fp8,
+                  **cfg)
+    compile_kernel(f"skinny {name} fp8={fp8} {cfg}", G._skinny_kernel, types, consts, nw, ns)
 
 
 def main():
@@ -97,6 +101,13 @@ def main():
     skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112)  # after O's 32
     skinny("7B o+residual", 16, 3584, 3584, 0, 3584, resid=True)
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True)
+    # FP8 weights (kernels/fp8.py): each epilogue, the preloaded (PRE) and the looped steps
+    skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, fp8=True)
+    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, fp8=True)
+    skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, fp8=True)
+    skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True, fp8=True)
+    skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112, fp8=True)
+    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True)
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
     at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, qk_scale="fp32")
@@ -115,19 +126,23 @@ def main():
     ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
     ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "CNT")}, SSQ="*fp32", WS="*fp32",
                     qk_scale="fp32")
-    for T, trig, in_tile, ranges in ((16, False, True, False), (64, False, True, False),
-                                     (16, True, True, False), (16, True, False, False),
-                                     (16, 2, True, False), (16, True, True, True), (64, True, False, True)):
-        cfg, nw, ns = split_launch(AO.attn_o_config(T, 14, 896, 64, BF16, CPU))
+    for T, trig, in_tile, ranges, fp8 in ((16, False, True, False, False), (64, False, True, False, False),
+                                          (16, True, True, False, False), (16, True, False, False, False),
+                                          (16, 2, True, False, False), (16, True, True, True, False),
+                                          (64, True, False, True, False), (16, 2, True, False, True),
+                                          (64, True, False, True, True)):
+        cfg, nw, ns = split_launch(AO.attn_o_config(T, 14, 896, 64, BF16, CPU, 1 if fp8 else None))
         cfg["IN_TILE"] = in_tile
-        compile_kernel(f"attention+O T={T} trigger={trig} ranges={ranges} {cfg}", AO._attn_o_kernel,
-                       ao_types, dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, TRIG=trig,
-                                      RANGES=ranges, **cfg), nw, ns)
+        types = {**ao_types, "WO": "*fp8e4nv", "WSC": "*fp32"} if fp8 else ao_types
+        compile_kernel(f"attention+O T={T} trigger={trig} ranges={ranges} fp8={fp8} {cfg}",
+                       AO._attn_o_kernel, types, dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32",
+                                                      UPCAST=False, TRIG=trig, RANGES=ranges, FP8=fp8,
+                                                      **cfg), nw, ns)
 
     cfg, nw, ns = split_launch(AO.attn_o_config(1, 14, 896, 64, BF16, CPU))
     compile_kernel(f"attention+O P=1 T=1 {cfg}", AO._attn_o_kernel, ao_types,
                    dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, RANGES=False,
-                        **cfg), nw, ns)
+                        FP8=False, **cfg), nw, ns)
 
     for R, N in ((1, 19), (512, 19), (1, 9)):  # (1, 9): W1's one tile (ONE)
         cfg, nw, ns = split_launch(LH.head_config(R, N, 896, CPU))
