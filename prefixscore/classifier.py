@@ -17,7 +17,7 @@ from .engine import Engine
 from .kernels.label_head import rms_norm
 from .errors import ConfigError, InputError
 from .labels import LabelTrie, check_labels
-from .loading import obtain
+from .loading import finish_load, obtain
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
 MODES = ("logprobs", "logits")
@@ -215,6 +215,7 @@ class Classifier:
             raise ConfigError("mode 'logits' needs labels whose first tokens differ; these share a "
                               "first token, so use mode 'logprobs'")
         self.max_batch_tokens = max_batch_tokens
+        finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge and checks
         self.prefix_kv = self.engine.prefill(self.prompt.prefix_ids)
         self.weight = self.engine.label_weight(self.trie.columns)
         # A linear head is an N-row projection like the label rows: graphs capture it instead.

@@ -27,7 +27,8 @@ def model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--labels", default=None, help="comma-separated labels (default: the nine seed labels)")
     g.add_argument("--labels-file", default=None, help="one label per line")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--dtype", default=None, help="float32 / bfloat16 / fp8 (e4m3 weights, Hopper) (default: bf16 on GPU, "
+                   "fp32 on CPU; fp8 for an FP8 checkpoint on Hopper)")
     g.add_argument("--mode", default="logprobs", choices=["logprobs", "logits"],
                    help="scores: label log-probs (default) or raw first-token logits (fastest)")
     g.add_argument("--chat", default=None, action=argparse.BooleanOptionalAction,

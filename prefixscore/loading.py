@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from . import quant
 from .config import ModelConfig
-from .errors import ConfigError, ModelLoadError
+from .errors import ConfigError, ModelLoadError, PrefixScoreError
 from .model import Transformer
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -27,6 +28,9 @@ class LoadedModel:
     lm_head: torch.Tensor  # [vocab, hidden]: only label rows are ever read from it
     tokenizer: object
     name: str  # what the user asked for, resolved to a path (recorded in trained heads)
+    quantized: str | None = None  # the FP8 checkpoint format dequantized at load (quant.py), if any
+    fp8: bool | str = False  # linear weights in e4m3 (dtype fp8): True, or "pending" until finish_load
+    base_id: str | None = None  # base_hash, taken before the weights were quantized
 
 
 def resolve_device(device) -> torch.device:
@@ -41,24 +45,72 @@ def resolve_device(device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+# FP8 (e4m3) linear weights over bf16 activations (kernels/fp8.py): a load option, not a torch dtype.
+FP8_NAMES = ("fp8", "float8", "float8_e4m3fn", "e4m3")
+DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+               "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def wants_fp8(dtype) -> bool:
+    return isinstance(dtype, str) and dtype.lower() in FP8_NAMES
+
+
+def resolve_dtype(dtype, device: torch.device | None) -> torch.dtype:
+    """The compute dtype for a name (None/auto: bf16 on a GPU, fp32 on CPU). fp8 computes in bf16
+    over e4m3 weights: ConfigError where the device cannot (device None: the name only)."""
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-    if dtype not in names:
-        raise ConfigError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
-    return names[dtype]
+    if wants_fp8(dtype):
+        from .kernels.fp8 import supported
+
+        why = None if device is None else supported(device)
+        if why:
+            raise ConfigError(why)
+        return torch.bfloat16
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}, fp8 "
+                          f"(Hopper), auto")
+    return DTYPE_NAMES[dtype]
 
 
 def obtain(model, device=None, dtype=None) -> LoadedModel:
-    """A LoadedModel as given, or loaded from a path (None: the bundled model) on device/dtype."""
+    """A LoadedModel as given, or loaded from a path (None: the bundled model) on device/dtype.
+    dtype fp8: bf16 with every block's linear weights requantized to e4m3 per output row after the
+    norm fold (Transformer.quantize_fp8); auto picks fp8 for an FP8 checkpoint on a GPU that runs
+    it (as vLLM does), else bf16 / fp32 (the checkpoint dequantized)."""
     if isinstance(model, LoadedModel):
         return model
     dev = resolve_device(device)
-    return load(model, dev, resolve_dtype(dtype, dev))
+    if (dtype is None or dtype == "auto") and dev.type == "cuda" and _fp8_checkpoint(model):
+        from .kernels.fp8 import supported
+
+        dtype = "fp8" if supported(dev) is None else dtype
+    loaded = load(model, dev, resolve_dtype(dtype, dev))
+    loaded.fp8 = "pending" if wants_fp8(dtype) else False  # quantized by finish_load
+    return loaded
+
+
+def finish_load(loaded: LoadedModel) -> LoadedModel:
+    """dtype fp8: quantize the linear weights now, after any adapter was merged into the bf16
+    weights (Classifier and Scorer call this before computing the prefix from the weights). The
+    base identity (base_hash) is taken first: adapters and heads check it against bf16 weights."""
+    if loaded.fp8 == "pending":
+        loaded.base_id = base_hash(loaded) if getattr(loaded.model, "merged_adapter", None) is None else None
+        loaded.model.quantize_fp8()
+        loaded.fp8 = True
+    return loaded
+
+
+def _fp8_checkpoint(model) -> bool:
+    """Whether a model folder's config.json declares an FP8 checkpoint (quant.py)."""
+    from .quant import folder_format
+
+    try:
+        return folder_format(resolve(model)) is not None
+    except (PrefixScoreError, OSError, ValueError):
+        return False
 
 
 def bundled_model_path() -> Path:
@@ -100,6 +152,7 @@ def check(path: Path) -> Path:
     if not path.is_dir():
         raise ModelLoadError(f"{path}: expected a folder with config.json or a .gguf file")
     _weight_files(path)
+    quant.folder_format(path)  # refuse GPTQ, AWQ, int8, ... before any weight is read
     return path
 
 
@@ -114,7 +167,10 @@ def load(model=None, device="cpu", dtype=torch.float32) -> LoadedModel:
 
 
 def from_tensors(cfg, tensors, tokenizer, name, device, dtype) -> LoadedModel:
-    """A LoadedModel from HF-named tensors (a state dict), e.g. of a model built in memory."""
+    """A LoadedModel from HF-named tensors (a state dict), e.g. of a model built in memory. An FP8
+    checkpoint (config.json's quantization_config) is dequantized first (quant.py)."""
+    qc = getattr(cfg.hf_config, "quantization_config", None)
+    tensors = quant.dequantize_checkpoint(tensors, qc, name)
     with torch.device("meta"):
         model = Transformer(cfg)
     state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
@@ -139,7 +195,8 @@ def from_tensors(cfg, tensors, tokenizer, name, device, dtype) -> LoadedModel:
     lm_head = _output_head(cfg, tensors, state["embed_tokens.weight"], name)
     model.load_state_dict({k: state[k] for k in expected}, assign=True, strict=True)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False).fuse()
-    return LoadedModel(model, lm_head.to(device=device, dtype=dtype), tokenizer, name)
+    return LoadedModel(model, lm_head.to(device=device, dtype=dtype), tokenizer, name,
+                       quant.checkpoint_format(qc, name))
 
 
 def _output_head(cfg, tensors, embed, name):
@@ -334,6 +391,10 @@ def base_hash(loaded: LoadedModel) -> str:
     twice, may not). Computed before an adapter is merged: merging changes O and down."""
     if getattr(loaded.model, "merged_adapter", None) is not None:
         raise ConfigError("base_hash of a model with an adapter merged in: hash it before merging")
+    if loaded.fp8 is True:  # (quantized: the identity of the bf16 weights, taken before)
+        if loaded.base_id is None:
+            raise ConfigError("base_hash of an fp8 model loaded with an adapter merged in")
+        return loaded.base_id
     m, c = loaded.model, loaded.model.config
     V = c.vocab_size
     rows = torch.tensor([0, 1, V // 7, V // 3, V // 2, (2 * V) // 3, V - 1])
@@ -447,6 +508,9 @@ def merge_adapter(loaded: LoadedModel, adapter: Adapter) -> LoadedModel:
     m = loaded.model
     if getattr(m, "merged_adapter", None) is not None:
         raise ConfigError("an adapter is already merged into this model: load the model again")
+    if loaded.fp8 is True:
+        raise ConfigError("an adapter merges into the bf16 weights before they become fp8: pass "
+                          "adapter= to the Classifier or Scorer that loads the model")
     c = m.config
     s = adapter.scale
     D = c.head_dim

@@ -49,7 +49,7 @@ from .engine import Engine
 from .errors import ConfigError, InputError
 from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
-from .loading import obtain
+from .loading import finish_load, obtain
 from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
 
 SLOTS = ("query", "item")
@@ -167,6 +167,7 @@ class Scorer:
             check_adapter_base(adapter_file, base_hash(self.loaded), str(adapter))
             merge_adapter(self.loaded, adapter_file)
             self.adapter_meta = adapter_file.meta
+        finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge
         self.engine = Engine.shared(self.loaded)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer

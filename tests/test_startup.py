@@ -79,6 +79,7 @@ def test_busy_port_before_a_hub_download(busy_port, tmp_path):
     (["--adapter", "/nonexistent/adapter.safetensors"], "adapter file not found"),
     (["--score-template", "{query} only"], "{item}"),
     (["--dtype", "int3"], "unknown dtype"),
+    (["--dtype", "fp8"], "dtype fp8 needs an NVIDIA GPU"),  # (--device cpu: Hopper only)
     # every classifier's files and flags (--classifier: several classifiers over the one model)
     (["--classifier", "name=a,template-file=/nonexistent/t.txt"], "cannot read template file"),
     (["--classifier", "name=a,template=Is {query} x or y?,labels=x|y",

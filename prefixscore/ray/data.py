@@ -123,8 +123,6 @@ def checked(classifier: dict) -> dict:
     one error now: the template, labels, mode and batch size, the adapter and head files, a local
     model's files, the dtype's name. Local files become absolute paths (an actor's working
     directory is not the caller's)."""
-    import torch
-
     from ..classifier import MODES, classifier_labels
     from ..loading import bundled_model_path, check, read_adapter, resolve, resolve_dtype
     from ..prompt import check_template
@@ -138,7 +136,7 @@ def checked(classifier: dict) -> dict:
         raise ConfigError(f"unknown mode {kw['mode']!r}: use one of {', '.join(MODES)}")
     if not isinstance(kw.get("max_batch_tokens", 1), int) or kw.get("max_batch_tokens", 1) < 1:
         raise ConfigError(f"max_batch_tokens must be a positive integer, got {kw['max_batch_tokens']!r}")
-    resolve_dtype(kw.get("dtype"), torch.device("cpu"))  # the name only: the device is the actors'
+    resolve_dtype(kw.get("dtype"), None)  # the name only: the device is the actors'
     if kw.get("adapter") is not None and kw.get("head") is not None:
         raise ConfigError("pass an adapter or a head, not both: an adapter brings its own decision rule")
     if kw.get("adapter") is not None:

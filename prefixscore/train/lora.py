@@ -236,7 +236,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
 
     from .heads import split_indices
     from ..labels import LabelTrie, check_labels
-    from ..loading import base_hash, load, resolve_device, resolve_dtype
+    from ..loading import base_hash, load, resolve_device, resolve_dtype, wants_fp8
     from ..report import rows_digest
     from ..prompt import SEED_LABELS, SEED_TEMPLATE, Prompt, check_template
     from .adapter import from_peft, save_adapter
@@ -270,6 +270,9 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     t0 = time.perf_counter()
 
     dev = resolve_device(device)
+    if wants_fp8(dtype):
+        raise ConfigError("fine-tuning runs in bf16 or fp32 (--dtype fp8 is for inference: the "
+                          "adapter it trains serves on an fp8 base as on any other)")
     dtype = resolve_dtype(dtype, dev)  # fp32 on CPU, bf16 on a GPU (the LoRA weights stay fp32)
     loaded = load(_model_path(model), dev, dtype)
     ident, tok, name = base_hash(loaded), loaded.tokenizer, loaded.name
