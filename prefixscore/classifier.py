@@ -226,12 +226,14 @@ class Classifier:
 
     @classmethod
     def many(cls, classifiers: dict, model=None, *, device=None, dtype=None,
-             **common) -> dict[str, "Classifier"]:
+             **common) -> dict:
         """Several classifiers over one loaded model: {name: {template=, labels=, ...}} -> {name:
-        Classifier}. The weights are loaded once and shared, and so is the engine with its CUDA
-        graph memory; each classifier keeps its own pinned prefix, label rows and graphs (see
-        `memory`). `common` options apply to every classifier unless its own dict sets them.
-        Adapters merge into the weights, so they cannot be shared: use one model per adapter."""
+        Classifier} (a many.Classifiers: a dict that also asks them together, `classify(query)`
+        -> {name: Result}, in one fused forward pass). The weights are loaded once and shared, and
+        so is the engine with its CUDA graph memory; each classifier keeps its own pinned prefix,
+        label rows and graphs (see `memory`). `common` options apply to every classifier unless
+        its own dict sets them. Adapters merge into the weights, so they cannot be shared: use
+        one model per adapter."""
         if not isinstance(classifiers, dict) or not classifiers:
             raise ConfigError("Classifier.many takes a non-empty dict {name: {template=..., "
                               "labels=..., ...}}")
@@ -244,7 +246,9 @@ class Classifier:
                 raise ConfigError(f"classifier {name!r}: the classifiers of Classifier.many share "
                                   f"one model; model= and adapter= are not per classifier")
         loaded = obtain(model, device, dtype)
-        return {name: cls(loaded, **{**common, **spec}) for name, spec in classifiers.items()}
+        from .many import Classifiers
+
+        return Classifiers({name: cls(loaded, **{**common, **spec}) for name, spec in classifiers.items()})
 
     @property
     def memory(self) -> dict[str, int]:

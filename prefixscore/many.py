@@ -154,3 +154,39 @@ def _fused_plan(bank: Bank, batches: list[list], live: list[int]):
 def _spans(plan) -> list[int]:
     """Tokens per request of a plan, in order."""
     return (plan.seg_offsets[1:] - plan.seg_offsets[:-1]).tolist()
+
+
+class Classifiers(dict):
+    """{name: Classifier} over one model, as Classifier.many returns them, also asked together:
+    `classify(query)` -> {name: Result} and `classify_batch(queries)` -> [{name: Result}], with the
+    classifiers' requests in one flat forward pass (decide_many over a bank of every classifier)
+    while they fit its graphs (GRAPH_TOKENS flat tokens), else each classifier's own batches in
+    turn. `names` picks some classifiers (default all, in this dict's order)."""
+
+    def classify(self, query: str, names=None) -> dict:
+        return self.classify_batch([query], names)[0]
+
+    def classify_batch(self, queries, names=None) -> list[dict]:
+        from .classifier import Result
+        from .errors import ConfigError, InputError
+
+        if isinstance(queries, str):
+            raise InputError("classify_batch takes a list of strings; use classify() for one")
+        names = list(self) if names is None else list(names)
+        unknown = [n for n in names if n not in self]
+        if unknown or not names:
+            raise ConfigError(f"unknown classifier {unknown[0]!r}: these are {', '.join(self)}"
+                              if unknown else "names is empty: name at least one classifier")
+        clfs, order = list(self.values()), list(self)
+        groups = {order.index(n): self[n]._encode_numbered(list(queries)) for n in names}
+        if len(groups) > 1 and fusable(clfs) and fused_tokens(clfs, groups) <= GRAPH_TOKENS:
+            out = decide_many(clfs, [groups.get(i, []) for i in range(len(clfs))])
+            answers = {i: out[i] for i in groups}
+        else:
+            answers = {i: clfs[i].decide_encoded(enc) for i, enc in groups.items()}
+        rows = [{} for _ in queries]
+        for i, (best, scores) in answers.items():  # (in names' order)
+            labels = clfs[i].labels
+            for row, e, d, s in zip(rows, groups[i], best, scores):
+                row[order[i]] = Result(e.values["query"], labels[d], dict(zip(labels, s)))
+        return rows

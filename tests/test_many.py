@@ -126,3 +126,28 @@ def test_fused_pass_equals_classifiers_alone(tiny_model, arch):
             assert got[0] == want_best
             assert max(abs(x - y) for x, y in zip(got[1][0], want_scores[0])) <= 1e-5
     assert len(bank_of(clfs).layouts) <= layouts + 1  # one more layout at most, built once
+
+
+def test_classifiers_asked_together(tiny_model):
+    """Classifier.many's dict asks several classifiers at once (one fused pass while it fits the
+    bank's graphs, else each in turn): the same Results as each classifier's own classify, keyed
+    by name in the order asked; clear errors for unknown names and a bare string."""
+    from prefixscore.errors import ConfigError, InputError
+    from prefixscore.many import GRAPH_TOKENS
+
+    many = Classifier.many({"category": CATEGORY, "gender": GENDER}, model=str(tiny_model("qwen2")),
+                           device="cpu", chat=False)
+    qs = queries(random.randrange(1 << 30), 5)
+    long = [" ".join(["oversized"] * 40)] * (GRAPH_TOKENS // 20)  # past the bank: in turn
+    for batch in (qs[:1], qs, long):
+        got = many.classify_batch(batch, names=["gender", "category"])
+        assert [list(r) for r in got] == [["gender", "category"]] * len(batch)
+        for name in ("gender", "category"):
+            same([r[name] for r in got], many[name].classify_batch(batch), 1e-5)
+    one = many.classify(qs[0])
+    assert list(one) == ["category", "gender"]
+    same([one["gender"]], [many["gender"].classify(qs[0])], 1e-5)
+    with pytest.raises(ConfigError, match="unknown classifier 'brand'"):
+        many.classify("x", names=["brand"])
+    with pytest.raises(InputError, match="list of strings"):
+        many.classify_batch("levis 501")
