@@ -4,6 +4,7 @@
              diff| from HF fp32; decisions that flip where HF fp32's margin exceeds 0.5
   W1         one request: GPU time of the graph replay (CUDA events), p50 / p99
   sweep      batches of 1 .. 4,096 requests (W2 = 4,096): GPU time and requests/s
+  invariance 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (0.5B): differing bits
   real form  the real-text path (seed prompt in the chat template, real queries) through
              Classifier(dtype="fp8") vs bf16: classify() wall p50 and decisions agreement
 
@@ -18,6 +19,7 @@ import copy
 import json
 import statistics
 
+import numpy as np
 import torch
 
 from bench.gpu import (OUT, Synthetic, gpu_times, hf_model, hf_reference, random_suffixes,
@@ -54,6 +56,25 @@ def sweep(ours, batches) -> dict:
         sfx = random_suffixes(B, seed=B)
         ms = gpu_times(ours.replay_fn(sfx), 30 if B > 256 else 100, 5)
         out[B] = {"gpu_p50_ms": statistics.median(ms), "req_per_s": B / statistics.median(ms) * 1e3}
+    return out
+
+
+def invariance(ours, n=500) -> dict:
+    """Batch invariance: n queries scored alone (batch 1) and inside batches of 64, 1,024 and
+    4,096 (the rest random queries, the n spread through the batch): queries whose score rows
+    differ in any bit, and the largest difference."""
+    qs = random_suffixes(n, seed=77)
+    alone = np.stack([ours.classify_ids([q])[0][0] for q in qs])
+    out = {}
+    for B in (64, 1024, 4096):
+        filler = random_suffixes(B, seed=B + 5)
+        got = np.empty_like(alone)
+        for i in range(0, n, B // 2):  # half of each batch is ours, interleaved with filler
+            mine = qs[i:i + B // 2]
+            batch = [x for pair in zip(mine, filler) for x in pair] + filler[len(mine):B - len(mine)]
+            got[i:i + len(mine)] = ours.classify_ids(batch)[0][0:2 * len(mine):2]
+        diff = np.abs(got - alone).max(1)
+        out[B] = {"queries_differing": int((diff > 0).sum()), "max_abs_diff": float(diff.max())}
     return out
 
 
@@ -106,7 +127,8 @@ def main(argv=None):
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     for shape in ["0.5B"] + ([] if a.skip_7b else ["7B"]):
         hf = hf_model(shape)
-        variants = {"bf16": Synthetic(hf), "fp8": Synthetic(hf, fp8=True)}
+        # graphs up to 8,192 tokens (512 requests): W2's 65,536 tokens run eagerly either way
+        variants = {"bf16": Synthetic(hf, max_tokens=8192), "fp8": Synthetic(hf, max_tokens=8192, fp8=True)}
         r = results["shapes"][shape] = {"fidelity": fidelity(hf, variants, 200 if a.quick else 500)}
         print(shape, json.dumps(r["fidelity"]), flush=True)
         one = random_suffixes(1, seed=9)
@@ -116,6 +138,8 @@ def main(argv=None):
                        "weight_mb": ours.engine.weight_bytes() / 2**20}
             batches = [1, 16, 64, 256, 1024, 4096] if shape == "0.5B" else [1, 16, 256]
             r[name]["sweep"] = sweep(ours, [] if a.quick and shape != "0.5B" else batches)
+            if shape == "0.5B":
+                r[name]["invariance"] = invariance(ours)
             print(shape, name, json.dumps(r[name]), flush=True)
         if shape == "0.5B":  # launch-config A/B: e4m3 tiles of 256 columns stream the bytes of bf16's 128
             r["fp8_w1_block_k"] = block_k_ab(hf)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Thirteenth session's two H200 calls, in one warm lease (the ray wheel travels in two parts):
+# The H200 calls the thirteenth session's work waits for (its device time was spent by the twelfth
+# session's runs), two in one warm lease (the ray wheel travels in two parts):
 #   (split here first: RAY_PART_MIB=44 bash bench/ray_stage.sh split, so each call fits 64 MiB)
-#   1. device run, carry [".ray1", ".carry"]:        bash bench/session13_gpu.sh one
+#   1. device run, carry [".ray1", ".carry"]:        bash bench/pending_gpu.sh one
 #      GPU tests (FP8 kernels compiled for sm_90, the fused bank, checkpoints), the fused
-#      two-classifier pass (bench.many_gpu), FP8 against bf16 (bench.fp8_gpu)
-#   2. device run, carry [".ray2", ".whl", ".carry"]: bash bench/session13_gpu.sh two
+#      two-classifier pass (bench.many_gpu), each kernel's batch invariance (bench.invariance_gpu),
+#      FP8 against bf16 (bench.fp8_gpu)
+#   2. device run, carry [".ray2", ".whl", ".carry"]: bash bench/pending_gpu.sh two
 #      ray installed; the CLI on a 1M-row log beside classify_batch (bench.cli_log), Ray Data
 #      beside in-process (bench.ray_data), Ray Serve beside `prefixscore serve` (bench.ray_serve)
 set -uo pipefail
@@ -19,6 +21,7 @@ one)
     tests/test_kernels_fp8.py tests/test_many.py tests/test_fp8_checkpoints.py 2>&1 | tail -6 \
     | tee "$OUT/gpu_tests.log"
   step many; timeout 120 python3 -m bench.many_gpu 2>&1 | tail -40
+  step invariance; timeout 60 python3 -m bench.invariance_gpu 2>&1 | tail -8
   step fp8; timeout 330 python3 -m bench.fp8_gpu 2>&1 | tail -30
   ;;
 two)
@@ -31,5 +34,5 @@ two)
   step ray_serve; timeout 150 python3 -m bench.ray_serve --model /tmp/q05 --device cuda --n 1000 \
     --cpus 4 2>&1 | tail -12
   ;;
-*) echo "usage: bash bench/session13_gpu.sh one|two" >&2; exit 2 ;;
+*) echo "usage: bash bench/pending_gpu.sh one|two" >&2; exit 2 ;;
 esac

@@ -1,0 +1,89 @@
+"""Which kernels make a query's scores depend on its batch (issue 23 item 5), op by op on the GPU.
+
+Each op's output for 16 probe rows, computed alone (T = 16) and inside larger inputs (the probe
+rows at an offset among random rows): T = 32 and 64 on the skinny kernels, 128 .. 4096 on the
+large-T path (cuBLAS, or FP8 x FP8). Reported per case: output elements whose bits differ, and the
+largest difference. Pinned variants run the alone case with the launch config of the larger T
+(BLOCK_T, BLOCK_N, SPLIT), or only its SPLIT and BLOCK_N, to separate what matters: the K split
+(summation order), the column tile, or the MMA instruction the row tile selects. Shapes: Qwen2.5-
+0.5B's QKV (1152 x 896), down (896 x 4864) and gate/up (9728 x 896), bf16 and e4m3 weights.
+
+    device run:  python -m bench.invariance_gpu      (writes $OUT/invariance_gpu.json)
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu import OUT
+from prefixscore.kernels import fp8 as F8
+from prefixscore.kernels.gemm_triton import _finish_config, gemm_config, linear_small
+
+PROBE = 16
+SHAPES = {"qkv": (1152, 896), "down": (896, 4864), "gate_up": (9728, 896)}
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
+    d = (a.float() - b.float()).abs()
+    return {"differing": int((a.view(torch.int16) != b.view(torch.int16)).sum()),
+            "max_abs": float(d.max())}
+
+
+def config_of(T, N, K, w_elem):
+    cfg = gemm_config(T, N, K, 0, torch.bfloat16, torch.device("cuda"))
+    return _finish_config(cfg, K, torch.bfloat16, 0, N * K * w_elem, w_elem)
+
+
+def skinny_cases(w, probe, N, K, w_elem) -> dict:
+    out = {}
+    alone = linear_small(probe, w)
+    for T in (32, 64):
+        big = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        at = T // 2 - 3  # an offset inside the row tile, not aligned to 16
+        big[at:at + PROBE] = probe
+        got = linear_small(big, w)[at:at + PROBE]
+        cfg = config_of(T, N, K, w_elem)
+        pinned = linear_small(probe, w, config=cfg)
+        part = {k: cfg[k] for k in ("SPLIT", "BLOCK_N", "BLOCK_K")}
+        split_only = linear_small(probe, w, config=part)
+        out[T] = {"default": diff(got, alone), "config": {k: cfg[k] for k in ("BLOCK_T", "BLOCK_N",
+                                                                                "BLOCK_K", "SPLIT")},
+                  "alone_config_of_T": diff(got, pinned), "alone_split_and_tile_of_T": diff(got, split_only)}
+    return out
+
+
+def large_cases(w, probe, K) -> dict:
+    """The large-T path (F.linear / FP8 x FP8) against itself at T = 16 and against the skinny
+    kernel alone."""
+    lin = (lambda x: F8.linear(x, w)) if F8.is_fp8(w) else (lambda x: F.linear(x, w))
+    alone_large = lin(probe)
+    alone_skinny = linear_small(probe, w)
+    out = {"large_alone_vs_skinny_alone": diff(alone_large, alone_skinny)}
+    for T in (128, 1024, 4096):
+        big = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
+        at = T // 3
+        big[at:at + PROBE] = probe
+        got = lin(big)[at:at + PROBE]
+        out[T] = diff(got, alone_large)
+    return out
+
+
+def main():
+    torch.manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for wname, quant in (("bf16", False), ("fp8", True)):
+        for name, (N, K) in SHAPES.items():
+            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+            w = F8.Fp8Weight.quantize(w) if quant else w
+            probe = torch.randn(PROBE, K, device="cuda", dtype=torch.bfloat16)
+            r = res[f"{wname} {name}"] = {"skinny": skinny_cases(w, probe, N, K, 1 if quant else 2),
+                                          "large": large_cases(w, probe, K)}
+            print(wname, name, json.dumps(r), flush=True)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "invariance_gpu.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
