@@ -1,4 +1,5 @@
 import csv
+import faulthandler
 import os
 import random
 import string
@@ -6,6 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A crash after the last test (interpreter teardown: extension threads, Ray, gRPC) leaves a
+    stack in the log: pytest's own faulthandler is off by then. One such run ended in a segfault
+    (exit 139) after every test had passed; it did not come back in the next run."""
+    import sys
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 # Without a GPU the kernel tests run Triton's interpreter, which must be chosen before anything
 # imports triton (each kernel test module also sets it, for running alone).
