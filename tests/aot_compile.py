@@ -26,6 +26,7 @@ from prefixscore import kernels  # noqa: E402
 from prefixscore.kernels import attention_o_triton as AO  # noqa: E402
 from prefixscore.kernels import attention_triton as AT  # noqa: E402
 from prefixscore.kernels import fused_triton as F  # noqa: E402
+from prefixscore.kernels import fp8_triton as Q8  # noqa: E402
 from prefixscore.kernels import gemm_triton as G  # noqa: E402
 from prefixscore.kernels import label_head_triton as LH  # noqa: E402
 
@@ -160,6 +161,10 @@ def main():
                    | {"eps": "fp32"}, dict(HQ=14, HKV=2, D=64, NH=16, QK_NORM=False))
     compile_kernel("silu_mul", F._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
                    dict(BLOCK=1024))
+    for mode, m in Q8.MODES.items():  # e4m3 activations for the FP8 x FP8 GEMMs
+        compile_kernel(f"rows_q8 {mode}", Q8._rows_q8_kernel,
+                       {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "eps": "fp32"},
+                       dict(MODE=m, BLOCK=2048))
     compile_kernel("embed_rope", F._embed_rope_kernel,
                    {p: "*bf16" for p in ("E", "CT", "ST", "X", "COS", "SIN")}
                    | {"TOK": "*i32", "POS": "*i32", "SSQ": "*fp32"}, dict(BLOCK=1024, BLOCK_D=64))

@@ -224,3 +224,43 @@ def test_attention_o_fp8(cfg):
     err = (out.float() - (r.float() + y)).abs()
     assert (err <= TOL * (1 + r.float().abs() + y.abs())).all(), err.max()
     torch.testing.assert_close(ssq.sum(0), out.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["plain", "rms", "silu"])
+def test_rows_q8_kernel(mode):
+    """The producers' e4m3 output (kernels/fp8_triton.py) against quantize_rows of the bf16
+    path's values: the same per-row scales (amax / 448) and the values within half an e4m3 step;
+    rows longer than one BLOCK (two passes over several chunks) and a zero row."""
+    from prefixscore.kernels.fp8_triton import rows_q8_triton
+
+    gen = seed()
+    T, H = 5, 2500 if CUDA else 300  # (past one 2,048 chunk on CUDA; the interpreter: BLOCK 512)
+    x = torch.randn(T, 2 * H if mode == "silu" else H, generator=gen) * 3
+    x[2] = 0.0
+    x = x.to(DEVICE, BF)
+    q, s = rows_q8_triton(x, mode, 1e-6)
+    want = fp8.rows_value_ref(x, mode, 1e-6).float()
+    rq, rs = fp8.quantize_rows(want)
+    # rms, silu: the kernel's own sum order and exp may move a value (the amax) by one bf16 step;
+    # under the interpreter two (its fp32 -> bf16 casts truncate: see test_kernels_gemm)
+    ulps = 0 if mode == "plain" else 1 if CUDA else 2
+    torch.testing.assert_close(s, rs, rtol=2e-6 + ulps * 2 ** -7, atol=0)
+    assert s[2] == 1 and (q[2].float() == 0).all()
+    got = q.float() * s
+    # half an e4m3 step; a whole one where the value itself may be a bf16 step off (rms, silu)
+    step = 1 if mode == "plain" else 2 * (1 + ulps * 2 ** -7)
+    assert (got - want).abs().le(step * (want.abs() / 16 + s * 2 ** -10) + 1e-6).all()
+    if mode == "plain":  # the same values, the same rounding
+        assert torch.equal(q.float(), rq.float())
+
+
+def test_fp8_linear_takes_quantized_activations():
+    """fp8.linear of an Fp8Act (what the producers hand over) is the product of its dequantized
+    values (CPU reference; on CUDA FP8 x FP8 within e4m3's error)."""
+    gen = seed()
+    w = Fp8Weight.quantize(weight(64, 96, gen).to(DEVICE))
+    x = torch.randn(100, 96, generator=gen).to(DEVICE, BF)
+    act = fp8.rows_q8(x)
+    out = fp8.linear(act, w, None, BF).float()
+    ref = act.dequantize() @ w.dequantize().t()
+    assert (out - ref).norm() / ref.norm() < (1e-2 if CUDA else 4e-3)  # (CPU: out's bf16 rounding)

@@ -12,8 +12,9 @@ weights are folded into QKV and gate/up (model.py fuse), so the fold is not roun
 embeddings, the norms, the label head's rows and every bias stay in the activations' dtype.
 
 Large token counts (past the skinny kernels) run FP8 x FP8 on the tensor cores
-(torch._scaled_mm, row-wise scales): the activations are quantized per token (one scale per row,
-amax / 448) just before the GEMM.
+(torch._scaled_mm, row-wise scales) over activations quantized per token (one scale per row,
+amax / 448) by the kernel that produces them (fp8_triton.py: the RMSNorm before QKV and gate/up,
+SiLU * up before down); O's input, the attention output, is quantized by a pass of its own.
 """
 from __future__ import annotations
 
@@ -113,13 +114,61 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
-def linear(x, w: Fp8Weight, bias=None):
-    """x [T, K] @ w^T (+ bias) -> [T, N] in x's dtype, for token counts past the skinny kernels:
-    FP8 x FP8 tensor-core GEMM with per-token and per-channel scales on CUDA; the reference
-    elsewhere (CPU tests)."""
-    if not x.is_cuda:
+class Fp8Act:
+    """An activation [T, K] as e4m3 values and one fp32 scale per token (row): what a producing
+    kernel hands the next FP8 x FP8 GEMM instead of bf16 (rows_q8)."""
+
+    __slots__ = ("q", "scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        self.q, self.scale = q, scale
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scale).to(dtype)
+
+
+def rows_q8(x: torch.Tensor, mode: str = "plain", eps: float = 0.0) -> Fp8Act:
+    """x quantized per row by the kernel that produces it, on CUDA (kernels/fp8_triton.py):
+    mode "plain" x itself; "rms" rms_norm(x) with unit weight (the block's norm, its weight folded
+    into the next GEMM); "silu" silu(gate) * up of gate_up [T, 2I]. Elsewhere the references."""
+    from .attention import use_triton
+
+    if x.is_cuda and use_triton():
+        from .fp8_triton import rows_q8_triton
+
+        return Fp8Act(*rows_q8_triton(x, mode, eps))
+    return Fp8Act(*quantize_rows(rows_value_ref(x, mode, eps)))
+
+
+def rows_value_ref(x: torch.Tensor, mode: str, eps: float = 0.0) -> torch.Tensor:
+    """What rows_q8 quantizes, as the bf16 path computes it (in x's dtype)."""
+    from .fused import _rms_norm_ref, silu_mul_ref
+
+    if mode == "rms":
+        return _rms_norm_ref(x, None, eps)
+    if mode == "silu":
+        return silu_mul_ref(x)
+    return x
+
+
+def linear(x, w: Fp8Weight, bias=None, dtype=None):
+    """x [T, K] (or an Fp8Act) @ w^T (+ bias) -> [T, N] in x's dtype (an Fp8Act: `dtype`), for
+    token counts past the skinny kernels: FP8 x FP8 tensor-core GEMM with per-token and per-channel
+    scales on CUDA (x quantized here when it is not already); the reference elsewhere (CPU tests:
+    an Fp8Act's dequantized values, else x's own)."""
+    if isinstance(x, Fp8Act):
+        if not x.q.is_cuda:
+            return linear_ref(x.dequantize(), w, bias).to(dtype or torch.float32)
+        xq, xs, out_dtype = x.q, x.scale, dtype
+    elif not x.is_cuda:
         return linear_ref(x, w, bias)
-    xq, xs = quantize_rows(x)
+    else:
+        act = rows_q8(x)
+        xq, xs, out_dtype = act.q, act.scale, x.dtype
     # _scaled_mm wants the second operand column-major: w.q^T is, as a view of the row-major q.
-    y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=x.dtype)
+    y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=out_dtype)
     return y if bias is None else y + bias

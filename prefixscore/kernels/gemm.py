@@ -77,13 +77,23 @@ def _prologue(x, skinny: bool):
 
 # ---------------------------------------------------------------- dispatch
 def _small(x, w) -> bool:
-    return (x.is_cuda and use_triton() and x.dim() == 2 and 0 < x.shape[0] <= SMALL_T_MAX
+    return (isinstance(x, torch.Tensor) and x.is_cuda and use_triton() and x.dim() == 2 and 0 < x.shape[0] <= SMALL_T_MAX
             and x.dtype in _DTYPES and (w.dtype == x.dtype or fp8.is_fp8(w) and x.dtype != torch.float32))
 
 
-def _linear(x, w, bias=None):
-    """F.linear, or the FP8 GEMM for an e4m3 weight (kernels/fp8.py)."""
-    return fp8.linear(x, w, bias) if fp8.is_fp8(w) else F.linear(x, w, bias)
+def _linear(x, w, bias=None, dtype=None):
+    """F.linear, or the FP8 GEMM for an e4m3 weight (kernels/fp8.py; x may be an Fp8Act, whose
+    product is returned in `dtype`)."""
+    return fp8.linear(x, w, bias, dtype) if fp8.is_fp8(w) else F.linear(x, w, bias)
+
+
+def _fp8_input(x, w):
+    """On CUDA past the skinny kernels, an e4m3 weight's input quantized per token by the kernel
+    that makes it (kernels/fp8_triton.py): a Normed's RMSNorm writes e4m3 itself. None: the
+    ordinary path (bf16 input; fp8.linear quantizes a plain tensor itself)."""
+    if fp8.is_fp8(w) and isinstance(x, Normed) and x.x.is_cuda and use_triton():
+        return fp8.rows_q8(x.x, "rms", x.eps)
+    return None
 
 
 def linear_residual(x, w, bias, residual):
@@ -95,11 +105,16 @@ def linear_residual(x, w, bias, residual):
         return linear_residual_small(x, w, bias, residual)
     if bias is None and not fp8.is_fp8(w):  # cuBLAS adds the residual in its epilogue (one
         return torch.addmm(residual, x, w.t()), None  # rounding instead of HF's two)
-    return residual + _linear(x, w, bias), None
+    return residual + _linear(x, w, bias, residual.dtype), None
 
 
 def gate_up_silu(x, w_gu, bias=None):
+    """-> silu(x @ Wg^T) * (x @ Wu^T): a tensor, or past the skinny kernels with e4m3 weights on
+    CUDA an fp8.Fp8Act (SiLU * up writes the down GEMM's e4m3 input itself)."""
     skinny = _small(_data(x), w_gu)
+    q8 = None if skinny else _fp8_input(x, w_gu)
+    if q8 is not None:
+        return fp8.rows_q8(_linear(q8, w_gu, bias, x.x.dtype), "silu")
     x, norm = _prologue(x, skinny)
     if skinny:
         from .gemm_triton import gate_up_silu_small
@@ -115,6 +130,9 @@ def _rope_fits(D):
 def qkv_rope(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
     """-> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] (v may be a view on the cuBLAS path)."""
     skinny = _small(_data(x), w_qkv) and _rope_fits(D)
+    q8 = None if skinny else _fp8_input(x, w_qkv)
+    if q8 is not None:
+        return rope_qk(_linear(q8, w_qkv, bias, x.x.dtype), cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
     x, norm = _prologue(x, skinny)
     if skinny:
         from .gemm_triton import qkv_rope_small
