@@ -114,7 +114,9 @@ class LabelTrie:
         """assemble() for one request, in plain Python over its K * N numbers: ~8 vs ~19 us on
         the latency path (numpy's per-call cost dominates at this size). The same floats: a label's
         terms are added in fp32, in node order, as assemble adds them."""
-        s, b = scores.numpy().ravel().tolist(), best.tolist()
+        if isinstance(scores, torch.Tensor):  # (numpy arrays too: many.py's slices)
+            scores, best = scores.numpy(), best.numpy()
+        s, b = scores.ravel().tolist(), best.tolist()
         out = []
         for ts in self.terms:
             if len(ts) == 1:  # (s holds fp32 values already)

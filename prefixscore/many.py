@@ -14,6 +14,7 @@ engine's graph pool shared with the classifiers' own graphs); larger batches run
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 
@@ -66,27 +67,27 @@ def fused_tokens(clfs: list, groups: dict) -> int:
     return sum(len(e.ids) - e.start + branch[k] for k, b in groups.items() for e in b)
 
 
-def bank_of(clfs: list) -> Bank:
-    """The bank of these classifiers, built once and kept on their engine."""
+def bank_of(clfs: list) -> Bank | None:
+    """The bank of these classifiers, built once and kept on their engine; None when they cannot
+    share a pass (fusable), also remembered."""
     banks = clfs[0].engine.__dict__.setdefault("banks", {})
     key = tuple(id(c) for c in clfs)
-    bank = banks.get(key)
-    if bank is None:
-        bank = banks[key] = Bank(clfs)
-    return bank
+    if key not in banks:
+        banks[key] = Bank(clfs) if fusable(clfs) else None
+    return banks[key]
 
 
 def decide_many(clfs: list, batches: list[list]) -> list[tuple[list[int], list[list[float]]]]:
     """batches[c]: classifier c's requests (Encoded) -> per classifier (label indices, score rows),
     as clfs[c].decide_encoded(batches[c]) returns them, from one flat forward pass. Classifiers
     that cannot share a pass (fusable) run one after the other."""
-    if not fusable(clfs):
+    bank = bank_of(clfs)
+    if bank is None:
         return [c.decide_encoded(b) if b else ([], []) for c, b in zip(clfs, batches)]
     live = [i for i, b in enumerate(batches) if b]
     out: list = [([], [])] * len(clfs)
     if not live:
         return out
-    bank = bank_of(clfs)
     if bank.logprobs and all(len(batches[i]) == 1 for i in live):
         return _decide_ones(bank, batches, live, out)
     plan, parts = _fused_plan(bank, batches, live)
@@ -112,12 +113,12 @@ def _decide_ones(bank: Bank, batches: list[list], live: list[int], out: list) ->
         entry = (dataclasses.replace(plan, layout=key), parts)
         if len(bank.layouts) < MAX_LAYOUTS:
             bank.layouts[key] = entry
-    plan, parts = entry
-    tokens = np.fromiter(itertools.chain.from_iterable(
+    plan, parts = copy.copy(entry[0]), entry[1]  # (shallow: only the tokens change)
+    plan.tokens = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(
         itertools.chain(e.ids[e.start:], *bank.paths[i]) for i, e in zip(live, enc)), np.int64,
-        plan.num_tokens)
-    scores, best = bank.engine.run(dataclasses.replace(plan, tokens=torch.from_numpy(tokens)),
-                                   bank.kv, bank.weight, True)
+        plan.num_tokens))
+    scores, best = bank.engine.run(plan, bank.kv, bank.weight, True)
+    scores, best = scores.numpy(), best.numpy()  # (numpy slices: ~20x cheaper than a tensor's)
     for i, _, (r, n, lo, w) in parts:
         one, d = bank.clfs[i].trie.assemble_one(scores[r:r + n, lo:lo + w], best[r:r + n] - lo)
         out[i] = ([d], [one])
