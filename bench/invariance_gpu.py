@@ -6,7 +6,8 @@ large-T path (cuBLAS, or FP8 x FP8). Reported per case: output elements whose bi
 largest difference. Pinned variants run the alone case with the launch config of the larger T
 (BLOCK_T, BLOCK_N, SPLIT), or only its SPLIT and BLOCK_N, to separate what matters: the K split
 (summation order), the column tile, or the MMA instruction the row tile selects. Shapes: Qwen2.5-
-0.5B's QKV (1152 x 896), down (896 x 4864) and gate/up (9728 x 896), bf16 and e4m3 weights.
+0.5B's QKV (1152 x 896), down (896 x 4864) and gate/up (9728 x 896), bf16 and e4m3 weights. Then
+attention (and attention + O) of one request alone and among others.
 
     device run:  python -m bench.invariance_gpu      (writes $OUT/invariance_gpu.json)
 """
@@ -70,6 +71,47 @@ def large_cases(w, probe, K) -> dict:
     return out
 
 
+def attention_cases() -> dict:
+    """Attention (and attention fused with O, T <= 64) of one 16-token request over a 73-token
+    pinned prefix, alone and inside batches of other requests (the probe's rows compared): the
+    in-batch keys are tiled from each row block's range, which its neighbours move."""
+    from prefixscore.batch import plan_classify
+    from prefixscore.kernels.attention import attention_o
+    from prefixscore.kernels.attention_triton import attention_triton
+    from prefixscore.labels import LabelTrie
+
+    trie = LabelTrie(["a", "b"], [[5], [6]], None)
+    P, Hq, Hkv, D, N = 73, 14, 2, 64, 896
+    g = torch.Generator().manual_seed(3)
+    pk, pv = (torch.randn(P, Hkv, D, generator=g).cuda().to(torch.bfloat16) for _ in range(2))
+    wo = (torch.randn(N, Hq * D, generator=g) / (Hq * D) ** 0.5).cuda().to(torch.bfloat16)
+    probe = [list(range(100, 116))]
+    qkv_probe = torch.randn(16, (Hq + 2 * Hkv) * D, generator=g).cuda().to(torch.bfloat16)
+
+    def run(suffixes, at):
+        plan = plan_classify(suffixes, [P] * len(suffixes), trie).to("cuda")
+        T = plan.num_tokens
+        qkv = torch.randn(T, (Hq + 2 * Hkv) * D, device="cuda", dtype=torch.bfloat16)
+        qkv[at:at + 16] = qkv_probe
+        q = qkv[:, :Hq * D].view(T, Hq, D)
+        k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+        r = torch.zeros(T, N, device="cuda", dtype=torch.bfloat16)
+        a = attention_triton(q, k, v, pk, pv, plan.base_start, plan.base_end, plan.own_start, D ** -0.5)
+        o = attention_o(q, k, v, pk, pv, plan.base_start, plan.base_end, plan.own_start, D ** -0.5, wo,
+                        r)[0] if T <= 64 else None
+        return a[at:at + 16], (None if o is None else o[at:at + 16])
+
+    alone_a, alone_o = run(probe, 0)
+    out = {}
+    for n_before, n_after, lengths in ((1, 1, 7), (2, 0, 11), (3, 5, 9), (40, 40, 15), (200, 55, 16)):
+        sfx = [list(range(200, 200 + lengths))] * n_before + probe + [list(range(300, 300 + lengths))] * n_after
+        a, o = run(sfx, n_before * lengths)
+        out[f"{n_before}+probe+{n_after} x {lengths} tokens"] = {
+            "attention": diff(a, alone_a), "attention_o": None if o is None else diff(o, alone_o)}
+    return out
+
+
 def main():
     torch.manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -81,6 +123,8 @@ def main():
             r = res[f"{wname} {name}"] = {"skinny": skinny_cases(w, probe, N, K, 1 if quant else 2),
                                           "large": large_cases(w, probe, K)}
             print(wname, name, json.dumps(r), flush=True)
+    res["attention"] = attention_cases()
+    print("attention", json.dumps(res["attention"]), flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "invariance_gpu.json").write_text(json.dumps(res, indent=1))
 
