@@ -141,7 +141,7 @@ def cmd_eval(a) -> int:
     from .io import Output, check_output, read_rows
 
     check_output(a.json)
-    check_output(a.predictions)
+    _check_predictions(a.predictions)
     rows = read_rows(a.data, a.input_format, (a.column, a.label_column))
     head = getattr(a, "head", None)
     probe = argparse.Namespace(**(vars(a) | {"head": None}))  # a head is compared, not a new task
@@ -171,7 +171,7 @@ def cmd_eval(a) -> int:
         reps.append(rep)
         labels = clf.labels
         del clf  # one model in memory at a time
-    print(f"{a.data}: {len(rows)} rows")
+    print(f"{_data_name(a)}: {len(rows)} rows")
     w = max(len(r["mode"]) for r in reps) + 2
     print("mode".ljust(w) + "accuracy  macro-F1  ms/query (batched)")
     for r in reps:
@@ -186,15 +186,37 @@ def cmd_eval(a) -> int:
     return 0
 
 
+def _data_name(a) -> str:
+    return "<stdin>" if a.data == "-" else a.data
+
+
+def _check_predictions(path: str | None) -> None:
+    """Before the model loads: --predictions can be written (Parquet: pyarrow is there, and a file)."""
+    from .io import check_output, output_format
+
+    if path is not None and output_format(path, "auto") == "parquet":  # ('-' is stdout, CSV)
+        from .parquet import check_parquet_output
+
+        check_parquet_output(path, resume=False)
+    check_output(path)
+
+
 def _write_predictions(path: str, queries, gold, results, labels) -> None:
     """Each row's query, gold and predicted label and scores: CSV (score:LABEL columns to 6 digits,
-    as classify writes them) or, for a .jsonl path, JSONL."""
+    as classify writes them), or by the path's extension JSONL or Parquet (the scores as float64,
+    every bit, as in JSONL)."""
     import csv
     import io
 
     from .io import Output, output_format
 
-    if output_format(path, "auto") == "jsonl":
+    fmt = output_format(path, "auto")
+    if fmt == "parquet":
+        from .parquet import write_predictions
+
+        write_predictions(path, queries, gold, results, labels)
+        return
+    if fmt == "jsonl":
         text = "".join(json.dumps({"query": q, "gold": g, "predicted": r.label, "scores": r.scores},
                                   ensure_ascii=False) + "\n" for q, g, r in zip(queries, gold, results))
     else:
@@ -211,7 +233,7 @@ def _write_predictions(path: str, queries, gold, results, labels) -> None:
 def _check_gold(rows, a, labels) -> None:
     unknown = sorted({r[a.label_column] for r in rows} - set(labels))
     if unknown:  # repr: a trailing space or a case difference must show
-        raise InputError(f"{a.data}: gold labels not in the label set: {', '.join(map(repr, unknown))}")
+        raise InputError(f"{_data_name(a)}: gold labels not in the label set: {', '.join(map(repr, unknown))}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,14 +280,16 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(c)
     c.set_defaults(func=cmd_classify)
     e = sub.add_parser("eval", help="accuracy and confusion matrix against a label column")
-    e.add_argument("data", help="CSV or JSONL with query and label columns")
-    e.add_argument("--input-format", default="auto", choices=["auto", "csv", "jsonl"])
+    e.add_argument("data", help="CSV, JSONL or Parquet file with query and label columns; - for stdin "
+                                "(with --input-format csv or jsonl)")
+    e.add_argument("--input-format", default="auto", choices=["auto", "csv", "jsonl", "parquet"],
+                   help="default: from the file's extension")
     e.add_argument("--column", default="query")
     e.add_argument("--label-column", default="label")
     e.add_argument("--json", default=None, help="also write the report as JSON")
     e.add_argument("--predictions", default=None, metavar="FILE",
                    help="write each row's query, gold and predicted label and scores (of the last mode "
-                        "compared) to a CSV file, or JSONL for a .jsonl name")
+                        "compared) to a CSV file, or JSONL / Parquet for a .jsonl / .parquet name")
     e.add_argument("--show-prompt", action="store_true",
                    help="print the prompt for the first row's query and its token split for each mode, "
                         "then exit without classifying")

@@ -37,38 +37,68 @@ def _open(path: str):
 
 def read_rows(path: str, fmt: str = "auto", columns: tuple[str, ...] = ("query",)) -> list[dict]:
     """Rows with the given columns. txt: one query per line (blank lines skipped). CSV needs a header
-    row naming the columns; JSONL one object per line. Empty or missing values are errors that name
-    the line, so no row is silently dropped."""
+    row naming the columns; JSONL one object per line; Parquet (a file, not stdin) the columns, read
+    alone. '-' is stdin (txt unless `fmt` says otherwise). Empty or missing values are errors that
+    name the line (Parquet: the row), so no row is silently dropped."""
     fmt = _format(path, fmt)
+    name = "<stdin>" if path == "-" else path
+    if fmt == "parquet":
+        rows = _parquet_rows(path, columns)
+    elif fmt not in ("txt", "csv", "jsonl"):
+        raise InputError(f"unknown input format {fmt!r}: use txt, csv, jsonl or parquet")
+    elif fmt == "txt" and len(columns) > 1:  # before stdin is opened
+        how = "; stdin is read as plain text unless --input-format says otherwise" if path == "-" else ""
+        raise InputError(f"{name}: plain text has one query per line; use CSV, JSONL or Parquet "
+                         f"with columns {', '.join(columns)}{how}")
+    else:
+        rows = _text_rows(path, name, fmt, columns)
+    if not rows:
+        raise InputError(f"{name}: no rows")
+    return rows
+
+
+def _text_rows(path: str, name: str, fmt: str, columns: tuple[str, ...]) -> list[dict]:
     rows = []
     with _open(path) as f:
         try:
             if fmt == "txt":
-                if len(columns) > 1:
-                    raise InputError(f"{path}: plain text has one query per line; use CSV or JSONL "
-                                     f"with columns {', '.join(columns)}")
                 rows = [{columns[0]: line.rstrip("\r\n")} for line in f if line.strip()]
             elif fmt == "csv":
-                records = iter_csv(f, path)
+                records = iter_csv(f, name)
                 header = next(records, (1, []))[1]
                 missing = [c for c in columns if c not in header]
                 if missing:
-                    raise InputError(f"{path}: no column {missing[0]!r} (columns: "
+                    raise InputError(f"{name}: no column {missing[0]!r} (columns: "
                                      f"{', '.join(header) or 'none, the file is empty'})")
                 for n, fields in records:
                     if len(fields) > len(header):  # csv.DictReader would drop the extra fields
-                        raise InputError(f"{path}:{n}: {len(fields)} fields but the header has "
+                        raise InputError(f"{name}:{n}: {len(fields)} fields but the header has "
                                          f"{len(header)} (quote a field that contains a comma)")
-                    rows.append(_checked(dict(zip(header, fields)), columns, path, n))
-            elif fmt == "jsonl":
-                rows = [_checked(obj, columns, path, n) for n, obj in iter_jsonl(f, path)]
+                    rows.append(_checked(dict(zip(header, fields)), columns, f"{name}:{n}"))
             else:
-                raise InputError(f"unknown input format {fmt!r}: use txt, csv or jsonl")
+                rows = [_checked(obj, columns, f"{name}:{n}") for n, obj in iter_jsonl(f, name)]
         except UnicodeDecodeError:
-            raise InputError(f"{path}: not valid UTF-8") from None
-    if not rows:
-        raise InputError(f"{path}: no rows")
+            raise InputError(f"{name}: not valid UTF-8") from None
     return rows
+
+
+def _parquet_rows(path: str, columns: tuple[str, ...]) -> list[dict]:
+    """A Parquet file's rows, only `columns` decoded; a value that is null, blank or not text is an
+    error naming its row, as in JSONL."""
+    if path == "-":
+        raise InputError("Parquet input is read from a file (its footer says where the rows are), "
+                         "not from stdin: give the FILE.parquet")
+    from .parquet import ParquetRows
+
+    f = ParquetRows(path, columns[0])
+    try:
+        missing = [c for c in columns if c not in f.columns]
+        if missing:
+            raise InputError(f"{path}: no column {missing[0]!r} (columns: {', '.join(f.columns)})")
+        f.select(list(columns))
+        return list(f.rows(lambda n, line, fields: _checked(fields, columns, f"{path} row {n}")))
+    finally:
+        f.close()
 
 
 def iter_csv(f, path: str, blanks: bool = False):
@@ -254,14 +284,14 @@ def query_row(n: int, line: int, fields: dict, column: str, fmt: str = "parquet"
     return Row(n, line, fields, q)
 
 
-def _checked(row: dict, columns, path, n) -> dict:
+def _checked(row: dict, columns, where: str) -> dict:
     out = {}
     for c in columns:
         v = row.get(c)
-        if v is not None and not isinstance(v, str):  # JSONL: a number, a list...
-            raise InputError(f"{path}:{n}: {c!r} must be a string, got {type(v).__name__}")
+        if v is not None and not isinstance(v, str):  # JSONL, Parquet: a number, a list...
+            raise InputError(f"{where}: {c!r} must be a string, got {type(v).__name__}")
         if not v or not v.strip():
-            raise InputError(f"{path}:{n}: {c!r} is missing or empty")
+            raise InputError(f"{where}: {c!r} is missing or empty")
         out[c] = v
     return out
 

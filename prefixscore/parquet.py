@@ -143,3 +143,16 @@ class ParquetResultWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def write_predictions(path: str, queries, gold, results, labels) -> None:
+    """`prefixscore eval --predictions OUT.parquet`: query, gold, predicted (strings) and a float64
+    score:LABEL column per label, the columns of the CSV form."""
+    pa = _pyarrow()
+    columns = {"query": pa.array(queries, pa.string()), "gold": pa.array(gold, pa.string()),
+               "predicted": pa.array([r.label for r in results], pa.string())}
+    columns |= {f"score:{l}": pa.array([r.scores[l] for r in results], pa.float64()) for l in labels}
+    try:
+        pa.parquet.write_table(pa.table(columns), path)
+    except OSError as e:
+        raise cannot_write(path, e) from None

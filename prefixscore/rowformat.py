@@ -133,8 +133,8 @@ class RowFormat:
     def lines(self, rows: list[Row], results) -> str:
         """Rows in input order and their Results (None for an error row); CSV's header first."""
         if self.fmt == "jsonl":
-            return "".join(json.dumps(self.input_part(row) | self.result_object(r, row),
-                                      ensure_ascii=False, default=plain) + "\n"
+            encode = _JSONL.encode
+            return "".join(encode(self.input_part(row) | self.result_object(r, row)) + "\n"
                            for row, r in zip(rows, results))
         out = [self.header()] if self.set_names(rows) else []
         for row, r in zip(rows, results):
@@ -142,7 +142,9 @@ class RowFormat:
                     for v in self.result_values(r, row)]
             out.append(self.input_part(row) + tail)
         buf = io.StringIO()
-        csv.writer(buf).writerows(out)
+        w = csv.writer(buf)
+        for i in range(0, len(out), 256):  # writerows holds the GIL throughout: the engine's thread
+            w.writerows(out[i:i + 256])    # waits for it (a writer thread formats: stream.py)
         return buf.getvalue()
 
 
@@ -181,3 +183,8 @@ def plain(v):
     if isinstance(v, bytes):
         return v.decode("utf-8", "backslashreplace")
     return str(v)
+
+
+# json.dumps(obj, ensure_ascii=False, default=plain) to the byte, without building an encoder per
+# row; a row read from JSON or Parquet holds no reference cycle, so none is looked for.
+_JSONL = json.JSONEncoder(ensure_ascii=False, default=plain, check_circular=False)

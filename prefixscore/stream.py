@@ -1,7 +1,8 @@
 """`prefixscore classify` over inputs of any size (issue 21). Rows are read lazily and classified a
 chunk at a time; while the engine runs chunk k, a worker thread reads and tokenizes chunk k+1
-(Classifier's run_ahead); each chunk's rows are written and flushed as it finishes, so memory is flat
-in the input's length. SIGINT/SIGTERM finish the chunk in flight; --resume continues the output file.
+(Classifier's run_ahead); each chunk's rows are written and flushed as it finishes, on a writer
+thread while the engine runs chunk k+1, so memory is flat in the input's length. SIGINT/SIGTERM
+finish the chunk in flight; --resume continues the output file.
 
 Where chunks end is a function of the row number alone, never of timing: the engine rounds a row's
 scores by the flat batch it runs in, so a resumed run must cut the input exactly where the first run
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .classifier import run_ahead
@@ -397,24 +399,41 @@ class ClassifyJob:
         return self._stream(clf, writer, done, err, warn or err)
 
     def _stream(self, clf, writer, done: int, err, warn) -> int:
+        """The main thread runs the engine; a chunk's rows are formatted and written on a writer
+        thread while the engine runs the next chunk (JSON and CSV formatting are Python, a few us a
+        row: in the engine's thread they were its rate's loss). One chunk's write at a time, in
+        order; the rows count as done, and the progress moves, once their write returned."""
         t0, start, counts, errors = time.perf_counter(), done, Counter(), 0
         progress = Progress(self.reader, done, quiet=self.quiet)
+        pending = None  # (the write in flight, its chunk, its results)
+
+        def written():
+            nonlocal pending, done, errors
+            (write, chunk, out), pending = pending, None
+            write.result()  # its error (a full disk, a closed pipe) is raised here, as it was
+            log.debug("rows %d-%d written, %.2f s in", chunk.rows[0].n, chunk.rows[-1].n,
+                      time.perf_counter() - t0)
+            done = chunk.rows[-1].n
+            counts.update(r.label for r in out if r is not None)
+            errors += sum(r is None for r in out)
+            progress.update(done, errors, chunk.pos)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-write")
         with writer, StopSignals() as stop, contextlib.closing(tokenized_chunks(
                 clf, self.rows, self.reader, self.chunk_rows, self.strict, done)) as chunks:
             try:
                 for chunk in chunks:
                     results = iter(clf.classify_encoded(chunk.encoded))
                     out = [None if row.error else next(results) for row in chunk.rows]
-                    writer.write_rows(chunk.rows, out)
-                    log.debug("rows %d-%d written, %.2f s in", chunk.rows[0].n, chunk.rows[-1].n,
-                              time.perf_counter() - t0)
-                    done = chunk.rows[-1].n
-                    counts.update(r.label for r in out if r is not None)
-                    errors += sum(r is None for r in out)
-                    progress.update(done, errors, chunk.pos)
+                    if pending is not None:
+                        written()
+                    pending = pool.submit(writer.write_rows, chunk.rows, out), chunk, out
                     if stop.signum is not None:
                         break
+                if pending is not None:
+                    written()
             finally:
+                pool.shutdown(wait=True)  # what was handed over is written before the file closes
                 progress.close()
         secs, n = time.perf_counter() - t0, done - start
         self.done = done  # the last row written (files.py records it when the output is complete)

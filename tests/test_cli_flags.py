@@ -640,3 +640,109 @@ def test_parquet_errors(tmp_path, monkeypatch, capsys):
     for args in (["-i", pqf, "--column", "text"], ["x", "-o", tmp_path / "o.parquet"]):
         assert fails(capsys, "classify", *args, *no_model) == \
             "prefixscore: error: Parquet needs pyarrow: pip install 'prefixscore[parquet]'"
+
+
+def _eval_rows(seed):
+    """Fresh labeled rows (the seed is in every failure message): random queries, commas, quotes and
+    CJK among them, random gold labels."""
+    import random
+
+    from conftest import random_queries
+
+    rng = random.Random(seed)
+    queries = random_queries(40, seed)
+    return [(i, q, rng.choice(LABELS), rng.random()) for i, q in enumerate(queries)]
+
+
+@needs_pyarrow
+def test_eval_reads_parquet_and_stdin_as_csv(run, clfs, tmp_path, monkeypatch):
+    """eval on the same rows as CSV, JSONL, Parquet (typed: an int id and a float column beside) and
+    CSV/JSONL piped on stdin: the same report; --predictions as CSV, JSONL and Parquet hold the same
+    rows, Parquet's scores every bit of the classifier's own."""
+    import random
+
+    seed = random.randrange(2 ** 32)
+    rows = _eval_rows(seed)
+    files = {"csv": tmp_path / "d.csv", "jsonl": tmp_path / "d.jsonl", "parquet": tmp_path / "d.parquet"}
+    with open(files["csv"], "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([("id", "query", "label", "w")] + rows)
+    files["jsonl"].write_text("".join(json.dumps({"id": i, "query": q, "label": g, "w": w}, ensure_ascii=False)
+                                      + "\n" for i, q, g, w in rows), encoding="utf-8")
+    pq.write_table(pa.table({"id": [r[0] for r in rows], "query": [r[1] for r in rows],
+                             "label": [r[2] for r in rows], "w": [r[3] for r in rows]}), files["parquet"],
+                   row_group_size=16)
+    reports, preds = {}, {}
+    for fmt, src in files.items():
+        rep, pred = tmp_path / f"rep_{fmt}.json", tmp_path / f"pred_{fmt}.{fmt}"
+        rc, out, err = run("eval", src, "--json", rep, "--predictions", pred)
+        assert rc == 0 and f"{src}: {len(rows)} rows" in out, (seed, err)
+        reports[fmt] = {k: v for k, v in json.loads(rep.read_text()).items() if k not in ("ms_per_query", "modes")}
+        preds[fmt] = pred
+    for fmt in ("csv", "jsonl"):  # from a pipe, in the format --input-format names
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(files[fmt].read_bytes())))
+        rep = tmp_path / f"rep_stdin_{fmt}.json"
+        rc, out, err = run("eval", "-", "--input-format", fmt, "--json", rep)
+        assert rc == 0 and f"<stdin>: {len(rows)} rows" in out, (seed, err)
+        reports[f"stdin {fmt}"] = {k: v for k, v in json.loads(rep.read_text()).items()
+                                   if k not in ("ms_per_query", "modes")}
+    for fmt, r in reports.items():
+        assert r == reports["csv"], (seed, fmt)
+    assert reports["csv"]["n"] == len(rows)
+    ref = clfs["logprobs"].classify_batch([q for _, q, _, _ in rows])
+    table = pq.read_table(preds["parquet"])
+    assert table.column_names == ["query", "gold", "predicted"] + [f"score:{l}" for l in LABELS]
+    assert str(table.schema.field("score:Dress").type) == "double"
+    got = table.to_pylist()
+    assert [(g["query"], g["gold"], g["predicted"]) for g in got] == \
+        [(q, g, r.label) for (_, q, g, _), r in zip(rows, ref)], seed
+    assert [[g[f"score:{l}"] for l in LABELS] for g in got] == [[r.scores[l] for l in LABELS] for r in ref], seed
+    assert [{"query": g["query"], "gold": g["gold"], "predicted": g["predicted"],
+             "scores": {l: g[f"score:{l}"] for l in LABELS}} for g in got] == jsonl(preds["jsonl"]), seed
+    with open(preds["csv"], newline="", encoding="utf-8") as f:
+        assert list(csv.reader(f))[1:] == [[g["query"], g["gold"], g["predicted"]]
+                                           + [f"{g[f'score:{l}']:.6g}" for l in LABELS] for g in got], seed
+
+
+@needs_pyarrow
+def test_eval_input_errors(tmp_path, monkeypatch, capsys):
+    """A user's mistake in eval's input is one error line naming the file (and the row), before any
+    model loads."""
+    no_model = ["--model", "/nonexistent", "--labels", ",".join(LABELS)]
+    d = tmp_path / "d.parquet"
+
+    def eval_fails(table, *args):
+        pq.write_table(pa.table(table), d)
+        return fails(capsys, "eval", d, *args, *no_model)
+
+    assert f"{d}: no column 'label' (columns: query, id)" in eval_fails({"query": ["a"], "id": [1]})
+    assert f"{d}: no column 'query' (columns: text, label)" in eval_fails({"text": ["a"], "label": ["Dress"]})
+    assert f"{d}: no column 'text'" in eval_fails({"query": ["a"], "label": ["Dress"]}, "--column", "text")
+    assert f"{d} row 3: 'query' is missing or empty" in eval_fails(
+        {"query": ["a", "b", None], "label": ["Dress"] * 3})
+    assert f"{d} row 2: 'label' is missing or empty" in eval_fails({"query": ["a", "b"], "label": ["Dress", " "]})
+    assert f"{d} row 1: 'label' must be a string, got int" in eval_fails({"query": ["a"], "label": [1]})
+    assert "gold labels not in the label set: 'Sandals'" in eval_fails({"query": ["a"], "label": ["Sandals"]})
+    assert f"{d}: no rows" in eval_fails({"query": pa.array([], pa.string()), "label": pa.array([], pa.string())})
+    # the label column is named by --label-column; a typed Parquet column of text is read as text
+    pq.write_table(pa.table({"query": ["a"], "gold": pa.array(["Dress"]).dictionary_encode()}), d)
+    assert "no column 'label'" in fails(capsys, "eval", d, *no_model)
+    assert "does not exist" in fails(capsys, "eval", d, "--label-column", "gold", *no_model)  # read: on to the model
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("query,label\na,Dress\n")
+    assert "not a readable Parquet file" in fails(capsys, "eval", bad, *no_model)
+    assert "input file not found" in fails(capsys, "eval", tmp_path / "none.parquet", *no_model)
+    # stdin: text unless told, and never Parquet
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"query,label\na,Dress\n")))
+    assert "stdin is read as plain text unless --input-format" in fails(capsys, "eval", "-", *no_model)
+    assert "not from stdin" in fails(capsys, "eval", "-", "--input-format", "parquet", *no_model)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"query,label\na,\n")))
+    assert "<stdin>:2: 'label' is missing or empty" in fails(capsys, "eval", "-", "--input-format", "csv", *no_model)
+    # --predictions to Parquet: checked before the model loads
+    pq.write_table(pa.table({"query": ["a"], "label": ["Dress"]}), d)
+    assert "cannot write output file" in fails(capsys, "eval", d, "--predictions", tmp_path / "no" / "p.parquet",
+                                               *no_model)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if not installed
+    for args in ([d], [tmp_path / "d.csv", "--predictions", tmp_path / "p.parquet"]):
+        (tmp_path / "d.csv").write_text("query,label\na,Dress\n")
+        assert fails(capsys, "eval", *args, *no_model) == \
+            "prefixscore: error: Parquet needs pyarrow: pip install 'prefixscore[parquet]'"
