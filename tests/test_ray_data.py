@@ -168,7 +168,11 @@ def test_a_killed_actor_is_retried_without_losing_or_doubling_rows(cluster, clas
     partial, killed = out / "log.jsonl.partial", None
     while worker.is_alive() and killed is None:
         time.sleep(0.05)
-        if partial.exists() and partial.stat().st_size > 0:  # the actor is classifying
+        try:  # (renamed to its final name when the run ends: exists() then stat() would race)
+            started = partial.stat().st_size > 0  # the actor is classifying
+        except FileNotFoundError:
+            started = False
+        if started:
             actors = [pid for pid, title in ray_processes(cluster).items()
                       if title.startswith("ray::MapWorker(")]
             if actors:
