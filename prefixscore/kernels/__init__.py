@@ -11,6 +11,12 @@ GU_PRE_KB = 64  # gate/up: weight KB per program loaded before the PDL wait (ker
 HEAD_ONE_TILE = True  # False: the label head's two looped passes even for one small program (A/B)
 IN_TILE = True  # False: attention + O scans the in-batch key ranges in loops, not one tile (A/B)
 TRIGGER = True  # False: no kernel lets the next one launch before it ends (kernels/pdl.py; A/B)
+# Batch-invariant scores (issue 23): every kernel runs the launch config of INVARIANT_ROWS rows
+# whatever the batch, over as many row tiles as it needs, and attention reduces each row's
+# in-batch keys from its own request's start, so a query's scores are bitwise the same alone and
+# inside any batch (on CUDA; the CPU path is torch's). Off: configs follow T (faster at large T).
+BATCH_INVARIANT = False
+INVARIANT_ROWS = 16  # (every T <= 16 already shares one config per kernel: today's latency path)
 # bench/ A/B only: launch-config overrides by kernel role, {"gu.num_stages": 4, ...}; roles qkv,
 # gu (gate/up), down (the residual GEMM), linear (plain), attn_o; 0 leaves the config's own value.
 TUNE: dict = {}

@@ -127,14 +127,16 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
     attention_bias) takes the two-kernel path."""
     from . import FUSE_ATTN_O
     from .fp8 import is_fp8
-    from .gemm import SMALL_T_MAX, linear_residual
+    from .gemm import SMALL_T_MAX, invariant, linear_residual
 
     T = q.shape[0]
     # Only for small O weights: on the H200 the fused kernel took 6-8 us against 7-8 for the two
     # kernels with Qwen2.5-0.5B's 1.6 MB Wo, but 25-31 against 12-13 us with 7B's 26 MB
     # (bench/results/kernels_attn_o.json): there the O GEMM is a weight stream that the per-program
     # attention only delays.
-    if (q.is_cuda and use_triton() and FUSE_ATTN_O and bias is None and 0 < T <= SMALL_T_MAX
+    # (Not in batch-invariant mode: there attention reduces in the canonical order of
+    # attention_triton's CANON path, then the O GEMM runs its one config, kernels/__init__.py.)
+    if (q.is_cuda and use_triton() and FUSE_ATTN_O and not invariant() and bias is None and 0 < T <= SMALL_T_MAX
             and q.dtype == residual.dtype and (wo.dtype == q.dtype or is_fp8(wo) and q.dtype != torch.float32)
             and wo.numel() * wo.element_size() <= 8 << 20):
         from .attention_o_triton import attention_o_residual_small

@@ -100,7 +100,7 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
             k_base, v_base, sk_t, sv_t, P, qk_scale, kt0, v0, kin_t, vin, T, ps, pe, p_lo, p_hi,
             M: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NI: tl.constexpr,
             DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, PRE_KV: tl.constexpr,
-            IN_TILE: tl.constexpr, RANGES: tl.constexpr):
+            IN_TILE: tl.constexpr, RANGES: tl.constexpr, CANON: tl.constexpr = False):
     """Online softmax of q [M, D] (row i: token tok[i]) over one kv head's keys: the prefix, then
     the in-batch base and own ranges (see _ranges) -> (unnormalised output [M, D], row sums).
     PRE_KV: kt0, v0 are the prefix's first tile (_prefix_tile at 0), loaded by the caller.
@@ -108,7 +108,10 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
     of its in-batch keys, loaded by the caller: one masked tile instead of the two range loops,
     whose loads wait on the ranges (one dependent round trip to memory fewer).
     RANGES: row i sees only the pinned keys [ps[i], pe[i]) (a bank of several prefixes); the block
-    scans [p_lo, p_hi), the union of its rows' ranges."""
+    scans [p_lo, p_hi), the union of its rows' ranges.
+    CANON (batch-invariant mode): each row gathers its own in-batch keys in tiles that start at its
+    own range's first key (_attend_rows), so how they are grouped and which lane each key takes
+    depend on the request alone, not on where it sits in the batch or what shares the block."""
     d = tl.arange(0, D)
     # Finite start for the running max: a row whose keys in a tile are all masked then gets
     # exp2(-inf - m) = 0 and alpha = 1 instead of NaN from (-inf) - (-inf).
@@ -148,7 +151,10 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
             vis = col_ok[None, :]
         s = tl.where(vis, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_PREC, UPCAST)
-    if IN_TILE:  # 2) in-batch key c is visible to a row iff bs <= c < be or os <= c <= t
+    if CANON:
+        m_i, l_i, acc = _attend_rows(q, tok, bs, be, os_, k_base, v_base, sk_t, sv_t, qk_scale, m_i,
+                                     l_i, acc, D, BLOCK_NI)
+    elif IN_TILE:  # 2) in-batch key c is visible to a row iff bs <= c < be or os <= c <= t
         s = _dot(q, kin_t, tl.zeros([M, M], tl.float32), DOT_PREC, UPCAST) * qk_scale
         c = tl.arange(0, M)[None, :]
         vis = ((c >= bs[:, None]) & (c < be[:, None])) | ((c >= os_[:, None]) & (c <= tok[:, None]))
@@ -186,13 +192,55 @@ def _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, pk_base, pv_base, spk_t
 
 
 @triton.jit
+def _rows_step(q, cols, vis, k_base, v_base, sk_t, sv_t, qk_scale, m_i, l_i, acc, D: tl.constexpr):
+    """One online-softmax update over a [M, NI] tile of per-row key indices (vis: which count),
+    in fp32 FMAs: gathered keys [M, NI, D] and values, no dot (rows do not share keys here)."""
+    d = tl.arange(0, D)[None, None, :]
+    at = tl.where(vis, cols, 0).to(tl.int64)[:, :, None]
+    kg = tl.load(k_base + at * sk_t + d, mask=vis[:, :, None], other=0.0).to(tl.float32)
+    s = tl.sum(q.to(tl.float32)[:, None, :] * kg, 2) * qk_scale
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # masked keys -> 0; a tile with none leaves the state as it was
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vg = tl.load(v_base + at * sv_t + d, mask=vis[:, :, None], other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vg, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_rows(q, tok, bs, be, os_, k_base, v_base, sk_t, sv_t, qk_scale, m_i, l_i, acc,
+                 D: tl.constexpr, NI: tl.constexpr):
+    """The in-batch part of _attend in canonical order: row i's base keys bs[i] + j and then its
+    own keys os[i] + j (j = 0, 1, ... in tiles of NI), minus base keys, each row from its own
+    start. The trip counts are the block's longest ranges; a row's trips past its own are exact
+    no-ops (no visible key: alpha 1, nothing added)."""
+    j = tl.arange(0, NI)[None, :]
+    nb = tl.max(be - bs, 0)
+    for j0 in range(0, nb, NI):
+        cols = bs[:, None] + j0 + j
+        vis = cols < be[:, None]
+        m_i, l_i, acc = _rows_step(q, cols, vis, k_base, v_base, sk_t, sv_t, qk_scale, m_i, l_i,
+                                   acc, D)
+    no = tl.max(tok - os_ + 1, 0)
+    for j0 in range(0, no, NI):
+        cols = os_[:, None] + j0 + j
+        in_base = (cols >= bs[:, None]) & (cols < be[:, None])
+        vis = (cols <= tok[:, None]) & ~in_base
+        m_i, l_i, acc = _rows_step(q, cols, vis, k_base, v_base, sk_t, sv_t, qk_scale, m_i, l_i,
+                                   acc, D)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _prefix_attn_kernel(
     Q, K, V, PK, PV, BS, BE, OS, PS, PE, O,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
     T, P, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
-    RANGES: tl.constexpr,
+    RANGES: tl.constexpr, CANON: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
@@ -212,7 +260,7 @@ def _prefix_attn_kernel(
     acc, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h, PV + kvh * spv_h,
                        spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t, P, qk_scale,
                        q, q, q, q, T, ps, pe, p_lo, p_hi, BLOCK_M, D, BLOCK_N, BLOCK_NI, DOT_PREC,
-                       UPCAST, False, False, RANGES)
+                       UPCAST, False, False, RANGES, CANON)
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -257,6 +305,14 @@ def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
     )
 
 
+def invariant_attn_config(D: int) -> dict:
+    """Batch-invariant mode (kernels.BATCH_INVARIANT): one config whatever T (the prefix's dots
+    then run the same instructions for every row) and the canonical in-batch order (CANON); the
+    gathered [16, NI, D] key and value tiles kept to 8K elements."""
+    return dict(BLOCK_M=16, BLOCK_N=64 if D <= 128 else 32, BLOCK_NI=max(2, 8192 // (16 * D)),
+                CANON=True, num_warps=4, num_stages=2)
+
+
 def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -285,8 +341,11 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         prefix_k, prefix_v = k, v
     ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     G = Hq // Hkv
-    cfg = attn_config(T, G, Hkv, D, q.dtype, q.device)
+    from . import BATCH_INVARIANT
+
+    cfg = invariant_attn_config(D) if BATCH_INVARIANT else attn_config(T, G, Hkv, D, q.dtype, q.device)
     cfg.update(config or {})
+    canon = cfg.pop("CANON", False)
     grid = (triton.cdiv(T * G, cfg["BLOCK_M"]), Hkv)
     _prefix_attn_kernel[grid](
         q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, ps, pe, out,
@@ -295,6 +354,6 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         out.stride(0), out.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        RANGES=prefix_range is not None, **cfg, **launch_kwargs(q.device),
+        RANGES=prefix_range is not None, CANON=canon, **cfg, **launch_kwargs(q.device),
     )
     return out

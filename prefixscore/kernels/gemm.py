@@ -77,8 +77,17 @@ def _prologue(x, skinny: bool):
 
 # ---------------------------------------------------------------- dispatch
 def _small(x, w) -> bool:
-    return (isinstance(x, torch.Tensor) and x.is_cuda and use_triton() and x.dim() == 2 and 0 < x.shape[0] <= SMALL_T_MAX
+    """The skinny kernel takes this GEMM: few tokens, or any T in batch-invariant mode (its one
+    config over row tiles, gemm_triton.config_rows)."""
+    return (isinstance(x, torch.Tensor) and x.is_cuda and use_triton() and x.dim() == 2
+            and 0 < x.shape[0] <= (1 << 62 if invariant() else SMALL_T_MAX)
             and x.dtype in _DTYPES and (w.dtype == x.dtype or fp8.is_fp8(w) and x.dtype != torch.float32))
+
+
+def invariant() -> bool:
+    from . import BATCH_INVARIANT  # read at call time, like USE_TRITON
+
+    return BATCH_INVARIANT
 
 
 def _linear(x, w, bias=None, dtype=None):

@@ -54,7 +54,7 @@ def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
     SSQ_IN, R, SSQ_OUT, WSC,
-    T, stride_xt, stride_ot, eps, norm_eps,
+    T, TP, stride_xt, stride_ot, eps, norm_eps,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, NT: tl.constexpr, RESID: tl.constexpr,
@@ -63,11 +63,19 @@ def _skinny_kernel(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
+    TGRID: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     TWO: tl.constexpr = EPI != 0
-    t = tl.arange(0, BLOCK_T)
+    if TGRID:  # T past one row tile (batch-invariant mode): a third grid axis over row tiles of the
+        # same config, so every row is computed by the same instructions in the same order
+        pid_t = tl.program_id(2)
+        t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        cnt = CNT + pid_t * tl.num_programs(0) + pid_n
+    else:
+        t = tl.arange(0, BLOCK_T)
+        cnt = CNT + pid_n
     j = tl.arange(0, BLOCK_N)
     t_ok = t < T
     # Columns (rows of W) of the one or two accumulators.
@@ -195,23 +203,24 @@ def _skinny_kernel(
     if TRIG == 1:  # the weight stream is done: let the next kernel's programs start their preloads
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT > 1:
-        # Partials to the workspace [SPLIT, BLOCK_T, N] (fp32), then count arrivals.
-        ws = WS + pid_k * (BLOCK_T * N) + tc * N
+        # Partials to the workspace [SPLIT, TP, N] (fp32; TP: the row tiles' rows), then count
+        # arrivals.
+        ws = WS + pid_k * (TP * N) + tc * N
         tl.store(ws + cols_a[None, :], acc_a, mask=m_out)
         if TWO:
             tl.store(ws + cols_b[None, :], acc_b, mask=m_out)
         tl.debug_barrier()  # every thread's partial stores before the (release) arrival
-        arrived = tl.atomic_add(CNT + pid_n, 1, sem="acq_rel")
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
         last = arrived == SPLIT - 1
         if last:
             acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             for s in range(SPLIT):  # fixed order: the sum does not depend on who came last
-                wss = WS + s * (BLOCK_T * N) + tc * N
+                wss = WS + s * (TP * N) + tc * N
                 acc_a += tl.load(wss + cols_a[None, :], mask=m_out, other=0.0, cache_modifier=".cg")
                 if TWO:
                     acc_b += tl.load(wss + cols_b[None, :], mask=m_out, other=0.0, cache_modifier=".cg")
-            tl.store(CNT + pid_n, 0)  # ready for the next launch (and the next graph replay)
+            tl.store(cnt, 0)  # ready for the next launch (and the next graph replay)
     else:
         last = True
 
@@ -282,16 +291,18 @@ _COUNTERS: dict = {}
 _MAX_TILES = 1 << 16
 
 
-def _counters(device):
-    """Zeroed int32 arrival counters, one buffer per (device, stream); kernels leave them zeroed.
+def _counters(device, n: int = 0):
+    """At least n zeroed int32 arrival counters, one buffer per (device, stream); kernels leave
+    them zeroed.
 
     Created on first use (warm up before capturing a graph; if the first use is inside a capture
-    the zero-fill is captured too, which is harmless)."""
+    the zero-fill is captured too, which is harmless); grown for a batch-invariant launch over
+    more row tiles than it holds (eager batches only: graphs stop at a few hundred tokens)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
-    if buf is None:
-        buf = _COUNTERS[key] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(_MAX_TILES, n), dtype=torch.int32, device=device)
     return buf
 
 
@@ -299,6 +310,15 @@ def _counters(device):
 
 def _np2(n):
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def config_rows(T: int) -> int:
+    """The T a launch config is chosen for: T, or in batch-invariant mode (kernels.BATCH_INVARIANT)
+    always INVARIANT_ROWS, whose config then runs over as many row tiles as T needs (TGRID), so
+    a row's arithmetic never depends on how many rows share the launch."""
+    from . import BATCH_INVARIANT, INVARIANT_ROWS  # read at call time
+
+    return INVARIANT_ROWS if BATCH_INVARIANT else T
 
 
 def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=None) -> dict:
@@ -404,13 +424,14 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     N = w.shape[0]
     w, wsc = (w.q, w.scale) if is_fp8(w) else (w, None)
     cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size(), w.element_size())
-    assert cfg["BLOCK_T"] >= T
+    ntt = triton.cdiv(T, cfg["BLOCK_T"])  # row tiles: 1 unless batch-invariant (invariant_config)
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
-    grid = (tiles, cfg["SPLIT"])
+    grid = (tiles, cfg["SPLIT"], ntt)
+    tp = ntt * cfg["BLOCK_T"]
     if cfg["SPLIT"] > 1:
-        ws = torch.empty((cfg["SPLIT"], cfg["BLOCK_T"], N), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device)
-        assert tiles <= cnt.numel()
+        ws = torch.empty((cfg["SPLIT"], tp, N), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, tiles * ntt)
+        assert tiles * ntt <= cnt.numel()
     else:
         ws = cnt = x  # never touched
     if rope is None:
@@ -435,11 +456,12 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
         ssq_in, r, ssq_out, wsc if wsc is not None else x,
-        T, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
+        T, tp, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, FP8=wsc is not None, TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi]),
+        HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, FP8=wsc is not None, TGRID=ntt > 1,
+        TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi]),
         **cfg, **launch_kwargs(x.device),
     )
 
@@ -482,7 +504,7 @@ def _plain_or_gated(x, w, bias, out, config, epi, norm=None, residual=None):
     if out is None:
         out = torch.empty((T, cols), dtype=x.dtype, device=x.device)
     assert out.shape == (T, cols) and out.stride(-1) == 1
-    cfg = gemm_config(T, cols, K, epi, x.dtype, x.device)
+    cfg = gemm_config(config_rows(T), cols, K, epi, x.dtype, x.device)
     cfg.update(config or {})
     tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear")
     resid = None
@@ -520,7 +542,7 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
     cos, sin = cos.contiguous(), sin.contiguous()
     if q_norm is not None:
         q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
-    cfg = gemm_config(T, H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2)
+    cfg = gemm_config(config_rows(T), H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2)
     cfg.update(config or {})
     tuned(cfg, "qkv")
     cfg["BLOCK_N"] = D // 2

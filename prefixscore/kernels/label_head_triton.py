@@ -109,8 +109,10 @@ def head_config(R: int, N: int, H: int, device, elem_bytes: int = 2) -> dict:
     (the smallest dot). One program whose label weights fit in 32 KB and rows in 16K elements
     runs ONE: everything in one tile (H200, W1: see BENCHMARKS.md).
     """
-    from . import HEAD_ONE_TILE  # read at call time (bench/ A/B)
+    from . import BATCH_INVARIANT, HEAD_ONE_TILE, INVARIANT_ROWS  # read at call time (bench/ A/B)
 
+    if BATCH_INVARIANT:  # one config whatever R, over row blocks (kernels/__init__.py)
+        R = min(R, INVARIANT_ROWS)
     block_n = max(16, triton.next_power_of_2(N))
     assert block_n <= 512, "label head supports at most 512 label tokens"
     block_h = triton.next_power_of_2(H)
@@ -159,7 +161,7 @@ def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=
     rows, norm_weight = rows.contiguous(), norm_weight.contiguous()
     cfg = head_config(R, N, H, hidden.device, weight.element_size())
     cfg.update(config or {})
-    assert not cfg["ONE"] or (R <= cfg["BLOCK_R"] and H <= cfg["BLOCK_K"])
+    assert not cfg["ONE"] or H <= cfg["BLOCK_K"]  # (several ONE programs: batch-invariant mode)
     _label_head_kernel[(triton.cdiv(R, cfg["BLOCK_R"]),)](
         hidden, rows, norm_weight, weight, allowed, out_scores, out_best,
         hidden.stride(0), weight.stride(0), allowed.stride(0), out_scores.stride(0),

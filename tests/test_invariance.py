@@ -1,0 +1,195 @@
+"""Batch-invariant mode (kernels.BATCH_INVARIANT, issue 23): a row's outputs are bitwise the same
+whether it runs alone or inside a larger batch, at any offset, for every kernel of the forward:
+the skinny GEMMs over row tiles (each epilogue, split-K), attention (canonical in-batch order)
+and the label head. Each is also checked against its torch reference (tolerances: fp32 1e-4,
+bf16 2e-2, as the kernels' own tests). Compiled on CUDA, else under the Triton CPU interpreter,
+where tl.dot is numpy's matmul, which rounds a row differently by its position in the block
+(OpenBLAS: row 10 of a [16, 64] @ [64, 32] product differs from the same row at 0); there a row
+keeps its place in its 16-row tile (other rows before it, a different batch size and tile count),
+and equality checks that the kernels give every row the same operations in the same order. On
+CUDA a row runs truly alone (the tensor cores compute each row of an MMA the same way; the GPU
+test, test_gpu_classify_alone_equals_batched, checks the whole forward).
+"""
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from conftest import fix_interpreter_loop_bounds  # noqa: E402
+
+fix_interpreter_loop_bounds()
+
+from prefixscore import kernels  # noqa: E402
+from prefixscore.kernels.attention import attention_ref  # noqa: E402
+from prefixscore.kernels.attention_triton import attention_triton  # noqa: E402
+from prefixscore.kernels.gemm import gate_up_silu_ref, linear_ref, qkv_rope_ref  # noqa: E402
+from prefixscore.kernels.gemm_triton import (  # noqa: E402
+    gate_up_silu_small, linear_residual_small, linear_small, qkv_rope_small)
+from prefixscore.kernels.label_head import label_head_ref  # noqa: E402
+from prefixscore.kernels.label_head_triton import label_head_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CUDA = DEVICE == "cuda"
+BF, F32 = torch.bfloat16, torch.float32
+TOL = {F32: 1e-4, BF: 2e-2}
+# Interpreter: few programs (wide tiles), still split-K so the per-row-tile workspace and arrival
+# counters run; CUDA: the pinned config itself.
+SMALL = None if CUDA else {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT": 2}
+
+
+@pytest.fixture(autouse=True)
+def invariant(monkeypatch):
+    monkeypatch.setattr(kernels, "BATCH_INVARIANT", True)
+
+
+def seed():
+    s = random.randrange(1 << 30)
+    print("seed", s)
+    return torch.Generator().manual_seed(s)
+
+
+def _rand(gen, *shape, dtype=BF, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+
+def launch_start(a: int) -> int:
+    """Where a launch for rows starting at a starts: a itself on CUDA; under the interpreter the
+    start of a's 16-row tile (module doc)."""
+    return a if CUDA else a - a % 16
+
+
+def _pieces(T, gen):
+    """A few (start, length) row ranges of a batch of T rows, the first tile's and later ones."""
+    out = [(0, 1), (0, 16), (T - 3, 3)]
+    for _ in range(3):
+        n = int(torch.randint(1, 20, (1,), generator=gen))
+        out.append((int(torch.randint(0, T - n + 1, (1,), generator=gen)), n))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [F32, BF], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("epi", ["plain", "residual", "gated+norm", "qkv+rope+norm"])
+def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype):
+    """Rows t0..t0+n of a 45-row launch (3 row tiles) against the same rows launched alone."""
+    gen = seed()
+    T, K, N = 45, 96, 112
+    x = _rand(gen, T, K, dtype=dtype)
+    w = _rand(gen, N, K, dtype=dtype, scale=K ** -0.5)
+    b = _rand(gen, N, dtype=dtype)
+    r = _rand(gen, T, N, dtype=dtype, scale=2.0)
+    ssq = (torch.rand(3, T, generator=gen) * K).to(DEVICE)  # a producer's per-tile sums of squares
+    D, Hq, Hkv = 32, 1, 1
+    ang = torch.rand(T, D // 2, generator=gen) * 6.28
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    wq, bq = w[:(Hq + 2 * Hkv) * D], b[:(Hq + 2 * Hkv) * D]
+
+    def run(a, n):
+        s = slice(a, a + n)
+        if epi == "plain":
+            return [linear_small(x[s], w, b, config=SMALL)]
+        if epi == "residual":
+            return list(linear_residual_small(x[s], w, b, r[s], config=SMALL))
+        norm = (1e-6, ssq[:, s].contiguous())
+        if epi == "gated+norm":
+            return [gate_up_silu_small(x[s], w, b, config=SMALL, norm=norm)]
+        return list(qkv_rope_small(x[s], wq, bq, cos[s], sin[s], Hq, Hkv, D, config=SMALL, norm=norm))
+
+    whole = run(0, T)
+    for a, n in _pieces(T, gen):
+        a0 = launch_start(a)
+        for got, ref in zip(run(a0, a + n - a0), whole):
+            if ref.shape[0] != T:  # (ssq: [tiles, T])
+                got, ref = got[:, a - a0:], ref[:, a:a + n]
+            else:
+                got, ref = got[a - a0:], ref[a:a + n]
+            assert torch.equal(got, ref), (epi, a, n, (got.float() - ref.float()).abs().max())
+    # and the whole launch against the torch reference
+    if epi == "plain":
+        torch.testing.assert_close(whole[0].float(), linear_ref(x, w, b).float(),
+                                   atol=TOL[dtype], rtol=TOL[dtype])
+    elif epi == "residual":
+        y = linear_ref(x, w, b).float()
+        err = (whole[0].float() - (r.float() + y)).abs()
+        assert (err <= TOL[dtype] * (1 + r.float().abs() + y.abs())).all(), err.max()
+    else:
+        rstd = torch.rsqrt(ssq.sum(0) / K + 1e-6)[:, None]
+        h = (x.float() * rstd).to(dtype)  # the norm (unit weight) the epilogue applies
+        refs = ([gate_up_silu_ref(h, w, b)] if epi == "gated+norm"
+                else qkv_rope_ref(h, wq, bq, cos, sin, Hq, Hkv, D))
+        tol = TOL[dtype] * (1 if CUDA or dtype == F32 else 2)  # (see test_kernels_gemm's norm test)
+        for got, ref in zip(whole, refs):
+            torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _requests(lengths, gen):
+    """Visibility ranges of requests laid out back to back, each with the most general ranges
+    (test_kernels_triton.make_random_plan's, inside the request): a random own start in [request
+    start, t] and a base range inside the request (empty a third of the time)."""
+    T = sum(lengths)
+    bs, be, own = (torch.zeros(T, dtype=torch.int32) for _ in range(3))
+    t = 0
+    for L in lengths:
+        for r in range(t, t + L):
+            own[r] = int(torch.randint(t, r + 1, (1,), generator=gen))
+            if int(torch.randint(0, 3, (1,), generator=gen)) > 0:
+                a = int(torch.randint(t, t + L, (1,), generator=gen))
+                bs[r], be[r] = a, int(torch.randint(a + 1, t + L + 1, (1,), generator=gen))
+        t += L
+    return bs, be, own
+
+
+@pytest.mark.parametrize("dtype", [F32, BF], ids=["fp32", "bf16"])
+def test_attention_rows_do_not_depend_on_the_batch(dtype):
+    """Every request's rows of a batch against the request alone (its ranges moved to 0) and at
+    another offset behind other requests; the batch against attention_ref."""
+    gen = seed()
+    P, G, Hkv, D = 70, 3, 2, 32
+    lengths = [int(torch.randint(1, 25, (1,), generator=gen)) for _ in range(5)]
+    T = sum(lengths)
+    bs, be, own = _requests(lengths, gen)
+    q, k, v = (_rand(gen, T, h, D, dtype=dtype) for h in (G * Hkv, Hkv, Hkv))
+    pk, pv = (_rand(gen, P, Hkv, D, dtype=dtype) for _ in range(2))
+    dev = [x.to(DEVICE) for x in (bs, be, own)]
+    whole = attention_triton(q, k, v, pk, pv, *dev, D ** -0.5)
+    ref = attention_ref(q, k, v, pk, pv, *dev, D ** -0.5)
+    torch.testing.assert_close(whole.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    t0 = 0
+    for L in lengths:
+        s = slice(t0, t0 + L)
+        # alone (CUDA), and behind another request's rows; under the interpreter the rows keep
+        # their place in their 16-row tiles (module doc): shift = t0 mod 16 (+ 16)
+        for shift in ((0, 37) if CUDA else (t0 % 16, t0 % 16 + 16)):
+            fill = [_rand(gen, shift, h, D, dtype=dtype) for h in (G * Hkv, Hkv, Hkv)]
+            zero = torch.zeros(shift, dtype=torch.int32)
+            ranges = [torch.cat([zero, x[s] - t0 + shift]).to(DEVICE) for x in (bs, be, own)]
+            qkv = [torch.cat([f, x[s]]) for f, x in zip(fill, (q, k, v))]
+            got = attention_triton(*qkv, pk, pv, *ranges, D ** -0.5)[shift:]
+            assert torch.equal(got, whole[s]), (L, shift, (got.float() - whole[s].float()).abs().max())
+        t0 += L
+
+
+@pytest.mark.parametrize("dtype", [F32, BF], ids=["fp32", "bf16"])
+def test_label_head_rows_do_not_depend_on_the_batch(dtype):
+    gen = seed()
+    # (R: past 2,080 rows the default config takes 32-row blocks; H: one tile for 16 bf16 rows)
+    T, H, N, R = 60, 600, 11, 2100
+    hidden = _rand(gen, T, H, dtype=dtype)
+    rows = torch.randint(0, T, (R,), generator=gen).to(DEVICE)
+    nw = (torch.rand(H, generator=gen) + 0.5).to(DEVICE, dtype)
+    w = _rand(gen, N, H, dtype=dtype, scale=H ** -0.5)
+    allowed = (torch.rand(R, N, generator=gen) < 0.7).to(DEVICE)
+    allowed[:, 0] = True
+    s, b = label_head_triton(hidden, rows, nw, 1e-6, w, allowed)
+    rs, rb = label_head_ref(hidden, rows, nw, 1e-6, w, allowed)
+    torch.testing.assert_close(s, rs, atol=TOL[dtype] * 5, rtol=TOL[dtype])
+    for a, n in _pieces(R, gen):
+        a0 = launch_start(a)
+        s1, b1 = label_head_triton(hidden, rows[a0:a + n], nw, 1e-6, w, allowed[a0:a + n])
+        assert torch.equal(s1[a - a0:], s[a:a + n]) and torch.equal(b1[a - a0:], b[a:a + n]), (a, n)
