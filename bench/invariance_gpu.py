@@ -9,7 +9,12 @@ largest difference. Pinned variants run the alone case with the launch config of
 0.5B's QKV (1152 x 896), down (896 x 4864) and gate/up (9728 x 896), bf16 and e4m3 weights. Then
 attention (and attention + O) of one request alone and among others.
 
-    device run:  python -m bench.invariance_gpu      (writes $OUT/invariance_gpu.json)
+Then the whole forward with batch-invariant mode off and on (kernels.BATCH_INVARIANT), the 0.5B
+shape, same weights: 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (differing score
+rows; target 0), W1's GPU time and the batch sweep's requests/s (W2 = 4,096; target: on costs <=
+10% of off's W2 rate, else it stays a switch).
+
+    device run:  python -m bench.invariance_gpu [--e2e-only]   (writes $OUT/invariance_gpu.json)
 """
 from __future__ import annotations
 
@@ -112,9 +117,47 @@ def attention_cases() -> dict:
     return out
 
 
+def end_to_end() -> dict:
+    """Batch-invariant mode off and on over the same 0.5B weights (bench.fp8_gpu's measures)."""
+    from bench.fp8_gpu import invariance, sweep
+    from bench.gpu import Synthetic, gpu_times, hf_model, random_suffixes, stats
+    from prefixscore import kernels
+
+    hf, out = hf_model("0.5B"), {}
+    one = random_suffixes(1, seed=9)
+    for mode in (False, True):
+        kernels.BATCH_INVARIANT = mode  # read at capture and at every eager launch
+        try:
+            ours = Synthetic(hf, max_tokens=8192)
+            r = out["on" if mode else "off"] = {"w1_gpu": stats(gpu_times(ours.replay_fn(one)))}
+            r["sweep"] = sweep(ours, [1, 16, 64, 256, 1024, 4096])
+            r["invariance"] = invariance(ours)
+            print("batch-invariant", "on" if mode else "off", json.dumps(r), flush=True)
+        finally:
+            kernels.BATCH_INVARIANT = False
+        del ours
+        torch.cuda.empty_cache()
+    off, on = out["off"]["sweep"][4096]["req_per_s"], out["on"]["sweep"][4096]["req_per_s"]
+    out["w2_cost"] = 1 - on / off
+    print(f"\n{'mode':<4} {'W1 gpu p50':>10} {'W2 req/s':>9} {'differing 64/1024/4096':>24}")
+    for m in ("off", "on"):
+        r = out[m]
+        d = "/".join(str(r["invariance"][b]["queries_differing"]) for b in (64, 1024, 4096))
+        print(f"{m:<4} {r['w1_gpu']['p50_ms']:>10.3f} {r['sweep'][4096]['req_per_s']:>9.0f} {d:>24}")
+    print(f"W2 cost of the mode: {out['w2_cost']:.1%} (target <= 10% to be on by default)")
+    return out
+
+
 def main():
+    import sys
+
     torch.manual_seed(0)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    OUT.mkdir(parents=True, exist_ok=True)
+    res["end_to_end"] = end_to_end()
+    (OUT / "invariance_gpu.json").write_text(json.dumps(res, indent=1))
+    if "--e2e-only" in sys.argv:
+        return
     for wname, quant in (("bf16", False), ("fp8", True)):
         for name, (N, K) in SHAPES.items():
             w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5

@@ -4,7 +4,8 @@
 #   (split here first: RAY_PART_MIB=44 bash bench/ray_stage.sh split, so each call fits 64 MiB)
 #   1. device run, carry [".ray1", ".carry"]:        bash bench/pending_gpu.sh one
 #      GPU tests (FP8 kernels compiled for sm_90, the fused bank, checkpoints), the fused
-#      two-classifier pass (bench.many_gpu), each kernel's batch invariance (bench.invariance_gpu),
+#      two-classifier pass (bench.many_gpu), batch-invariant mode off/on end to end and each
+#      kernel's batch invariance (bench.invariance_gpu),
 #      FP8 against bf16 (bench.fp8_gpu)
 #   2. device run, carry [".ray2", ".whl", ".carry"]: bash bench/pending_gpu.sh two
 #      ray installed; the CLI on a 1M-row log beside classify_batch (bench.cli_log), Ray Data
@@ -18,10 +19,10 @@ one)
   step ray part 1; bash bench/ray_stage.sh part1
   step GPU tests
   PREFIXSCORE_TEST_TOKENIZER=.carry timeout 240 python3 -m pytest -q -p no:cacheprovider -x \
-    tests/test_kernels_fp8.py tests/test_many.py tests/test_fp8_checkpoints.py 2>&1 | tail -6 \
+    tests/test_kernels_fp8.py tests/test_many.py tests/test_fp8_checkpoints.py tests/test_invariance.py 2>&1 | tail -6 \
     | tee "$OUT/gpu_tests.log"
   step many; timeout 120 python3 -m bench.many_gpu 2>&1 | tail -40
-  step invariance; timeout 60 python3 -m bench.invariance_gpu 2>&1 | tail -8
+  step invariance; timeout 240 python3 -m bench.invariance_gpu 2>&1 | tail -14
   step fp8; timeout 330 python3 -m bench.fp8_gpu 2>&1 | tail -30
   ;;
 two)

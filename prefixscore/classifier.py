@@ -145,12 +145,20 @@ class Classifier:
     adapter: a LoRA adapter file (prefixscore finetune), merged into the weights
     once at load (objective "head": its trained head decides, as head= would) (same kernels and graphs as the base model); its template, labels and chat flag
     are the defaults, and another base model, template or label set is refused.
+    batch_invariant: True runs every kernel in batch-invariant mode (kernels.BATCH_INVARIANT): on
+    CUDA a query's scores are then bitwise the same alone and inside any batch, at a cost at large
+    batches (BENCHMARKS.md). Process-wide, as the kernels are; None (default) leaves the process's
+    setting (PREFIXSCORE_BATCH_INVARIANT=1 turns it on). No effect on CPU (torch's kernels).
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, device=None,
                  dtype=None, chat: bool | None = None, mode: str = "logprobs", truncate: bool = False,
                  max_batch_tokens: int = 16384, graphs: bool = True, head=None,
-                 allow_special_tokens: bool = False, adapter=None):
+                 allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None):
+        if batch_invariant is not None:  # before any graph is captured
+            from . import kernels
+
+            kernels.BATCH_INVARIANT = bool(batch_invariant)
         head_file = adapter_file = None
         self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)
         if adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights

@@ -38,6 +38,9 @@ def model_args(p: argparse.ArgumentParser) -> None:
                    help="parse special-token text such as <|im_end|> inside queries as control tokens "
                         "(default: plain text)")
     g.add_argument("--batch-tokens", type=int, default=16384, help="max new tokens per forward batch")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="scores bitwise the same whatever a query is batched with (CUDA kernels in "
+                        "one launch config for every batch size; slower at large batches)")
     g.add_argument("--adapter", default=None,
                    help="LoRA adapter (prefixscore finetune), merged into the weights at load; its "
                         "template, labels and chat flag are the defaults. 'seed': the shipped one, "
@@ -73,7 +76,8 @@ def classifier_kwargs(a) -> dict:
     kw = dict(model=a.model, template=template, labels=labels, device=a.device, dtype=a.dtype,
               chat=a.chat, mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
               head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
-              allow_special_tokens=a.allow_special_tokens)
+              allow_special_tokens=a.allow_special_tokens,
+              batch_invariant=getattr(a, "batch_invariant", None) or None)
     log.debug("Classifier(%s)", ", ".join(f"{k}={v!r}" for k, v in kw.items()))
     return kw
 

@@ -64,9 +64,10 @@ def split_launch(cfg):
 
 
 def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           nt=28, trig=False, cfg=None, fp8=False):
+           nt=28, trig=False, cfg=None, fp8=False, tgrid=False):
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
-    fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py)."""
+    fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). tgrid: over row tiles
+    (batch-invariant mode)."""
     cfg = cfg or G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
@@ -79,8 +80,8 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
         types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
                   DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, FP8=fp8,
-                  **cfg)
-    compile_kernel(f"skinny {name} fp8={fp8} {cfg}", G._skinny_kernel, types, consts, nw, ns)
+                  TGRID=tgrid, **cfg)
+    compile_kernel(f"skinny {name} fp8={fp8} tgrid={tgrid} {cfg}", G._skinny_kernel, types, consts, nw, ns)
 
 
 def main():
@@ -109,6 +110,11 @@ def main():
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True, fp8=True)
     skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112, fp8=True)
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True)
+    # batch-invariant mode: the T = 16 configs over row tiles
+    skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, tgrid=True)
+    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, tgrid=True)
+    skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, tgrid=True)
+    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, tgrid=True)
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
     at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, qk_scale="fp32")
@@ -116,13 +122,20 @@ def main():
                                   (8, 7, 2, 64, True), (4096, 7, 2, 64, True)):
         cfg, nw, ns = split_launch(AT.attn_config(T, Gq, Hkv, D, BF16, CPU))
         compile_kernel(f"attention T={T} G={Gq} D={D} ranges={ranges} {cfg}", AT._prefix_attn_kernel,
-                       at_types, dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, RANGES=ranges, **cfg),
+                       at_types, dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, RANGES=ranges,
+                                      CANON=False, **cfg), nw, ns)
+    for Gq, Hkv, D in ((7, 2, 64), (7, 4, 128)):  # batch-invariant mode: rows gather their keys
+        cfg = AT.invariant_attn_config(D)
+        cfg, nw, ns = split_launch(cfg)
+        compile_kernel(f"attention (batch-invariant) G={Gq} D={D} {cfg}", AT._prefix_attn_kernel,
+                       at_types, dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, RANGES=False, **cfg),
                        nw, ns)
 
     # Triton compiles an int argument equal to 1 as a constant: a one-key prefix, one token.
     cfg, nw, ns = split_launch(AT.attn_config(1, 7, 2, 64, BF16, CPU))
     compile_kernel(f"attention P=1 T=1 {cfg}", AT._prefix_attn_kernel, at_types,
-                   dict(G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, RANGES=False, **cfg), nw, ns)
+                   dict(G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, RANGES=False, CANON=False,
+                        **cfg), nw, ns)
 
     ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
     ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "CNT")}, SSQ="*fp32", WS="*fp32",

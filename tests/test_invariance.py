@@ -193,3 +193,72 @@ def test_label_head_rows_do_not_depend_on_the_batch(dtype):
         a0 = launch_start(a)
         s1, b1 = label_head_triton(hidden, rows[a0:a + n], nw, 1e-6, w, allowed[a0:a + n])
         assert torch.equal(s1[a - a0:], s[a:a + n]) and torch.equal(b1[a - a0:], b[a:a + n]), (a, n)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_classify_alone_equals_batched():
+    """The whole forward in batch-invariant mode: 60 requests (1-24 suffix tokens, a 9-label
+    trie with two-token branches) each alone (its graph bucket) and inside flat batches of 60,
+    512 and 2,048 requests (eager, past the graphs): bitwise the same scores and decisions.
+    Qwen2.5-0.5B widths, 6 layers of random weights (test_batch's bucket test)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from prefixscore.batch import plan_classify
+    from prefixscore.config import ModelConfig
+    from prefixscore.engine import Engine
+    from prefixscore.labels import LabelTrie
+    from prefixscore.loading import from_tensors
+
+    cfg = AutoConfig.for_model("qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                               num_key_value_heads=2, num_hidden_layers=6, vocab_size=4096,
+                               max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=BF)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in n else p.normal_(0, 0.02)
+    loaded = from_tensors(ModelConfig.from_hf(cfg), hf.state_dict(), None, "random",
+                          torch.device("cuda"), BF)
+    engine = Engine(loaded)
+    labels = [str(t) for t in range(9)]
+    trie = LabelTrie(labels, [[100 + t, 300 + t % 3] for t in range(9)], None)
+    prefix = engine.prefill(list(range(200, 248)))
+    weight = engine.label_weight(trie.columns)
+    engine.capture(prefix, weight, True, 64)
+    rng = random.Random(4)
+    reqs = [[rng.randrange(4096) for _ in range(rng.randint(1, 24))] for _ in range(60)]
+    alone = [engine.run(plan_classify([r], [48], trie), prefix, weight, True) for r in reqs]
+    for n in (60, 512, 2048):
+        batch = [reqs[i % 60] for i in range(n)]
+        plan = plan_classify(batch, [48] * n, trie)
+        scores, best = engine.run(plan, prefix, weight, True)
+        at = 0  # (read-out rows: the same number per request, in request order)
+        for i in range(n):
+            s1, b1 = alone[i % 60]
+            k = s1.shape[0]
+            assert torch.equal(scores[at:at + k], s1) and torch.equal(best[at:at + k], b1), (n, i)
+            at += k
+        assert at == scores.shape[0]
+
+
+def test_switch_reaches_the_kernels(monkeypatch, tiny_model):
+    """Classifier(batch_invariant=) and --batch-invariant set the process's mode (before graphs are
+    captured); None leaves it. On CPU the answers are torch's either way."""
+    from prefixscore import Classifier
+    from prefixscore.cmdline import classifier_kwargs
+    from prefixscore.cli import build_parser
+
+    path = str(tiny_model("qwen2"))
+    spec = dict(template="Which category? {query}", labels=["Dress", "Jeans"], chat=False, device="cpu")
+    monkeypatch.setattr(kernels, "BATCH_INVARIANT", False)
+    plain = Classifier(path, **spec).classify_batch(["red dress", "jeans"])
+    inv = Classifier(path, batch_invariant=True, **spec)
+    assert kernels.BATCH_INVARIANT is True
+    assert inv.classify_batch(["red dress", "jeans"]) == plain
+    Classifier(path, **spec)  # None: left as it is
+    assert kernels.BATCH_INVARIANT is True
+    a = build_parser().parse_args(["classify", "--batch-invariant", "x"])
+    assert classifier_kwargs(a)["batch_invariant"] is True
+    a = build_parser().parse_args(["classify", "x"])
+    assert classifier_kwargs(a)["batch_invariant"] is None

@@ -26,6 +26,7 @@ def test_kernels_compile_for_sm90():
     compiled = [l for l in r.stdout.splitlines() if l.startswith("ok ")]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # every kernel family, in its production configs
-    for family in ("skinny 0.5B", "skinny 7B", "attention T=", "attention+O", "label head",
+    for family in ("skinny 0.5B", "skinny 7B", "attention T=", "attention (batch-invariant)",
+                   "attention+O", "label head",
                    "rms_norm", "rope_qk", "silu_mul", "embed_rope"):
         assert any(l.startswith("ok " + family) for l in compiled), family

@@ -1,4 +1,6 @@
 """Kernels with a torch reference and (on CUDA) a Triton implementation behind the same call."""
+import os as _os
+
 USE_TRITON = True  # False: torch references on CUDA too (the plain-graph baseline in bench/)
 FUSE_NORMS = True  # False: RMSNorm as its own kernel, not in the next GEMM's epilogue (bench/ A/B)
 FUSE_ATTN_O = True  # False: attention and the O GEMM as two kernels at small T (bench/ A/B)
@@ -15,7 +17,7 @@ TRIGGER = True  # False: no kernel lets the next one launch before it ends (kern
 # whatever the batch, over as many row tiles as it needs, and attention reduces each row's
 # in-batch keys from its own request's start, so a query's scores are bitwise the same alone and
 # inside any batch (on CUDA; the CPU path is torch's). Off: configs follow T (faster at large T).
-BATCH_INVARIANT = False
+BATCH_INVARIANT = _os.environ.get("PREFIXSCORE_BATCH_INVARIANT", "") not in ("", "0")
 INVARIANT_ROWS = 16  # (every T <= 16 already shares one config per kernel: today's latency path)
 # bench/ A/B only: launch-config overrides by kernel role, {"gu.num_stages": 4, ...}; roles qkv,
 # gu (gate/up), down (the residual GEMM), linear (plain), attn_o; 0 leaves the config's own value.

@@ -131,6 +131,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate, batch_tokens=a.batch_tokens,
         head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
         allow_special_tokens=getattr(a, "allow_special_tokens", False),
+        batch_invariant=getattr(a, "batch_invariant", None) or None,
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
         served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared)

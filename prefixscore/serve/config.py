@@ -29,6 +29,7 @@ class EngineConfig:
     head: str | None = None
     adapter: str | None = None
     allow_special_tokens: bool = False
+    batch_invariant: bool | None = None  # Classifier(batch_invariant=): None leaves the process's
     score_template: str | None = None
     score_labels: tuple[str, ...] | None = None
     batch_window_ms: float = 0.0

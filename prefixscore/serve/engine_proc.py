@@ -32,6 +32,8 @@ def build(cfg: EngineConfig):
     from ..classifier import Classifier
 
     kw = {"allow_special_tokens": True} if cfg.allow_special_tokens else {}
+    if cfg.batch_invariant is not None:
+        kw["batch_invariant"] = cfg.batch_invariant
     common = dict(truncate=cfg.truncate, max_batch_tokens=cfg.batch_tokens, **kw)
     if not cfg.classifiers:
         clf = Classifier(cfg.model, cfg.template, list(cfg.labels) if cfg.labels else None,
