@@ -103,7 +103,7 @@ def check(sc, hf, req, device):
     del hf32
     out = {}
     for layout in ("packed", "alone"):
-        sc.layout = layout
+        sc.spans.layout = layout
         got = ours_scores(sc, q, items)
         clear = (ref[:, 0] - ref[:, 1]).abs() > 1e-2
         out[layout] = {"max_diff_vs_hf_bf16": (got - ref).abs().max().item(),
@@ -174,8 +174,8 @@ def main():
     print("check", res["check"], flush=True)
 
     for layout in ("packed", "alone", "auto"):
-        sc.layout = layout
-        m = sc.items_per_span(a.query, [a.item_len] * a.items)
+        sc.spans.layout = layout
+        m = sc.spans.items_per_span(a.query, [a.item_len] * a.items)
         spans = -(-a.items // m)
         tokens = spans * a.query + a.items * a.item_len
         for q, items in reqs[:3]:  # warm-up: Triton compiles, graphs touched
@@ -185,11 +185,11 @@ def main():
                                                 "tokens_per_request": tokens}
         print(layout, res["rows"][f"prefixscore {layout}"], flush=True)
     if device.type == "cuda":
-        sc.layout = "packed"
+        sc.spans.layout = "packed"
         res["profile_packed"] = profile(lambda: sc.score_ids(*reqs[3]))
         print("profile", json.dumps(res["profile_packed"])[:1500], flush=True)
     # the batch form: several requests per call (auto layout)
-    sc.layout = "auto"
+    sc.spans.layout = "auto"
     batches = [reqs[3:][i:i + a.per_call] for i in range(0, a.requests, a.per_call)]
     ms = []
     for b in batches:
@@ -197,7 +197,7 @@ def main():
         ms.append(timed(lambda: sc.run(prepared), device)[1] / len(b))
     res["rows"][f"prefixscore auto, {a.per_call} requests/call"] = summary(ms, a.items)
     # host side of one call: checks, spans and plan without the forward
-    from prefixscore.scorer import plan_items
+    from prefixscore.spans import plan_items
 
     q, items = reqs[3]
     host = []

@@ -23,7 +23,7 @@ Why not a second pass with per-request prefix KV ("in-batch prefix caching")? In
 span's base range already *is* a per-request prefix computed in the same pass, so a second pass
 would only add a launch and a KV copy. Its one real advantage, that items do not scan past each
 other's keys, is in the attention kernel (it scans the base range, then the own range; see
-`_scan`), where it helps packed spans and label-trie branches alike.
+`spans.SpanLayout.scan`), where it helps packed spans and label-trie branches alike.
 
 Exactness: each item's whole prompt is tokenized as one text, and the query part is only the tokens
 that are a prefix of that item's tokens; an item that disagrees (a merge across the slot boundary)
@@ -51,6 +51,7 @@ from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
 from .loading import finish_load, obtain
 from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
+from .spans import Span, SpanLayout, plan_items
 
 SLOTS = ("query", "item")
 DEFAULT_TEMPLATE = ("Decide whether the item is relevant to the query. Answer yes or no.\n"
@@ -64,10 +65,6 @@ DEFAULT_LABELS = ["yes", "no"]
 #              only at the read-out rows
 MODES = ("logprobs", "softmax", "logits", "vocab_probs")
 LAYOUTS = ("auto", "packed", "alone")
-# Cost of one (query row, in-batch key) pair scanned by attention relative to its FLOPs in a GEMM:
-# masked tiles, online softmax and small dots run well below the matmul rate.
-ATTN_PENALTY = {"cuda": 4.0, "cpu": 2.0}
-CPU_MAX_SPAN = 2048  # the torch reference attention holds a dense [span, span] score block per head
 # Label sets named by requests (labels / label_token_ids) keep their head rows in an LRU of this
 # many: a client that varies them per request must not grow memory without bound.
 REQUEST_HEADS = 8
@@ -89,16 +86,6 @@ class Prepared:
     items: list  # as given
     full: list[list[int]]  # per item, the whole prompt's tokens (what the model must see)
     shared: list[int]  # tokens of the text before the item slot: the candidate query part
-
-
-@dataclass
-class _Group:
-    """One span of the flat batch: the shared tokens, then each item's own tokens."""
-    start: int  # position of the first new token: the cached prefix length, or 0 (no cache)
-    kv: list  # the prefix K/V it attends to (the engine's empty one when start == 0)
-    shared: list[int]
-    tails: list[list[int]]
-    slots: list[int]  # where each item's result goes
 
 
 @dataclass
@@ -171,7 +158,7 @@ class Scorer:
         self.engine = Engine.shared(self.loaded)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer
-        self.mode, self.layout = mode, layout
+        self.mode = mode
         self.max_items, self.max_batch_tokens = max_items, max_batch_tokens
         self._heads: OrderedDict = OrderedDict()  # label-set key -> _Head, for requests' label sets
         if tok is None:
@@ -195,6 +182,8 @@ class Scorer:
         self.head = self._build_head(self._own_key, ConfigError)
         self.labels, self.trie = self.head.labels, self.head.trie
         check_prefix_fits(len(self.prefix_ids), self.trie.max_len, self.config.context_limit)
+        self.spans = SpanLayout(self.config, self.engine.device.type, layout, max_batch_tokens,
+                                len(self.prefix_ids))
         self.prefix_kv = self.engine.prefill(self.prefix_ids)
         self._check_mode(mode, self.head)
         if layout == "packed" and mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:
@@ -206,6 +195,10 @@ class Scorer:
         if graphs and mode != "vocab_probs":
             self.capture_info = self.engine.capture(self.prefix_kv, self.head.weight, mode != "logits",
                                                     max_batch_tokens)
+
+    @property
+    def layout(self) -> str:
+        return self.spans.layout
 
     @property
     def prefix_len(self) -> int:
@@ -425,7 +418,7 @@ class Scorer:
                                  f"context limit of {limit} tokens (the item is {size}); shorten it")
         return prep
 
-    def _groups(self, prep: Prepared, branch: int, one_per_span: bool) -> list[_Group]:
+    def _groups(self, prep: Prepared, branch: int, one_per_span: bool) -> list[Span]:
         """Split one request into spans. `branch`: label-branch tokens per item; one_per_span when
         the labels branch more than once (a branch then takes its item's whole span as base)."""
         P, full = self.prefix_len, prep.full
@@ -443,68 +436,13 @@ class Scorer:
             q = [min(common_prefix_len(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
             L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
             aligned = [i for i, n in zip(idx, q) if n >= L]
-            groups += [_Group(start, kv, [], [full[i][start:]], [i]) for i, n in zip(idx, q) if n < L]
+            groups += [Span(start, kv, [], [full[i][start:]], [i]) for i, n in zip(idx, q) if n < L]
             sizes = [len(full[i]) - start - L + branch for i in aligned]
-            m = 1 if one_per_span else self.items_per_span(L, sizes)
-            for chunk in self._fill(L, sizes, m):
-                groups.append(_Group(start, kv, ref[:L], [full[aligned[j]][start + L:] for j in chunk],
+            m = 1 if one_per_span else self.spans.items_per_span(L, sizes)
+            for chunk in self.spans.fill(L, sizes, m):
+                groups.append(Span(start, kv, ref[:L], [full[aligned[j]][start + L:] for j in chunk],
                                      [aligned[j] for j in chunk]))
         return groups
-
-    # ------------------------------------------------------------ layout by estimated cost
-
-    def _max_span(self) -> int:
-        cap = self.max_batch_tokens
-        return cap if self.engine.device.type == "cuda" else min(cap, CPU_MAX_SPAN)
-
-    def _fill(self, L: int, sizes: list[int], m: int) -> list[list[int]]:
-        """Consecutive items into spans of at most m items and the span token cap."""
-        out, cur, n = [], [], L
-        for j, s in enumerate(sizes):
-            if cur and (len(cur) == m or n + s > self._max_span()):
-                out.append(cur)
-                cur, n = [], L
-            cur.append(j)
-            n += s
-        return out + [cur]
-
-    def _scan(self, shared: int, items: list[int]) -> float:
-        """In-batch (query row, key) pairs the attention visits for one span: the query part, then
-        items of the given sizes. The Triton kernel scans each row's base range (the query part)
-        and its own causal range separately, so an item costs ~ size x (query part + size / 2)
-        whatever else shares the span. The torch reference pads each span to a dense S x S block."""
-        if self.engine.device.type == "cuda":
-            return shared * shared / 2 + sum(n * (shared + n / 2) for n in items)
-        return float((shared + sum(items)) ** 2)
-
-    def _cost_weights(self) -> tuple[float, float]:
-        """FLOPs per new token (GEMMs + the pinned prefix scan) and per in-batch pair scanned."""
-        c = self.config
-        H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
-        per_token = 2 * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * c.intermediate_size)
-        per_token += 4 * len(self.prefix_ids) * Hq * D
-        per_pair = 4 * Hq * D * ATTN_PENALTY.get(self.engine.device.type, 2.0)
-        return per_token * c.num_layers, per_pair * c.num_layers
-
-    def items_per_span(self, shared: int, sizes: list[int]) -> int:
-        """How many items share one copy of the query part: all (packed), one (alone), or for
-        auto the count with the least estimated cost: new-token FLOPs + attention pairs scanned.
-        `sizes`: each item's own tokens (label branches included)."""
-        n = len(sizes)
-        if self.layout == "alone":
-            return 1
-        # On the GPU both terms of the cost only fall as spans get fewer (see _scan): auto packs,
-        # without evaluating every candidate (~2 ms of Python per 100-item request).
-        if self.layout == "packed" or self.engine.device.type == "cuda":
-            return n
-        w_tok, w_pair = self._cost_weights()
-
-        def cost(m):
-            spans = [[sizes[j] for j in c] for c in self._fill(shared, sizes, m)]
-            return sum(w_tok * (shared + sum(c)) + w_pair * self._scan(shared, c) for c in spans)
-
-        candidates = {n} | {2 ** k for k in range(n.bit_length()) if 2 ** k < n}
-        return min(sorted(candidates), key=cost)
 
     # ------------------------------------------------------------ spans -> passes -> scores
 
@@ -538,7 +476,7 @@ class Scorer:
 
         # One pass in flight while the host plans the next (eager passes are queued without a sync).
         last = None
-        for batch in self._passes(groups(), branch):
+        for batch in self.spans.passes(groups(), branch):
             pending = self._launch_pass(batch, mode, head, branches)
             if last is not None:
                 collect(*last)
@@ -553,29 +491,8 @@ class Scorer:
             i += len(prep.items)
         return out
 
-    def _passes(self, groups, branch: int):
-        """Spans into flat batches under the token budget, one pass per prefix K/V, greedily in the
-        order the spans come (from a list or a stream): a batch is yielded once the next span of
-        its K/V does not fit, the rest at the end. On CPU also bound the reference attention's
-        padded [spans, widest, widest] block."""
-        area = None if self.engine.device.type == "cuda" else 4 * CPU_MAX_SPAN ** 2
-        filling: dict[int, tuple[list[_Group], int, int]] = {}  # id(kv) -> (spans, tokens, widest)
-        for g in groups:
-            batch, tokens, widest = filling.get(id(g.kv), ([], 0, 0))
-            S = len(g.shared) + sum(len(t) + branch for t in g.tails)
-            over = tokens + S > self.max_batch_tokens
-            if area is not None:
-                over |= (len(batch) + 1) * max(widest, S) ** 2 > area
-            if batch and over:
-                yield batch
-                batch, tokens, widest = [], 0, 0
-            batch.append(g)
-            filling[id(g.kv)] = (batch, tokens + S, max(widest, S))
-        for batch, _, _ in filling.values():
-            yield batch
-
     @torch.inference_mode()
-    def _launch_pass(self, groups: list[_Group], mode: str, head: _Head, branches):
+    def _launch_pass(self, groups: list[Span], mode: str, head: _Head, branches):
         """Queue one flat pass; returns a function that waits for it -> (scores, decisions) lists."""
         plan = plan_items(groups, head.trie, branches)
         kv, trie = groups[0].kv, head.trie
@@ -609,58 +526,3 @@ class Scorer:
             logits = (x[c:c + 1024] @ self.loaded.lm_head.t()).float()
             out.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
         return torch.cat(out).cpu()
-
-
-def plan_items(groups: list[_Group], trie: LabelTrie, branches: list[tuple]) -> Plan:
-    """Flat plan over spans of [shared tokens][item 1 tail][branches][item 2 tail][branches]...
-
-    shared: own causal range from the span start. Item tail: base = the shared tokens, own = the
-    tail; positions continue after the shared part, as if the item followed it alone. A label
-    branch continues its item causally (own range from the item's start), which is exact when the
-    labels branch once; with several branches the span holds one item and each branch takes the
-    whole span as its base. Read-out rows: per item its last token, then each branch's last token
-    (the trie's node order), so every item contributes the same K rows.
-
-    Python walks segments (a few per item); numpy expands them to tokens.
-    """
-    toks, seg = [], []  # per segment: (length, first position, base start, base end, own start)
-    rows, offs, t = [], [0], 0
-    for g in groups:
-        s0, L = t, len(g.shared)
-        assert len(branches) <= 1 or len(g.tails) == 1
-        if L:
-            toks.append(g.shared)
-            seg.append((L, g.start, s0, s0, s0))
-            t += L
-        for tail in g.tails:
-            i0, n, p = t, len(tail), g.start + L
-            toks.append(tail)
-            seg.append((n, p, s0, s0 + L, i0))
-            t += n
-            rows.append(t - 1)
-            for path in branches:
-                m = len(path)
-                toks.append(path)
-                seg.append((m, p + n, s0, s0 + L, i0) if len(branches) == 1 else
-                           (m, p + n, s0, i0 + n, t))
-                t += m
-                rows.append(t - 1)
-        offs.append(t)
-    seg = np.array(seg, np.int64).reshape(-1, 5)
-    lens = seg[:, 0]
-    first = np.zeros(len(seg), np.int64)
-    np.cumsum(lens[:-1], out=first[1:])
-    expand = lambda col: np.repeat(col, lens)  # noqa: E731
-    positions = np.arange(t, dtype=np.int64) + expand(seg[:, 1] - first)
-    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
-    n_items = sum(len(g.tails) for g in groups)
-    return Plan(
-        tokens=torch.from_numpy(np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)),
-        positions=torch.from_numpy(positions),
-        base_start=i32(expand(seg[:, 2])), base_end=i32(expand(seg[:, 3])),
-        own_start=i32(expand(seg[:, 4])),
-        seg_offsets=torch.tensor(offs, dtype=torch.long),
-        rows=torch.tensor(rows, dtype=torch.long),
-        allowed=torch.from_numpy(np.tile(trie.allowed.numpy(), (n_items, 1))),
-        batch=n_items,
-    )

@@ -178,24 +178,22 @@ def test_layouts_share_the_query_part(models):
 def test_auto_layout_by_estimated_cost(models):
     loaded, _, _ = models("llama")
     sc = Scorer(loaded, TEMPLATES["query_first"][0], LABELS, chat=False)
-    assert sc.items_per_span(200, [5] * 50) > 1  # long query part, short items: share it
-    assert sc.items_per_span(0, [40] * 50) == 1  # nothing to share: spans only cost attention
-    assert sc.items_per_span(50, [150] * 100) < 100  # CPU: dense attention per span
+    spans = sc.spans
+    assert spans.items_per_span(200, [5] * 50) > 1  # long query part, short items: share it
+    assert spans.items_per_span(0, [40] * 50) == 1  # nothing to share: spans only cost attention
+    assert spans.items_per_span(50, [150] * 100) < 100  # CPU: dense attention per span
     # The GPU kernel's cost (items do not scan each other) falls with every item packed: auto
     # packs there. The cost model says so too, for the shapes auto would otherwise evaluate:
-    sc.engine.device = torch.device("cuda")
-    try:
-        w_tok, w_pair = sc._cost_weights()
-        for shared, sizes in [(50, [150] * 100), (200, [5] * 50), (7, [3, 90, 12] * 9)]:
-            cost = [sum(w_tok * (shared + sum(c)) + w_pair * sc._scan(shared, c)
-                        for c in ([sizes[j] for j in ch] for ch in sc._fill(shared, sizes, m)))
-                    for m in range(1, len(sizes) + 1)]
-            assert min(cost) == cost[-1]
-            assert sc.items_per_span(shared, sizes) == len(sizes)
-    finally:
-        sc.engine.device = torch.device("cpu")
+    spans.device = "cuda"
+    w_tok, w_pair = spans.cost_weights()
+    for shared, sizes in [(50, [150] * 100), (200, [5] * 50), (7, [3, 90, 12] * 9)]:
+        cost = [sum(w_tok * (shared + sum(c)) + w_pair * spans.scan(shared, c)
+                    for c in ([sizes[j] for j in ch] for ch in spans.fill(shared, sizes, m)))
+                for m in range(1, len(sizes) + 1)]
+        assert min(cost) == cost[-1]
+        assert spans.items_per_span(shared, sizes) == len(sizes)
     assert Scorer(loaded, TEMPLATES["query_first"][0], LABELS, chat=False,
-                  layout="alone").items_per_span(200, [5] * 50) == 1
+                  layout="alone").spans.items_per_span(200, [5] * 50) == 1
     # item first: only the pinned prefix is shared, so every item is its own span
     first = Scorer(loaded, TEMPLATES["item_first"][0], LABELS, chat=False, layout="packed")
     assert first.item_first

@@ -1,0 +1,173 @@
+"""Multi-item layout (scorer.py): how a request's items share spans of the flat batch, and how
+spans make passes.
+
+  Span        one span: the tokens its items share (the query part), then each item's own tokens
+  SpanLayout  items per span by estimated cost (layout auto / packed / alone), the span and pass
+              token budgets, spans grouped into passes
+  plan_items  the flat Plan of some spans (what Engine.run takes)
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .batch import Plan
+from .config import ModelConfig
+from .labels import LabelTrie
+
+# Cost of one (query row, in-batch key) pair scanned by attention relative to its FLOPs in a GEMM:
+# masked tiles, online softmax and small dots run well below the matmul rate.
+ATTN_PENALTY = {"cuda": 4.0, "cpu": 2.0}
+CPU_MAX_SPAN = 2048  # the torch reference attention holds a dense [span, span] score block per head
+
+
+@dataclass
+class Span:
+    """One span of the flat batch: the shared tokens, then each item's own tokens."""
+    start: int  # position of the first new token: the cached prefix length, or 0 (no cache)
+    kv: list  # the prefix K/V it attends to (the engine's empty one when start == 0)
+    shared: list[int]
+    tails: list[list[int]]
+    slots: list[int]  # where each item's result goes
+
+
+@dataclass
+class SpanLayout:
+    """The cost model and budgets of a Scorer's spans (its model's shapes, device, layout)."""
+    config: ModelConfig
+    device: str  # "cuda" or "cpu": the attention kernel decides what a span costs
+    layout: str  # auto, packed or alone (scorer.LAYOUTS)
+    max_batch_tokens: int
+    prefix_len: int  # the pinned prefix every new token scans
+
+    def max_span(self) -> int:
+        cap = self.max_batch_tokens
+        return cap if self.device == "cuda" else min(cap, CPU_MAX_SPAN)
+
+    def fill(self, L: int, sizes: list[int], m: int) -> list[list[int]]:
+        """Consecutive items into spans of at most m items and the span token cap."""
+        out, cur, n = [], [], L
+        for j, s in enumerate(sizes):
+            if cur and (len(cur) == m or n + s > self.max_span()):
+                out.append(cur)
+                cur, n = [], L
+            cur.append(j)
+            n += s
+        return out + [cur]
+
+    def scan(self, shared: int, items: list[int]) -> float:
+        """In-batch (query row, key) pairs the attention visits for one span: the query part, then
+        items of the given sizes. The Triton kernel scans each row's base range (the query part)
+        and its own causal range separately, so an item costs ~ size x (query part + size / 2)
+        whatever else shares the span. The torch reference pads each span to a dense S x S block."""
+        if self.device == "cuda":
+            return shared * shared / 2 + sum(n * (shared + n / 2) for n in items)
+        return float((shared + sum(items)) ** 2)
+
+    def cost_weights(self) -> tuple[float, float]:
+        """FLOPs per new token (GEMMs + the pinned prefix scan) and per in-batch pair scanned."""
+        c = self.config
+        H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
+        per_token = 2 * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * c.intermediate_size)
+        per_token += 4 * self.prefix_len * Hq * D
+        per_pair = 4 * Hq * D * ATTN_PENALTY.get(self.device, 2.0)
+        return per_token * c.num_layers, per_pair * c.num_layers
+
+    def items_per_span(self, shared: int, sizes: list[int]) -> int:
+        """How many items share one copy of the query part: all (packed), one (alone), or for
+        auto the count with the least estimated cost: new-token FLOPs + attention pairs scanned.
+        `sizes`: each item's own tokens (label branches included)."""
+        n = len(sizes)
+        if self.layout == "alone":
+            return 1
+        # On the GPU both terms of the cost only fall as spans get fewer (see scan): auto packs,
+        # without evaluating every candidate (~2 ms of Python per 100-item request).
+        if self.layout == "packed" or self.device == "cuda":
+            return n
+        w_tok, w_pair = self.cost_weights()
+
+        def cost(m):
+            spans = [[sizes[j] for j in c] for c in self.fill(shared, sizes, m)]
+            return sum(w_tok * (shared + sum(c)) + w_pair * self.scan(shared, c) for c in spans)
+
+        candidates = {n} | {2 ** k for k in range(n.bit_length()) if 2 ** k < n}
+        return min(sorted(candidates), key=cost)
+
+    def passes(self, groups, branch: int):
+        """Spans into flat batches under the token budget, one pass per prefix K/V, greedily in the
+        order the spans come (from a list or a stream): a batch is yielded once the next span of
+        its K/V does not fit, the rest at the end. On CPU also bound the reference attention's
+        padded [spans, widest, widest] block."""
+        area = None if self.device == "cuda" else 4 * CPU_MAX_SPAN ** 2
+        filling: dict[int, tuple[list[Span], int, int]] = {}  # id(kv) -> (spans, tokens, widest)
+        for g in groups:
+            batch, tokens, widest = filling.get(id(g.kv), ([], 0, 0))
+            S = len(g.shared) + sum(len(t) + branch for t in g.tails)
+            over = tokens + S > self.max_batch_tokens
+            if area is not None:
+                over |= (len(batch) + 1) * max(widest, S) ** 2 > area
+            if batch and over:
+                yield batch
+                batch, tokens, widest = [], 0, 0
+            batch.append(g)
+            filling[id(g.kv)] = (batch, tokens + S, max(widest, S))
+        for batch, _, _ in filling.values():
+            yield batch
+
+
+def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Plan:
+    """Flat plan over spans of [shared tokens][item 1 tail][branches][item 2 tail][branches]...
+
+    shared: own causal range from the span start. Item tail: base = the shared tokens, own = the
+    tail; positions continue after the shared part, as if the item followed it alone. A label
+    branch continues its item causally (own range from the item's start), which is exact when the
+    labels branch once; with several branches the span holds one item and each branch takes the
+    whole span as its base. Read-out rows: per item its last token, then each branch's last token
+    (the trie's node order), so every item contributes the same K rows.
+
+    Python walks segments (a few per item); numpy expands them to tokens.
+    """
+    toks, seg = [], []  # per segment: (length, first position, base start, base end, own start)
+    rows, offs, t = [], [0], 0
+    for g in groups:
+        s0, L = t, len(g.shared)
+        assert len(branches) <= 1 or len(g.tails) == 1
+        if L:
+            toks.append(g.shared)
+            seg.append((L, g.start, s0, s0, s0))
+            t += L
+        for tail in g.tails:
+            i0, n, p = t, len(tail), g.start + L
+            toks.append(tail)
+            seg.append((n, p, s0, s0 + L, i0))
+            t += n
+            rows.append(t - 1)
+            for path in branches:
+                m = len(path)
+                toks.append(path)
+                seg.append((m, p + n, s0, s0 + L, i0) if len(branches) == 1 else
+                           (m, p + n, s0, i0 + n, t))
+                t += m
+                rows.append(t - 1)
+        offs.append(t)
+    seg = np.array(seg, np.int64).reshape(-1, 5)
+    lens = seg[:, 0]
+    first = np.zeros(len(seg), np.int64)
+    np.cumsum(lens[:-1], out=first[1:])
+    expand = lambda col: np.repeat(col, lens)  # noqa: E731
+    positions = np.arange(t, dtype=np.int64) + expand(seg[:, 1] - first)
+    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
+    n_items = sum(len(g.tails) for g in groups)
+    return Plan(
+        tokens=torch.from_numpy(np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)),
+        positions=torch.from_numpy(positions),
+        base_start=i32(expand(seg[:, 2])), base_end=i32(expand(seg[:, 3])),
+        own_start=i32(expand(seg[:, 4])),
+        seg_offsets=torch.tensor(offs, dtype=torch.long),
+        rows=torch.tensor(rows, dtype=torch.long),
+        allowed=torch.from_numpy(np.tile(trie.allowed.numpy(), (n_items, 1))),
+        batch=n_items,
+    )
