@@ -158,6 +158,12 @@ class Classifier:
         if batch_invariant is not None:  # before any graph is captured
             from . import kernels
 
+            if Engine.graph_modes - {bool(batch_invariant)}:
+                raise ConfigError(
+                    f"batch_invariant={bool(batch_invariant)}: CUDA graphs of this process were "
+                    f"captured with it {'on' if kernels.BATCH_INVARIANT else 'off'}, and the setting "
+                    f"is process-wide; set it before the first classifier (or with "
+                    f"PREFIXSCORE_BATCH_INVARIANT=1)")
             kernels.BATCH_INVARIANT = bool(batch_invariant)
         head_file = adapter_file = None
         self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)

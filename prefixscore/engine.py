@@ -36,6 +36,10 @@ IMAGE_MAX_TOKENS, MAX_IMAGES = 64, 1024
 
 
 class Engine:
+    # The kernels' batch-invariant setting (kernels.BATCH_INVARIANT) each capture in this process
+    # ran under: graphs keep the kernels they captured, so the setting cannot change after one.
+    graph_modes: set[bool] = set()
+
     def __init__(self, loaded: LoadedModel):
         self.model = loaded.model
         self.lm_head = loaded.lm_head
@@ -145,6 +149,9 @@ class Engine:
         # memory (-1.7 GB after the prefill's temporaries): empty it before the baseline too.
         torch.cuda.empty_cache()
         mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
+        from . import kernels
+
+        Engine.graph_modes.add(kernels.BATCH_INVARIANT)
         runner = GraphRunner(self, prefix_kv, weight, logprobs, min(max_tokens, GRAPH_MAX_TOKENS), ranges)
         self.graphs[(id(prefix_kv), id(weight), logprobs)] = runner
         torch.cuda.synchronize()

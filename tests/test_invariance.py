@@ -244,7 +244,8 @@ def test_gpu_classify_alone_equals_batched():
 
 def test_switch_reaches_the_kernels(monkeypatch, tiny_model):
     """Classifier(batch_invariant=) and --batch-invariant set the process's mode (before graphs are
-    captured); None leaves it. On CPU the answers are torch's either way."""
+    captured; after, another setting is refused); None leaves it. On CPU the answers are torch's
+    either way."""
     from prefixscore import Classifier
     from prefixscore.cmdline import classifier_kwargs
     from prefixscore.cli import build_parser
@@ -258,6 +259,14 @@ def test_switch_reaches_the_kernels(monkeypatch, tiny_model):
     assert inv.classify_batch(["red dress", "jeans"]) == plain
     Classifier(path, **spec)  # None: left as it is
     assert kernels.BATCH_INVARIANT is True
+    # graphs keep the kernels they were captured with: no change of the setting after one
+    from prefixscore.engine import Engine
+    from prefixscore.errors import ConfigError
+
+    monkeypatch.setattr(Engine, "graph_modes", {True})
+    with pytest.raises(ConfigError, match="process-wide"):
+        Classifier(path, batch_invariant=False, **spec)
+    Classifier(path, batch_invariant=True, **spec)
     a = build_parser().parse_args(["classify", "--batch-invariant", "x"])
     assert classifier_kwargs(a)["batch_invariant"] is True
     a = build_parser().parse_args(["classify", "x"])
