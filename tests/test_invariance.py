@@ -59,10 +59,10 @@ def _rand(gen, *shape, dtype=BF, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
 
 
-def launch_start(a: int) -> int:
+def launch_start(a: int, tile: int = 16) -> int:
     """Where a launch for rows starting at a starts: a itself on CUDA; under the interpreter the
-    start of a's 16-row tile (module doc)."""
-    return a if CUDA else a - a % 16
+    start of a's row tile (module doc)."""
+    return a if CUDA else a - a % tile
 
 
 def _pieces(T, gen):
@@ -74,12 +74,16 @@ def _pieces(T, gen):
     return out
 
 
+@pytest.mark.parametrize("rows", [16, 64])
 @pytest.mark.parametrize("dtype", [F32, BF], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("epi", ["plain", "residual", "gated+norm", "qkv+rope+norm"])
-def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype):
-    """Rows t0..t0+n of a 45-row launch (3 row tiles) against the same rows launched alone."""
+def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows, monkeypatch):
+    """Rows t0..t0+n of a launch of 45 (16-row tiles) or 150 rows (64-row tiles, the other
+    INVARIANT_ROWS bench/invariance_gpu measures: three row tiles either way) against the same rows
+    launched alone."""
+    monkeypatch.setattr(kernels, "INVARIANT_ROWS", rows)
     gen = seed()
-    T, K, N = 45, 96, 112
+    T, K, N = 3 * rows - 3, 96, 112
     x = _rand(gen, T, K, dtype=dtype)
     w = _rand(gen, N, K, dtype=dtype, scale=K ** -0.5)
     b = _rand(gen, N, dtype=dtype)
@@ -103,7 +107,7 @@ def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype):
 
     whole = run(0, T)
     for a, n in _pieces(T, gen):
-        a0 = launch_start(a)
+        a0 = launch_start(a, rows)
         for got, ref in zip(run(a0, a + n - a0), whole):
             if ref.shape[0] != T:  # (ssq: [tiles, T])
                 got, ref = got[:, a - a0:], ref[:, a:a + n]
