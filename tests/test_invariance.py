@@ -275,3 +275,15 @@ def test_switch_reaches_the_kernels(monkeypatch, tiny_model):
     assert classifier_kwargs(a)["batch_invariant"] is True
     a = build_parser().parse_args(["classify", "x"])
     assert classifier_kwargs(a)["batch_invariant"] is None
+
+
+def test_counters_grow_without_freeing():
+    """A row-tiled launch past the arrival-counter buffer's size gets a larger zeroed one; the old
+    one stays alive (CUDA graphs captured with it keep pointing at it)."""
+    from prefixscore.kernels import gemm_triton as G
+
+    dev = torch.device(DEVICE)
+    old = G._counters(dev)
+    new = G._counters(dev, old.numel() + 5)
+    assert new.numel() >= old.numel() + 5 and not new.any()
+    assert any(b is old for b in G._RETIRED) and G._counters(dev) is new

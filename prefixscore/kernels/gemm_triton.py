@@ -288,6 +288,7 @@ def _skinny_kernel(
 _INTERPRETED = type(_skinny_kernel).__name__ == "InterpretedFunction"
 
 _COUNTERS: dict = {}
+_RETIRED: list = []  # counter buffers replaced by larger ones (CUDA graphs may point at them)
 _MAX_TILES = 1 << 16
 
 
@@ -302,6 +303,8 @@ def _counters(device, n: int = 0):
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        if buf is not None:  # graphs captured with the smaller one still use it: keep it alive
+            _RETIRED.append(buf)
         buf = _COUNTERS[key] = torch.zeros(max(_MAX_TILES, n), dtype=torch.int32, device=device)
     return buf
 
