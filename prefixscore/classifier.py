@@ -156,15 +156,7 @@ class Classifier:
                  max_batch_tokens: int = 16384, graphs: bool = True, head=None,
                  allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None):
         if batch_invariant is not None:  # before any graph is captured
-            from . import kernels
-
-            if Engine.graph_modes - {bool(batch_invariant)}:
-                raise ConfigError(
-                    f"batch_invariant={bool(batch_invariant)}: CUDA graphs of this process were "
-                    f"captured with it {'on' if kernels.BATCH_INVARIANT else 'off'}, and the setting "
-                    f"is process-wide; set it before the first classifier (or with "
-                    f"PREFIXSCORE_BATCH_INVARIANT=1)")
-            kernels.BATCH_INVARIANT = bool(batch_invariant)
+            Engine.set_batch_invariant(bool(batch_invariant))
         head_file = adapter_file = None
         self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)
         if adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights

@@ -40,6 +40,20 @@ class Engine:
     # ran under: graphs keep the kernels they captured, so the setting cannot change after one.
     graph_modes: set[bool] = set()
 
+    @classmethod
+    def set_batch_invariant(cls, on: bool) -> None:
+        """The kernels' batch-invariant mode for this process (Classifier's and Scorer's
+        batch_invariant=); refused once graphs were captured with the other setting."""
+        from . import kernels
+        from .errors import ConfigError
+
+        if cls.graph_modes - {on}:
+            raise ConfigError(
+                f"batch_invariant={on}: CUDA graphs of this process were captured with it "
+                f"{'on' if kernels.BATCH_INVARIANT else 'off'}, and the setting is process-wide; set "
+                f"it before the first classifier (or with PREFIXSCORE_BATCH_INVARIANT=1)")
+        kernels.BATCH_INVARIANT = on
+
     def __init__(self, loaded: LoadedModel):
         self.model = loaded.model
         self.lm_head = loaded.lm_head

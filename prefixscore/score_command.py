@@ -60,7 +60,8 @@ def cmd_score(a) -> int:
     t0 = time.perf_counter()
     sc = Scorer(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype, chat=a.chat,
                 mode=a.mode, layout=a.layout, max_items=a.max_items, max_batch_tokens=a.batch_tokens,
-                allow_special_tokens=a.allow_special_tokens, adapter=a.adapter)
+                allow_special_tokens=a.allow_special_tokens, adapter=a.adapter,
+                batch_invariant=getattr(a, "batch_invariant", None) or None)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {sc.loaded.name} on {sc.engine.device} "
          f"({str(sc.engine.dtype).removeprefix('torch.')}), prefix {sc.prefix_len} tokens cached, "
          f"labels {', '.join(sc.labels)}, mode {sc.mode}")

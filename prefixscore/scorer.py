@@ -109,14 +109,16 @@ class Scorer:
     (a `LoadedModel` built from weights only) scores token ids only (`score_ids`), with `prefix_ids`
     as the pinned prefix. Options as Classifier's (allow_special_tokens: special-token text in
     the query and the items is parsed as control tokens; default: plain text), plus `mode` (MODES),
-    `layout` (LAYOUTS) and `max_items` per request.
+    `layout` (LAYOUTS) and `max_items` per request, and `batch_invariant` (Classifier's).
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, label_token_ids=None,
                  device=None, dtype=None, chat: bool | None = None, mode: str = "logprobs",
                  layout: str = "auto", max_items: int = 1024, max_batch_tokens: int = 16384,
                  prefix_ids: list[int] | None = None, graphs: bool = True,
-                 allow_special_tokens: bool = False, adapter=None):
+                 allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None):
+        if batch_invariant is not None:  # as Classifier's: before any graph is captured
+            Engine.set_batch_invariant(bool(batch_invariant))
         adapter_file = None
         if adapter is not None:  # unreadable or unsuitable: an error before the model loads
             from .loading import LoadedModel, read_adapter

@@ -271,6 +271,14 @@ def test_switch_reaches_the_kernels(monkeypatch, tiny_model):
     with pytest.raises(ConfigError, match="process-wide"):
         Classifier(path, batch_invariant=False, **spec)
     Classifier(path, batch_invariant=True, **spec)
+    # the Scorer (prefixscore score --batch-invariant) the same way
+    from prefixscore.scorer import Scorer
+
+    with pytest.raises(ConfigError, match="process-wide"):
+        Scorer(path, chat=False, device="cpu", batch_invariant=False)
+    monkeypatch.setattr(Engine, "graph_modes", set())
+    Scorer(path, chat=False, device="cpu", batch_invariant=False)
+    assert kernels.BATCH_INVARIANT is False
     a = build_parser().parse_args(["classify", "--batch-invariant", "x"])
     assert classifier_kwargs(a)["batch_invariant"] is True
     a = build_parser().parse_args(["classify", "x"])
