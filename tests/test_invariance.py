@@ -132,6 +132,26 @@ def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows, monkeypatch):
             torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+def test_fp8_gemm_rows_do_not_depend_on_the_batch():
+    """e4m3 weights (kernels/fp8.py) in the row-tiled skinny GEMM: the residual epilogue's rows
+    alone and inside a 45-row launch, bitwise; against the dequantized weight's reference."""
+    from prefixscore.kernels.fp8 import Fp8Weight
+
+    gen = seed()
+    T, K, N = 45, 96, 80
+    x = _rand(gen, T, K)
+    w = Fp8Weight.quantize((torch.randn(N, K, generator=gen) * K ** -0.5).to(DEVICE, BF))
+    r = _rand(gen, T, N, scale=2.0)
+    whole, ssq = linear_residual_small(x, w, None, r, config=SMALL)
+    for a, n in _pieces(T, gen):
+        a0 = launch_start(a)
+        got, gs = linear_residual_small(x[a0:a + n], w, None, r[a0:a + n], config=SMALL)
+        assert torch.equal(got[a - a0:], whole[a:a + n]) and torch.equal(gs[:, a - a0:], ssq[:, a:a + n])
+    y = x.float() @ w.dequantize().float().t()
+    err = (whole.float() - (r.float() + y)).abs()
+    assert (err <= 2e-2 * (1 + r.float().abs() + y.abs())).all(), err.max()
+
+
 def _requests(lengths, gen):
     """Visibility ranges of requests laid out back to back, each with the most general ranges
     (test_kernels_triton.make_random_plan's, inside the request): a random own start in [request
