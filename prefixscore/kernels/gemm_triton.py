@@ -298,7 +298,7 @@ def _counters(device, n: int = 0):
 
     Created on first use (warm up before capturing a graph; if the first use is inside a capture
     the zero-fill is captured too, which is harmless); grown for a batch-invariant launch over
-    more row tiles than it holds (eager batches only: graphs stop at a few hundred tokens)."""
+    more row tiles than it holds, the old buffer kept alive for the graphs that point at it."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
@@ -427,7 +427,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     N = w.shape[0]
     w, wsc = (w.q, w.scale) if is_fp8(w) else (w, None)
     cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size(), w.element_size())
-    ntt = triton.cdiv(T, cfg["BLOCK_T"])  # row tiles: 1 unless batch-invariant (invariant_config)
+    ntt = triton.cdiv(T, cfg["BLOCK_T"])  # row tiles: 1 unless batch-invariant (config_rows)
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
     grid = (tiles, cfg["SPLIT"], ntt)
     tp = ntt * cfg["BLOCK_T"]
