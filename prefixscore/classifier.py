@@ -160,7 +160,8 @@ class Classifier:
         head_file = adapter_file = None
         self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)
         if adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights
-            from .loading import LoadedModel, read_adapter
+            from .loading import LoadedModel
+            from .adapter import read_adapter
 
             adapter_file = read_adapter(adapter)  # unreadable file: ModelLoadError before loading
             if head is not None:
@@ -196,7 +197,8 @@ class Classifier:
         tok = self.loaded.tokenizer
         self.prompt = Prompt(tok, template, chat=chat, special_tokens=allow_special_tokens)
         if adapter_file is not None:  # before the prefix and graphs are computed from the weights
-            from .loading import base_hash, check_adapter, merge_adapter
+            from .loading import base_hash
+            from .adapter import check_adapter, merge_adapter
 
             check_adapter(adapter_file, base_hash(self.loaded), template, labels, self.prompt.chat,
                           str(adapter))

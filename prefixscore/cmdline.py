@@ -327,7 +327,7 @@ def seed_adapter_default(a) -> None:
     with the shipped seed adapter, fine-tuned for it: the raw 135M model answers "Dress" for almost
     everything. Sets a.adapter = "seed" and says so on stderr; --no-adapter keeps the raw model."""
     from .errors import ConfigError
-    from .loading import SEED_ADAPTER
+    from .adapter import SEED_ADAPTER
 
     if getattr(a, "no_adapter", False):
         if a.adapter is not None:

@@ -130,7 +130,7 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
 
 def read_head(path) -> HeadWeights:
     """The head file as written (CPU, fp32), metadata parsed into head.meta; no compatibility check."""
-    from .loading import read_tagged
+    from .adapter import read_tagged
 
     meta, tensors = read_tagged(path, "head", FORMAT, VERSION, "fit the head again")
     try:

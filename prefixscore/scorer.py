@@ -121,7 +121,8 @@ class Scorer:
             Engine.set_batch_invariant(bool(batch_invariant))
         adapter_file = None
         if adapter is not None:  # unreadable or unsuitable: an error before the model loads
-            from .loading import LoadedModel, read_adapter
+            from .loading import LoadedModel
+            from .adapter import read_adapter
 
             adapter_file = read_adapter(adapter)
             if adapter_file.head is not None:
@@ -151,7 +152,8 @@ class Scorer:
             # model is checked: a Scorer's prompt is its own ({query}, {item}), never the
             # classification prompt the adapter was trained with, so its scores mean the adapted
             # model's reading of this prompt (use an adapter trained for related text).
-            from .loading import base_hash, check_adapter_base, merge_adapter
+            from .loading import base_hash
+            from .adapter import check_adapter_base, merge_adapter
 
             check_adapter_base(adapter_file, base_hash(self.loaded), str(adapter))
             merge_adapter(self.loaded, adapter_file)

@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (prefixscore.train) and adapters merged at load (prefixscore.loading), on the
+"""LoRA fine-tuning (prefixscore.train) and adapters merged at load (prefixscore.adapter), on the
 tiny random Llama: a keyword task the random model cannot do is learned; the merged engine scores
 equal the unmerged peft model's; mismatched adapters and bad data are refused."""
 import csv
@@ -10,7 +10,8 @@ import torch
 from hf_reference import hf_generate, hf_scores
 from prefixscore import Classifier
 from prefixscore.errors import ConfigError, InputError, ModelLoadError
-from prefixscore.loading import base_hash, check_adapter, load, merge_adapter, read_adapter
+from prefixscore.loading import base_hash, load
+from prefixscore.adapter import check_adapter, merge_adapter, read_adapter
 from prefixscore.train import finetune, save_adapter
 from prefixscore.train.__main__ import main as train_main
 from prefixscore.train.lora import TARGETS
@@ -334,11 +335,11 @@ def test_seed_adapter_is_the_default_task_only(tmp_path, monkeypatch, capsys):
     seed adapter (and say so); any of those flags, or --no-adapter, keeps the raw model."""
     import argparse
 
-    from prefixscore import cmdline, loading
+    from prefixscore import adapter, cmdline
 
     fake = tmp_path / "seed.safetensors"
     fake.write_bytes(b"x")
-    monkeypatch.setattr(loading, "SEED_ADAPTER", fake)
+    monkeypatch.setattr(adapter, "SEED_ADAPTER", fake)
     base = dict(model=None, template=None, template_file=None, labels=None, labels_file=None,
                 head=None, chat=None, adapter=None, no_adapter=False)
 

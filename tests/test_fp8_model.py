@@ -7,7 +7,8 @@ import torch
 from prefixscore import Classifier, cli
 from prefixscore.errors import ConfigError
 from prefixscore.kernels.fp8 import is_fp8
-from prefixscore.loading import base_hash, finish_load, load, merge_adapter
+from prefixscore.loading import base_hash, finish_load, load
+from prefixscore.adapter import merge_adapter
 
 SPEC = dict(template="Which category? {query}", labels=["Dress", "Jeans", "Hoodie"], chat=False)
 QUERIES = ["red dress", "levis 501 jeans", "kids hoodie", "连衣裙", "oversized knit sweater"]

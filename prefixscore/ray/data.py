@@ -124,7 +124,8 @@ def checked(classifier: dict) -> dict:
     model's files, the dtype's name. Local files become absolute paths (an actor's working
     directory is not the caller's)."""
     from ..classifier import MODES, classifier_labels
-    from ..loading import bundled_model_path, check, read_adapter, resolve, resolve_dtype
+    from ..loading import bundled_model_path, check, resolve, resolve_dtype
+    from ..adapter import read_adapter
     from ..prompt import check_template
 
     kw = dict(classifier)

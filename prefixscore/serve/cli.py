@@ -157,7 +157,8 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
     they were read, classifiers.specs), the /v1/score template and labels. The model's own files
     are checked after the ports are bound (launch.serve), where a hub name is also downloaded."""
     from ..errors import ConfigError
-    from ..loading import read_adapter, resolve_device, resolve_dtype
+    from ..loading import resolve_device, resolve_dtype
+    from ..adapter import read_adapter
     from ..prompt import check_template
     from .engine_proc import spin_seconds
     from .launch import engine_cpu

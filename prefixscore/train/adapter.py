@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from ..loading import ADAPTER_FORMAT, ADAPTER_VERSION, Adapter
+from ..adapter import ADAPTER_FORMAT, ADAPTER_VERSION, Adapter
 
 
 def adapter_tensors(adapter: Adapter, dtype=torch.float32) -> dict[str, torch.Tensor]:

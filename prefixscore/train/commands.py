@@ -13,7 +13,7 @@ import torch
 from ..cmdline import err, make_classifier, run_batches
 from ..errors import ConfigError, InputError
 from ..heads import KINDS, save_head
-from ..loading import ADAPTER_OBJECTIVES
+from ..adapter import ADAPTER_OBJECTIVES
 from ..report import format_confusion
 from .heads import FitOptions, check_compare_options, compare_modes, few_shot_template, fit_head, format_modes
 from .lora import DEFAULTS

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, InputError, ModelLoadError
-from ..loading import ADAPTER_OBJECTIVES, Adapter
+from ..adapter import ADAPTER_OBJECTIVES, Adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Measured on one fold of intent_dev (SmolLM2-135M, "{query}" no chat): lr 2e-3 peaked at epoch 4
@@ -225,7 +225,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
              input_format="auto", log=None, dropout=None, label_smoothing=None,
              weight_decay=None, refit=None, save_dtype=torch.float32, device=None, dtype=None) -> Adapter:
     """Fine-tune LoRA adapters (and a head, objective "head") for a labeled data set -> Adapter
-    (loading.Adapter; written to `output` too when given). data: CSV/JSONL path with query and
+    (adapter.Adapter; written to `output` too when given). data: CSV/JSONL path with query and
     label columns, or (query, label) pairs. model: None (bundled), a HF folder or a .gguf file.
     teacher: a Classifier whose decisions replace the labels (then data needs only queries).
     device: "cpu", "cuda", "cuda:N" (default: cuda when available); dtype: the frozen base weights'
