@@ -221,10 +221,11 @@ def test_label_head_rows_do_not_depend_on_the_batch(dtype):
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_classify_alone_equals_batched():
-    """The whole forward in batch-invariant mode: 60 requests (1-24 suffix tokens, a 9-label
-    trie with two-token branches) each alone (its graph bucket) and inside flat batches of 60,
-    512 and 2,048 requests (eager, past the graphs): bitwise the same scores and decisions.
-    Qwen2.5-0.5B widths, 6 layers of random weights (test_batch's bucket test)."""
+    """The whole forward in batch-invariant mode: 60 requests (1-24 suffix tokens; a 9-label trie
+    whose labels share first tokens, so each request also reads three branch rows) each alone
+    (its graph bucket) and inside flat batches of 60, 512 and 2,048 requests (eager, past the
+    graphs): bitwise the same scores and decisions. Qwen2.5-0.5B widths, 6 layers of random
+    weights (test_batch's bucket test)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from prefixscore.batch import plan_classify
@@ -246,7 +247,8 @@ def test_gpu_classify_alone_equals_batched():
                           torch.device("cuda"), BF)
     engine = Engine(loaded)
     labels = [str(t) for t in range(9)]
-    trie = LabelTrie(labels, [[100 + t, 300 + t % 3] for t in range(9)], None)
+    # three first tokens, three labels each: three branch rows per request (base + own ranges)
+    trie = LabelTrie(labels, [[100 + t // 3, 300 + t % 3] for t in range(9)], None)
     prefix = engine.prefill(list(range(200, 248)))
     weight = engine.label_weight(trie.columns)
     engine.capture(prefix, weight, True, 64)
