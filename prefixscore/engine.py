@@ -191,7 +191,7 @@ class GraphRunner:
         self.rows_in = 8 if ranges else 6  # int32 rows of the input
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
         self.max_tokens = Tmax = self.buckets[-1]
-        self.N = N = weight.shape[0]
+        self.N = weight.shape[0]
         dev = engine.device
         self.host_in = torch.zeros(self._in_bytes(Tmax), dtype=torch.uint8).pin_memory()
         self.host_out = torch.zeros(self._out_bytes(Tmax), dtype=torch.uint8).pin_memory()

@@ -15,7 +15,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
