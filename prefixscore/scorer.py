@@ -163,7 +163,7 @@ class Scorer:
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer
         self.mode = mode
-        self.max_items, self.max_batch_tokens = max_items, max_batch_tokens
+        self.max_items = max_items
         self._heads: OrderedDict = OrderedDict()  # label-set key -> _Head, for requests' label sets
         if tok is None:
             if template is not None or label_token_ids is None:
@@ -203,6 +203,10 @@ class Scorer:
     @property
     def layout(self) -> str:
         return self.spans.layout
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.spans.max_batch_tokens
 
     @property
     def prefix_len(self) -> int:

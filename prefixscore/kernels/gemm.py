@@ -80,7 +80,7 @@ def _small(x, w) -> bool:
     """The skinny kernel takes this GEMM: few tokens, or any T in batch-invariant mode (its one
     config over row tiles, gemm_triton.config_rows)."""
     return (isinstance(x, torch.Tensor) and x.is_cuda and use_triton() and x.dim() == 2
-            and 0 < x.shape[0] <= (1 << 62 if invariant() else SMALL_T_MAX)
+            and 0 < x.shape[0] and (x.shape[0] <= SMALL_T_MAX or invariant())
             and x.dtype in _DTYPES and (w.dtype == x.dtype or fp8.is_fp8(w) and x.dtype != torch.float32))
 
 
