@@ -23,8 +23,12 @@ one)
   step fp8; timeout 380 python3 -m bench.fp8_gpu 2>&1 | tail -40
   ;;
 two)
-  step invariance; timeout 300 python3 -m bench.invariance_gpu 2>&1 | tail -20
-  step many; timeout 100 python3 -m bench.many_gpu 2>&1 | tail -30
+  step GPU tests
+  PREFIXSCORE_TEST_TOKENIZER=.carry timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short -rfE \
+    tests/test_invariance.py tests/test_many.py tests/test_kernels_fp8.py \
+    tests/test_fp8_checkpoints.py::test_block_convention_matches_transformers 2>&1 | tail -30
+  step fp8 kernels; timeout 210 python3 -m bench.fp8_skinny_gpu --budget 100 2>&1 | grep -v '"grid"' | tail -24
+  step invariance; timeout 230 python3 -m bench.invariance_gpu 2>&1 | tail -20
   ;;
 three)
   step ray part 1; bash bench/ray_stage.sh part1

@@ -80,7 +80,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
         types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
                   DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, FP8=fp8,
-                  TGRID=tgrid, **cfg)
+                  TGRID=tgrid, **{"SWAP": False, **cfg})
     compile_kernel(f"skinny {name} fp8={fp8} tgrid={tgrid} {cfg}", G._skinny_kernel, types, consts, nw, ns)
 
 

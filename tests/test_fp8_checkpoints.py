@@ -206,6 +206,7 @@ def test_block_convention_matches_transformers(tmp_path, base):
     from transformers import AutoModelForCausalLM
 
     qc = fp8_config((4, 4))
+    qc["dequantize"] = True  # (on a GPU machine transformers would keep the e4m3 weights otherwise)
     fp8_dir, _, parts = write_fp8(base("qwen3"), tmp_path, qc, lm_head=True)
     ours = dequantize_checkpoint(load_file(fp8_dir / "model.safetensors"), qc, str(fp8_dir))
     hf = AutoModelForCausalLM.from_pretrained(fp8_dir, dtype=torch.float32).state_dict()

@@ -63,7 +63,7 @@ def _skinny_kernel(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
-    TGRID: tl.constexpr,
+    TGRID: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -149,8 +149,14 @@ def _skinny_kernel(
         c2 = tl.load(COS + tc * D + BLOCK_N + jc, mask=m_rope, other=0.0)
         s2 = tl.load(SIN + tc * D + BLOCK_N + jc, mask=m_rope, other=0.0)
 
-    acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    # SWAP: the loop accumulates out^T = w @ x^T ([BLOCK_N, BLOCK_T]), the weight tile as the MMA's
+    # first operand (M = BLOCK_N), transposed once after the loop.
+    if SWAP:
+        acc_a = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
+    else:
+        acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
         xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0)
         if FP8:  # e4m3 weights: to the activations' dtype in registers (scaled in the epilogue)
@@ -160,11 +166,17 @@ def _skinny_kernel(
         if UPCAST:
             xp = xp.to(tl.float32)
             wpa = wpa.to(tl.float32)
-        acc_a = tl.dot(xp, tl.trans(wpa), acc_a, input_precision=DOT_PREC)
+        if SWAP:
+            acc_a = tl.dot(wpa, tl.trans(xp), acc_a, input_precision=DOT_PREC)
+        else:
+            acc_a = tl.dot(xp, tl.trans(wpa), acc_a, input_precision=DOT_PREC)
         if TWO:
             if UPCAST:
                 wpb = wpb.to(tl.float32)
-            acc_b = tl.dot(xp, tl.trans(wpb), acc_b, input_precision=DOT_PREC)
+            if SWAP:
+                acc_b = tl.dot(wpb, tl.trans(xp), acc_b, input_precision=DOT_PREC)
+            else:
+                acc_b = tl.dot(xp, tl.trans(wpb), acc_b, input_precision=DOT_PREC)
     for i in range(PRE, ITERS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -181,7 +193,10 @@ def _skinny_kernel(
             if UPCAST:  # interpreter only: it multiplies bf16 bit patterns in tl.dot (triton#11584)
                 xv = xv.to(tl.float32)
                 wa = wa.to(tl.float32)
-            acc_a = tl.dot(xv, tl.trans(wa), acc_a, input_precision=DOT_PREC)
+            if SWAP:
+                acc_a = tl.dot(wa, tl.trans(xv), acc_a, input_precision=DOT_PREC)
+            else:
+                acc_a = tl.dot(xv, tl.trans(wa), acc_a, input_precision=DOT_PREC)
         else:
             xf = xv.to(tl.float32)[:, None, :]
             acc_a += tl.sum(xf * wa.to(tl.float32)[None, :, :], axis=2)
@@ -196,10 +211,16 @@ def _skinny_kernel(
             if DOT:
                 if UPCAST:
                     wb = wb.to(tl.float32)
-                acc_b = tl.dot(xv, tl.trans(wb), acc_b, input_precision=DOT_PREC)
+                if SWAP:
+                    acc_b = tl.dot(wb, tl.trans(xv), acc_b, input_precision=DOT_PREC)
+                else:
+                    acc_b = tl.dot(xv, tl.trans(wb), acc_b, input_precision=DOT_PREC)
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
+    if SWAP:
+        acc_a = tl.trans(acc_a)
+        acc_b = tl.trans(acc_b)
     if TRIG == 1:  # the weight stream is done: let the next kernel's programs start their preloads
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT > 1:
@@ -398,8 +419,10 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes, w_elem=None):
     iters = triton.cdiv(kit, split)
     cfg["SPLIT"] = triton.cdiv(kit, iters)
     cfg["ITERS"] = iters
+    cfg.setdefault("SWAP", False)
     if not cfg.get("DOT", True):
         cfg["BLOCK_T"] = cfg.get("BLOCK_T_FMA", cfg["BLOCK_T"])
+        cfg["SWAP"] = False
     cfg.pop("BLOCK_T_FMA", None)
     if "PRE" not in cfg:
         w_elem = w_elem or (4 if dtype == torch.float32 else 2)  # weight bytes per element
