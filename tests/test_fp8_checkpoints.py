@@ -205,6 +205,7 @@ def test_block_convention_matches_transformers(tmp_path, base):
     width is a multiple of 4; the 4x4 grid still varies along both axes)."""
     from transformers import AutoModelForCausalLM
 
+    pytest.importorskip("accelerate")  # (transformers' fp8 quantizer asks for it)
     qc = fp8_config((4, 4))
     qc["dequantize"] = True  # (on a GPU machine transformers would keep the e4m3 weights otherwise)
     fp8_dir, _, parts = write_fp8(base("qwen3"), tmp_path, qc, lm_head=True)
