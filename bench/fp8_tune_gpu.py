@@ -36,6 +36,7 @@ VARIANTS = [
     ("fp8 split8", True, every(SPLIT=8)),
     ("fp8 split4 K256 stages5", True, every(SPLIT=4, BLOCK_K=256, num_stages=5)),
     ("fp8 split8 K256", True, every(SPLIT=8, BLOCK_K=256)),
+    ("bf16", False, {}),
     ("bf16 split4", False, every(SPLIT=4)),
 ]
 
