@@ -68,7 +68,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
     fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). tgrid: over row tiles
     (batch-invariant mode)."""
-    cfg = cfg or G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n)
+    cfg = cfg or G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n, fp8=fp8)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     cfg = G._finish_config(cfg, K, BF16, epi, N * K * (1 if fp8 else 2), 1 if fp8 else None)
@@ -80,7 +80,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
         types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
                   DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, FP8=fp8,
-                  TGRID=tgrid, **{"SWAP": False, **cfg})
+                  TGRID=tgrid, **cfg)
     compile_kernel(f"skinny {name} fp8={fp8} tgrid={tgrid} {cfg}", G._skinny_kernel, types, consts, nw, ns)
 
 

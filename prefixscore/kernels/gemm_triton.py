@@ -63,7 +63,7 @@ def _skinny_kernel(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
-    TGRID: tl.constexpr, SWAP: tl.constexpr,
+    TGRID: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -149,14 +149,8 @@ def _skinny_kernel(
         c2 = tl.load(COS + tc * D + BLOCK_N + jc, mask=m_rope, other=0.0)
         s2 = tl.load(SIN + tc * D + BLOCK_N + jc, mask=m_rope, other=0.0)
 
-    # SWAP: the loop accumulates out^T = w @ x^T ([BLOCK_N, BLOCK_T]), the weight tile as the MMA's
-    # first operand (M = BLOCK_N), transposed once after the loop.
-    if SWAP:
-        acc_a = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-        acc_b = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
-    else:
-        acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-        acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
         xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0)
         if FP8:  # e4m3 weights: to the activations' dtype in registers (scaled in the epilogue)
@@ -166,17 +160,11 @@ def _skinny_kernel(
         if UPCAST:
             xp = xp.to(tl.float32)
             wpa = wpa.to(tl.float32)
-        if SWAP:
-            acc_a = tl.dot(wpa, tl.trans(xp), acc_a, input_precision=DOT_PREC)
-        else:
-            acc_a = tl.dot(xp, tl.trans(wpa), acc_a, input_precision=DOT_PREC)
+        acc_a = tl.dot(xp, tl.trans(wpa), acc_a, input_precision=DOT_PREC)
         if TWO:
             if UPCAST:
                 wpb = wpb.to(tl.float32)
-            if SWAP:
-                acc_b = tl.dot(wpb, tl.trans(xp), acc_b, input_precision=DOT_PREC)
-            else:
-                acc_b = tl.dot(xp, tl.trans(wpb), acc_b, input_precision=DOT_PREC)
+            acc_b = tl.dot(xp, tl.trans(wpb), acc_b, input_precision=DOT_PREC)
     for i in range(PRE, ITERS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -193,10 +181,7 @@ def _skinny_kernel(
             if UPCAST:  # interpreter only: it multiplies bf16 bit patterns in tl.dot (triton#11584)
                 xv = xv.to(tl.float32)
                 wa = wa.to(tl.float32)
-            if SWAP:
-                acc_a = tl.dot(wa, tl.trans(xv), acc_a, input_precision=DOT_PREC)
-            else:
-                acc_a = tl.dot(xv, tl.trans(wa), acc_a, input_precision=DOT_PREC)
+            acc_a = tl.dot(xv, tl.trans(wa), acc_a, input_precision=DOT_PREC)
         else:
             xf = xv.to(tl.float32)[:, None, :]
             acc_a += tl.sum(xf * wa.to(tl.float32)[None, :, :], axis=2)
@@ -211,16 +196,10 @@ def _skinny_kernel(
             if DOT:
                 if UPCAST:
                     wb = wb.to(tl.float32)
-                if SWAP:
-                    acc_b = tl.dot(wb, tl.trans(xv), acc_b, input_precision=DOT_PREC)
-                else:
-                    acc_b = tl.dot(xv, tl.trans(wb), acc_b, input_precision=DOT_PREC)
+                acc_b = tl.dot(xv, tl.trans(wb), acc_b, input_precision=DOT_PREC)
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
 
-    if SWAP:
-        acc_a = tl.trans(acc_a)
-        acc_b = tl.trans(acc_b)
     if TRIG == 1:  # the weight stream is done: let the next kernel's programs start their preloads
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT > 1:
@@ -345,13 +324,29 @@ def config_rows(T: int) -> int:
     return INVARIANT_ROWS if BATCH_INVARIANT else T
 
 
-def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=None) -> dict:
+# e4m3 weights of 7B-class layers (FP8_WIDE applies where gemm_config's `wide` does, gate/up too):
+# at bf16's configs a program streams half the bytes per tile and the weight read stalls (7B W4
+# 4.13 ms against bf16's 3.69); more programs in flight fix most of it. H200, W4 in place over every
+# skinny role (bench/fp8_tune_gpu.py, bench/results/fp8_tune_gpu_s15a.json): SPLIT 4 3.317 ms,
+# BLOCK_K 256 3.421, 6 stages 3.520; swapped MMA operands 5.24, BLOCK_N 64 4.70, 8 warps 4.56.
+FP8_WIDE = {"SPLIT": 4}
+
+
+def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=None, fp8=False) -> dict:
     """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
 
     ncols: output column tiles are counted over this many columns (N plain, I gated; for rope
     block_n is fixed to D/2 and ncols = heads * D/2). Picks a column tile so T-tile re-reads of x
     stay below the weight bytes, then splits K until there are about 2 programs per SM.
+    fp8: e4m3 weights (FP8_WIDE for 7B-class layers at T <= 16).
     """
+    cfg = _shape_config(T, ncols, K, epi, dtype, device, block_n)
+    if fp8 and max(16, _np2(T)) == 16 and (2 if epi else 1) * ncols * K * 2 >= (16 << 20):
+        cfg.update(FP8_WIDE)
+    return cfg
+
+
+def _shape_config(T, ncols, K, epi, dtype, device, block_n):
     sms = _num_sms(device)
     bt = max(16, _np2(T))
     if block_n is None:
@@ -419,10 +414,8 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes, w_elem=None):
     iters = triton.cdiv(kit, split)
     cfg["SPLIT"] = triton.cdiv(kit, iters)
     cfg["ITERS"] = iters
-    cfg.setdefault("SWAP", False)
     if not cfg.get("DOT", True):
         cfg["BLOCK_T"] = cfg.get("BLOCK_T_FMA", cfg["BLOCK_T"])
-        cfg["SWAP"] = False
     cfg.pop("BLOCK_T_FMA", None)
     if "PRE" not in cfg:
         w_elem = w_elem or (4 if dtype == torch.float32 else 2)  # weight bytes per element
@@ -530,7 +523,7 @@ def _plain_or_gated(x, w, bias, out, config, epi, norm=None, residual=None):
     if out is None:
         out = torch.empty((T, cols), dtype=x.dtype, device=x.device)
     assert out.shape == (T, cols) and out.stride(-1) == 1
-    cfg = gemm_config(config_rows(T), cols, K, epi, x.dtype, x.device)
+    cfg = gemm_config(config_rows(T), cols, K, epi, x.dtype, x.device, fp8=is_fp8(w))
     cfg.update(config or {})
     tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear")
     resid = None
@@ -568,7 +561,8 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
     cos, sin = cos.contiguous(), sin.contiguous()
     if q_norm is not None:
         q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
-    cfg = gemm_config(config_rows(T), H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2)
+    cfg = gemm_config(config_rows(T), H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2,
+                      fp8=is_fp8(w_qkv))
     cfg.update(config or {})
     tuned(cfg, "qkv")
     cfg["BLOCK_N"] = D // 2
