@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from bench.gpu import OUT
 from prefixscore.kernels import fp8 as F8
-from prefixscore.kernels.gemm_triton import _finish_config, gemm_config, linear_small
+from prefixscore.kernels.gemm_config import _finish_config, gemm_config
+from prefixscore.kernels.gemm_triton import linear_small
 
 PROBE = 16
 SHAPES = {"qkv": (1152, 896), "down": (896, 4864), "gate_up": (9728, 896)}

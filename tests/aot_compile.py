@@ -27,6 +27,7 @@ from prefixscore.kernels import attention_o_triton as AO  # noqa: E402
 from prefixscore.kernels import attention_triton as AT  # noqa: E402
 from prefixscore.kernels import fused_triton as F  # noqa: E402
 from prefixscore.kernels import fp8_triton as Q8  # noqa: E402
+from prefixscore.kernels import gemm_config as C  # noqa: E402
 from prefixscore.kernels import gemm_triton as G  # noqa: E402
 from prefixscore.kernels import label_head_triton as LH  # noqa: E402
 
@@ -68,10 +69,10 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
     fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). tgrid: over row tiles
     (batch-invariant mode)."""
-    cfg = cfg or G.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n, fp8=fp8)
+    cfg = cfg or C.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n, fp8=fp8)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
-    cfg = G._finish_config(cfg, K, BF16, epi, N * K * (1 if fp8 else 2), 1 if fp8 else None)
+    cfg = C._finish_config(cfg, K, BF16, epi, N * K * (1 if fp8 else 2), 1 if fp8 else None)
     cfg, nw, ns = split_launch(cfg)
     types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
     types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
@@ -89,7 +90,7 @@ def main():
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14)  # after attention + O
     kernels.GU_PRE_KB, was = 16, kernels.GU_PRE_KB  # the A/B's other value: one step preloaded
-    cfg = G._finish_config(G.gemm_config(16, 4864, 896, 1, BF16, CPU), 896, BF16, 1, 9728 * 896 * 2)
+    cfg = C._finish_config(C.gemm_config(16, 4864, 896, 1, BF16, CPU), 896, BF16, 1, 9728 * 896 * 2)
     kernels.GU_PRE_KB = was
     skinny("0.5B gate/up+norm, 16 KB before the wait", 16, 4864, 896, 1, 9728, norm=True, nt=14,
            trig=True, cfg=cfg)

@@ -270,3 +270,27 @@ def test_fp8_linear_takes_quantized_activations():
     out = fp8.linear(act, w, None, BF).float()
     ref = act.dequantize() @ w.dequantize().t()
     assert (out - ref).norm() / ref.norm() < (1e-2 if CUDA else 4e-3)  # (CPU: out's bf16 rounding)
+
+
+def test_fp8_wide_layers_take_their_own_split(monkeypatch):
+    """7B-class e4m3 weights at T <= 16 split K by FP8_WIDE (measured on the H200: the bf16 split
+    left the halved weight stream stalling); bf16, the 0.5B shapes and larger T keep theirs. The
+    entry points say whether their weight is e4m3."""
+    from prefixscore.kernels import gemm_triton
+    from prefixscore.kernels.gemm_config import FP8_WIDE, gemm_config
+
+    cpu = torch.device("cpu")
+    for T, cols, K, epi in ((1, 18944, 3584, 1), (16, 3584, 18944, 0), (8, 36 * 64, 3584, 2)):
+        assert gemm_config(T, cols, K, epi, BF, cpu, fp8=True)["SPLIT"] == FP8_WIDE["SPLIT"]
+        assert gemm_config(T, cols, K, epi, BF, cpu)["SPLIT"] != FP8_WIDE["SPLIT"]
+    for T, cols, K, epi in ((1, 4864, 896, 1), (32, 18944, 3584, 1)):
+        assert gemm_config(T, cols, K, epi, BF, cpu, fp8=True) == gemm_config(T, cols, K, epi, BF, cpu)
+    seen = []
+    real = gemm_triton.gemm_config
+    monkeypatch.setattr(gemm_triton, "gemm_config", lambda *a, **kw: seen.append(kw.get("fp8")) or real(*a, **kw))
+    gen = seed()
+    w16 = weight(64, 96, gen).to(DEVICE, BF)
+    x = torch.randn(2, 96, generator=gen).to(DEVICE, BF)
+    linear_small(x, w16, config=SMALL)
+    linear_small(x, Fp8Weight.quantize(w16), config=SMALL)
+    assert seen == [False, True]

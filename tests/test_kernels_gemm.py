@@ -30,8 +30,9 @@ from conftest import fix_interpreter_loop_bounds  # noqa: E402
 
 fix_interpreter_loop_bounds()
 
+from prefixscore.kernels.gemm_config import gemm_config  # noqa: E402
 from prefixscore.kernels.gemm_triton import (  # noqa: E402
-    gate_up_silu_small, gemm_config, linear_residual_small, linear_small, qkv_rope_small)
+    gate_up_silu_small, linear_residual_small, linear_small, qkv_rope_small)
 from prefixscore.kernels.label_head import rms_norm as rms_norm_ref  # noqa: E402
 from prefixscore.model import fold  # noqa: E402
 
@@ -235,7 +236,7 @@ def test_pre_config():
     """PRE: a whole split of <= 32 KB before the wait (no loop after), else <= 16 KB of it, the
     gated GEMM's up to kernels.GU_PRE_KB, and none for 7B-class weights (slower there:
     kernels/pdl.py)."""
-    from prefixscore.kernels.gemm_triton import _finish_config
+    from prefixscore.kernels.gemm_config import _finish_config
 
     dev = torch.device(DEVICE)
     bf = torch.bfloat16
@@ -283,7 +284,7 @@ def test_tune_overrides_by_role(monkeypatch):
     config's value, and an overridden launch still computes the reference."""
     from prefixscore import kernels
     from prefixscore.kernels import gemm_triton
-    from prefixscore.kernels.gemm_triton import tuned
+    from prefixscore.kernels.gemm_config import tuned
 
     was = dict(kernels.TUNE)
     try:

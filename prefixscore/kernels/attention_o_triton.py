@@ -23,7 +23,8 @@ import triton.language as tl
 
 from .attention_triton import _attend, _dot, _num_sms, _prefix_ranges, _prefix_tile, _ranges
 from .fp8 import is_fp8
-from .gemm_triton import _counters, tuned
+from .gemm_config import tuned
+from .gemm_triton import _counters
 from .pdl import early, launch_kwargs, trigger, wait
 
 

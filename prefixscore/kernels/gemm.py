@@ -78,7 +78,7 @@ def _prologue(x, skinny: bool):
 # ---------------------------------------------------------------- dispatch
 def _small(x, w) -> bool:
     """The skinny kernel takes this GEMM: few tokens, or any T in batch-invariant mode (its one
-    config over row tiles, gemm_triton.config_rows)."""
+    config over row tiles, gemm_config.config_rows)."""
     return (isinstance(x, torch.Tensor) and x.is_cuda and use_triton() and x.dim() == 2
             and 0 < x.shape[0] and (x.shape[0] <= SMALL_T_MAX or invariant())
             and x.dtype in _DTYPES and (w.dtype == x.dtype or fp8.is_fp8(w) and x.dtype != torch.float32))
