@@ -4,10 +4,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import numbers
-import sys
-import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -15,87 +11,16 @@ import torch
 from .batch import plan_classify
 from .engine import Engine
 from .kernels.label_head import rms_norm
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, numbered
 from .labels import LabelTrie, check_labels
 from .loading import finish_load, obtain
+from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
 MODES = ("logprobs", "logits")
-# The batch APIs tokenize on a worker thread while the engine runs (DESIGN.md §7): the Rust tokenizer
-# releases the GIL, and so does the host's wait for the GPU. Queries per tokenizer call: the first
-# call small, so the engine starts early, then doubling up to a cap (what is held ahead is bounded).
-TOKENIZE_FIRST, TOKENIZE_MAX = 32, 512
-TOKENIZE_AHEAD = 4  # tokenizer calls queued behind the one the engine waits for
 # The first flat batch's token budget, doubling up to max_batch_tokens: the engine's first batches
 # are short, so the tokenizer (a few us per query) runs ahead of the engine from the start.
 FIRST_BATCH_TOKENS = 1024
-# While a tokenizer thread runs, the interpreter hands the GIL over within this (default: 5 ms). The
-# engine's thread lets the GIL go around every CUDA call, hundreds per eager batch, and waited a
-# whole interval each time to get it back from the tokenizer's Python. H200, 4096 real queries,
-# 0.5B, text in against ids in: 0.74 -> 0.90 and 0.80 -> 0.84 (two hosts); 5 us had 3x outliers.
-# None leaves the interpreter's setting alone.
-SWITCH_INTERVAL = 2e-5
-
-
-def doubling_spans(sizes, first: int, cap: int) -> list[tuple[int, int]]:
-    """[lo, hi) ranges of consecutive items with the given sizes: a range closes once its size
-    reaches its target, which is `first` for the first range and doubles up to `cap`."""
-    spans, lo, total, target, n = [], 0, 0, first, 0
-    for n, size in enumerate(sizes, 1):
-        total += size
-        if total >= target:
-            spans.append((lo, n))
-            lo, total, target = n, 0, min(2 * target, cap)
-    return spans + [(lo, n)] if lo < n else spans
-
-
-def run_ahead(fn, spans, depth: int = TOKENIZE_AHEAD):
-    """fn(lo, hi) for each span, in order, computed on one worker thread up to `depth` spans before
-    the caller takes it, so the caller's engine work overlaps the tokenizer (with a short switch
-    interval meanwhile: quick_gil_handoff). An exception in fn is raised where the caller takes
-    that span. A generator: closing it (the caller stopped early or raised) cancels the calls not
-    started and waits for the one running (a few ms at most), so the thread never outlives it. fn
-    must not share the tokenizer with the caller's thread meanwhile: the HF call sets state on it
-    per call."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-tokenize")
-    try:
-        with quick_gil_handoff():
-            todo = deque()
-            for span in spans:
-                todo.append(pool.submit(fn, *span))
-                if len(todo) > depth:
-                    yield todo.popleft().result()
-            while todo:
-                yield todo.popleft().result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-class _Switch:
-    """How many quick_gil_handoff blocks are open, and the interval to restore after the last."""
-    lock, open, saved = threading.Lock(), 0, 0.0
-
-
-@contextlib.contextmanager
-def quick_gil_handoff():
-    """sys.setswitchinterval(SWITCH_INTERVAL) inside (see there), restored after: the setting is
-    the process's, so overlapping blocks (streams on several threads) count, and the last one out
-    restores what was there before the first."""
-    if SWITCH_INTERVAL is None:
-        yield
-        return
-    with _Switch.lock:
-        if _Switch.open == 0:
-            _Switch.saved = sys.getswitchinterval()
-            sys.setswitchinterval(min(_Switch.saved, SWITCH_INTERVAL))
-        _Switch.open += 1
-    try:
-        yield
-    finally:
-        with _Switch.lock:
-            _Switch.open -= 1
-            if _Switch.open == 0:
-                sys.setswitchinterval(_Switch.saved)
 
 
 def classifier_labels(labels) -> list[str]:
@@ -105,24 +30,6 @@ def classifier_labels(labels) -> list[str]:
     if len(labels) < 2:
         raise ConfigError(f"a classifier needs at least two labels to choose from, got {labels}")
     return labels
-
-
-@contextlib.contextmanager
-def error_at(where):
-    """Put `where` (a string, or a function of the error) in front of an InputError's message, as
-    "query 37: empty query"; None leaves it as it is."""
-    try:
-        yield
-    except InputError as e:
-        if where is None:
-            raise
-        raise InputError(f"{where(e) if callable(where) else where}: {e}") from None
-
-
-def numbered(first: int):
-    """An InputError from encode_many named by its query's 1-based place in the whole input, of
-    which the encoded queries start at `first`."""
-    return error_at(lambda e: f"query {first + e.index + 1}")
 
 
 @dataclass

@@ -8,9 +8,9 @@ import json
 import sys
 import time
 
-from .classifier import error_at, run_ahead
 from .cmdline import err, quiet
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, error_at
+from .overlap import run_ahead
 from .scorer import LAYOUTS, MODES, Scorer
 
 # score_request's keys that the command does not take per line: refused rather than ignored

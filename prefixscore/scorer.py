@@ -44,12 +44,12 @@ import numpy as np
 import torch
 
 from .batch import Plan
-from .classifier import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, error_at, run_ahead
 from .engine import Engine
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, error_at
 from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
 from .loading import finish_load, obtain
+from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
 from .spans import Span, SpanLayout, plan_items
 

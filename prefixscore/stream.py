@@ -1,6 +1,6 @@
 """`prefixscore classify` over inputs of any size (issue 21). Rows are read lazily and classified a
 chunk at a time; while the engine runs chunk k, a worker thread reads and tokenizes chunk k+1
-(Classifier's run_ahead); each chunk's rows are written and flushed as it finishes, on a writer
+(overlap.run_ahead); each chunk's rows are written and flushed as it finishes, on a writer
 thread while the engine runs chunk k+1, so memory is flat in the input's length. SIGINT/SIGTERM
 finish the chunk in flight; --resume continues the output file.
 
@@ -23,9 +23,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .classifier import run_ahead
 from .errors import InputError
 from .io import Row, RowReader, check_output, output_format
+from .overlap import run_ahead
 from .rowformat import ResultWriter, RowFormat, plain
 
 CHUNK_ROWS = 4096  # rows per chunk: thousands keep the GPU's flat batches full, the memory small

@@ -11,7 +11,9 @@ import pytest
 from conftest import random_queries
 from prefixscore import ConfigError, InputError
 from prefixscore import classifier as classifier_mod
-from prefixscore.classifier import Classifier, doubling_spans, run_ahead
+from prefixscore import overlap
+from prefixscore.classifier import Classifier
+from prefixscore.overlap import doubling_spans, run_ahead
 from prefixscore.scorer import Scorer
 
 LABELS = ["Dress", "Jeans", "T-shirt", "Trench Coat", "Other"]  # T-shirt / Trench Coat branch
@@ -221,7 +223,7 @@ def test_stopping_early_joins_the_thread(clf, small_chunks):
     it = clf.classify_batch_iter(random_queries(300, 17))
     try:
         assert next(it) and workers()
-        assert sys.getswitchinterval() == pytest.approx(classifier_mod.SWITCH_INTERVAL)
+        assert sys.getswitchinterval() == pytest.approx(overlap.SWITCH_INTERVAL)
     finally:
         it.close()
     assert not workers() and sys.getswitchinterval() == before  # the interpreter's setting restored
