@@ -59,7 +59,8 @@ def run_both(a, log: Path, work: Path, kw: dict) -> tuple[list[float], list[dict
 
     from prefixscore import Classifier
     from prefixscore.io import RowReader
-    from prefixscore.stream import ClassifyJob, model_record
+    from prefixscore.resume import model_record
+    from prefixscore.stream import ClassifyJob
 
     clf = Classifier(**kw)
     ray.init(address="local", num_cpus=a.cpus, include_dashboard=False, logging_level="WARNING",

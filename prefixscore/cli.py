@@ -17,7 +17,7 @@ from .files import is_many
 from .io import labels_option
 from .report import confusion_report, format_confusion, format_per_label, rows_digest
 from .prompt import SEED_LABELS
-from .stream import CHUNK_ROWS, model_record
+from .resume import CHUNK_ROWS, model_record
 
 
 def cmd_classify(a) -> int:

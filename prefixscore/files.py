@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .errors import InputError
 from .io import RowReader, cannot_write, output_format
-from .stream import META_FORMAT, ClassifyJob, check_meta, meta_path, write_meta
+from .resume import META_FORMAT, check_meta, meta_path, write_meta
+from .stream import ClassifyJob
 
 # What a directory's input files end with (a glob takes what it matches).
 INPUT_SUFFIXES = (".parquet", ".csv", ".jsonl", ".ndjson", ".json", ".txt")

@@ -20,7 +20,7 @@ import pytest
 from conftest import random_queries
 from prefixscore import cli
 from prefixscore.classifier import Classifier
-from prefixscore.stream import chunk_ends
+from prefixscore.resume import chunk_ends
 
 LABELS = ["Dress", "Jeans", "Other"]
 # Subprocesses use one thread: on a busy host, OpenMP threads that spin for a core cost 30x here.

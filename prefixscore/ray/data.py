@@ -16,7 +16,8 @@ import os
 from ..errors import ConfigError, PrefixScoreError
 from ..io import Row, query_row
 from ..rowformat import RowFormat, output_name
-from ..stream import CHUNK_ROWS, encode_rows, model_record
+from ..resume import CHUNK_ROWS, model_record
+from ..stream import encode_rows
 
 try:
     import pyarrow as pa

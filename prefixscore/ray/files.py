@@ -31,7 +31,8 @@ from ..errors import InputError
 from ..files import check, commit, looks_finished, plan, start
 from ..io import Row, RowReader
 from ..rowformat import ResultWriter, RowFormat
-from ..stream import CHUNK_ROWS, Progress, check_meta, chunk_ends
+from ..resume import CHUNK_ROWS, check_meta, chunk_ends
+from ..stream import Progress
 from .data import checked, connect, describe, pool
 
 import pyarrow as pa  # noqa: E402 (after data.py, which says how to install Ray Data and pyarrow)

@@ -1,0 +1,176 @@
+"""Resuming a classify run (stream.ClassifyJob): the chunk grid a run writes in, so an interrupted
+output ends on a chunk boundary and is redone from there as an uninterrupted run would have done it;
+the sidecar that records the options a run was written with; the scan that checks a partial output
+against its input row by row."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+from .errors import InputError
+from .rowformat import RowFormat, plain
+
+CHUNK_ROWS = 4096  # rows per chunk: thousands keep the GPU's flat batches full, the memory small
+FIRST_CHUNK_ROWS = 32  # the first chunks are short, so the first rows are out moments after the model
+
+
+def chunk_ends(chunk_rows: int):
+    """The last row number of each chunk: 32, 64, 128... rows doubling up to `chunk_rows` a chunk."""
+    end, size = 0, min(FIRST_CHUNK_ROWS, chunk_rows)
+    while True:
+        end += size
+        yield end
+        size = min(2 * size, chunk_rows)
+
+
+def meta_path(output: str) -> str:
+    return output + ".meta.json"
+
+
+# The options a run is checked by lie in a sidecar file, OUT.meta.json, not in a header line of OUT:
+# then OUT is plain CSV or JSONL with one line per input row, as vLLM's and TEI's batch outputs are,
+# which pandas, DuckDB and jq read with no line to skip and whose line N stays row N.
+META_FORMAT = "prefixscore.classify.output"
+# Options recorded since after the first sidecars were written: a record without one was written
+# with its default, so such a file still resumes with the same command.
+ADDED_OPTIONS = {"probs": False, "top_k": None}
+
+
+def write_meta(output: str, options: dict, done: dict | None = None) -> None:
+    """The sidecar of `output`; `done` (files.py: the rows written and the input's size and mtime)
+    marks an output that is complete."""
+    path = meta_path(output)
+    tmp = f"{path}.tmp{os.getpid()}"
+    meta = {"format": META_FORMAT, "version": 1, "options": options} | ({"done": done} if done else {})
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)  # never a half-written sidecar
+    except OSError as e:
+        raise InputError(f"cannot write output file {path}: {e.strerror or e}") from None
+
+
+def check_meta(output: str, options: dict) -> None:
+    """Refuse to resume `output` if it was written with other options than these."""
+    path = meta_path(output)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta["format"] != META_FORMAT or not isinstance(meta["options"], dict):
+            raise ValueError("not a prefixscore sidecar")
+    except FileNotFoundError:
+        raise InputError(f"--resume: {output} has no {path}, so what it was written with cannot be "
+                         f"checked: write to a new file, or drop --resume to overwrite it") from None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise InputError(f"--resume: {path} is not readable as prefixscore's record of {output}") from None
+    for k, v in options.items():
+        old = meta["options"].get(k, ADDED_OPTIONS.get(k))
+        if old != v:
+            raise InputError(f"--resume: {output} was written with {k} {_short(old)}, not {_short(v)} "
+                             f"(see {path}): give the options it was written with, or drop --resume "
+                             f"to start it over")
+
+
+def model_record(clf, adapter=None, head=None) -> dict:
+    """What a sidecar records of the model a run classified with (in-process or on Ray's actors)."""
+    def path_or_name(v):
+        return os.path.abspath(v) if v is not None and os.path.exists(v) else v
+
+    return {"model": clf.loaded.name, "adapter": path_or_name(adapter), "head": path_or_name(head),
+            "template": clf.prompt.template, "chat": clf.prompt.chat,
+            "dtype": str(clf.engine.dtype).removeprefix("torch."), "device": clf.engine.device.type}
+
+
+def _short(v) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str):
+    """Check what an interrupted run wrote against the input, row by row by the `row` column and the
+    input columns: -> (rows kept, bytes kept, input rows read past them). Only whole chunks are
+    kept: a chunk a crash tore is redone from its first row, so its flat batches, and its bytes,
+    are those of an uninterrupted run."""
+    rows, keep_rows, keep_bytes, redo = iter(rows), 0, 0, []
+    ends = chunk_ends(chunk_rows)
+    end_row = next(ends)
+    with open(output, "rb") as f:
+        for n, (end, got) in enumerate(_records(f, output, form), 1):
+            row = next(rows, None)
+            if row is None:
+                raise InputError(f"--resume: {output} has more rows than the input ({n - 1}): it was "
+                                 f"written from another input")
+            want = form.input_part(row)
+            if form.fmt == "jsonl":  # as written: a Parquet timestamp is its ISO text there
+                want = json.loads(json.dumps(want, default=plain))
+            same = got[:len(want)] == want if form.fmt == "csv" else \
+                all(got.get(k, ...) == v for k, v in want.items())
+            if not same:
+                raise InputError(f"--resume: row {n} of {output} is not input row {n} "
+                                 f"({where(row)}): written {_short(_head(got, want))}, "
+                                 f"the input gives {_short(want)}; resume with the input it was "
+                                 f"written from")
+            redo.append(row)
+            if n == end_row:
+                keep_rows, keep_bytes, redo, end_row = n, end, [], next(ends)
+    return keep_rows, keep_bytes, redo
+
+
+def _head(got, want):
+    return got[:len(want)] if isinstance(got, list) else {k: got.get(k) for k in want}
+
+
+def _records(f, output: str, form: RowFormat):
+    """(end offset, record) of each complete row of an output file, after adopting a CSV header's
+    columns; stops at a torn end: a last line without its newline, or a CSV record it leaves open."""
+    pos = 0
+
+    def lines():
+        nonlocal pos
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                return
+            pos += len(raw)
+            yield raw.decode("utf-8")
+
+    def unreadable():
+        return InputError(f"--resume: {output} is unreadable at byte {pos}: not an output of "
+                          f"prefixscore classify")
+
+    source = lines()
+    csv.field_size_limit(max(csv.field_size_limit(), 2 ** 31 - 1))  # a query's length is not ours to cap
+    try:
+        if form.fmt == "jsonl":
+            for line in source:
+                yield pos, json.loads(line)
+            return
+        records = csv.reader(source, strict=True)
+        header = next(records, None)
+        if header is None:
+            return
+        form.names = [_input_name(c, form) for c in header[2:len(header) - len(form.result_columns)]]
+        if header != form.header():
+            raise InputError(f"--resume: {output} has the header {_short(header)}, not "
+                             f"{_short(form.header())}")
+        while True:
+            try:
+                rec = next(records)
+            except StopIteration:
+                return
+            except csv.Error:
+                if next(source, None) is None:  # an open quote at the end: a torn write
+                    return
+                raise unreadable() from None
+            yield pos, rec
+    except ValueError:  # JSON or UTF-8 that a complete line of ours never has
+        raise unreadable() from None
+
+
+def _input_name(name: str, form: RowFormat) -> str:
+    bare = name.removeprefix("input:")
+    return bare if bare != name and form.out_name(bare) == name else name
+
+
+# ---------------------------------------------------------------- the command
