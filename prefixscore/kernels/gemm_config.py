@@ -42,7 +42,7 @@ def gemm_config(T: int, ncols: int, K: int, epi: int, dtype, device, block_n=Non
     """
     cfg = _shape_config(T, ncols, K, epi, dtype, device, block_n)
     # 7B-class: ncols x K of 8.3M (QKV, counted in half heads) to 68M; 0.5B-class at most 4.4M
-    if fp8 and max(16, _np2(T)) == 16 and ncols * K >= 6_000_000:
+    if fp8 and T <= 16 and ncols * K >= 6_000_000:
         cfg.update(FP8_WIDE)
     return cfg
 
