@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from prefixscore import Classifier
-from prefixscore.loading import bundled_model_path, converted_folder
+from prefixscore.weights.loading import bundled_model_path, converted_folder
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from prefixscore import Classifier
-from prefixscore.train.heads import stratified_folds
+from prefixscore.train.fit_heads import stratified_folds
 from prefixscore.prompt import SEED_LABELS, SEED_TEMPLATE
-from prefixscore.report import confusion_report
+from prefixscore.rows.report import confusion_report
 from prefixscore.train import finetune, save_adapter
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "intent_dev.csv"

@@ -35,10 +35,10 @@ import torch
 
 import prefixscore.kernels as K
 from prefixscore.batch import plan_classify
-from prefixscore.config import ModelConfig
+from prefixscore.model_config import ModelConfig
 from prefixscore.engine import Engine
 from prefixscore.labels import LabelTrie
-from prefixscore.loading import from_tensors
+from prefixscore.weights.loading import from_tensors
 
 SHAPES = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from prefixscore.loading import obtain
-from prefixscore.train.commands import format_confusion_all
-from prefixscore.train.heads import FitOptions, compare_modes
+from prefixscore.weights.loading import obtain
+from prefixscore.cli.train import format_confusion_all
+from prefixscore.train.fit_heads import FitOptions, compare_modes
 from prefixscore.prompt import SEED_LABELS, SEED_TEMPLATE
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "intent_dev.csv"

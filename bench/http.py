@@ -142,8 +142,8 @@ def _inprocess_child(conn, serve_flags, queries, n, cpus) -> None:
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
-        from prefixscore.cli import build_parser
-        from prefixscore.cmdline import make_classifier
+        from prefixscore.cli.main import build_parser
+        from prefixscore.cli.common import make_classifier
         from prefixscore.serve.config import default_workers
 
         a = build_parser().parse_args(["serve", *serve_flags])

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from prefixscore.config import ModelConfig
-from prefixscore.loading import from_tensors
+from prefixscore.model_config import ModelConfig
+from prefixscore.weights.loading import from_tensors
 from prefixscore.scorer import Scorer
 
 SHAPES = {

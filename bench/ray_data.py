@@ -58,16 +58,16 @@ def run_both(a, log: Path, work: Path, kw: dict) -> tuple[list[float], list[dict
     import ray
 
     from prefixscore import Classifier
-    from prefixscore.io import RowReader
-    from prefixscore.resume import model_record
-    from prefixscore.stream import ClassifyJob
+    from prefixscore.rows.io import RowReader
+    from prefixscore.rows.resume import model_record
+    from prefixscore.rows.stream import ClassifyJob
 
     clf = Classifier(**kw)
     ray.init(address="local", num_cpus=a.cpus, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": str(a.threads)}})
     try:
         from prefixscore.ray import data
-        from prefixscore.ray.files import classify_files
+        from prefixscore.ray.classify_files import classify_files
 
         data.quiet_logs()
         local, runs = [], []

@@ -13,7 +13,7 @@ from .engine import Engine
 from .kernels.label_head import rms_norm
 from .errors import ConfigError, InputError, numbered
 from .labels import LabelTrie, check_labels
-from .loading import finish_load, obtain
+from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
@@ -67,8 +67,8 @@ class Classifier:
         head_file = adapter_file = None
         self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)
         if adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights
-            from .loading import LoadedModel
-            from .adapter import read_adapter
+            from .weights.loading import LoadedModel
+            from .weights.adapter import read_adapter
 
             adapter_file = read_adapter(adapter)  # unreadable file: ModelLoadError before loading
             if head is not None:
@@ -104,8 +104,8 @@ class Classifier:
         tok = self.loaded.tokenizer
         self.prompt = Prompt(tok, template, chat=chat, special_tokens=allow_special_tokens)
         if adapter_file is not None:  # before the prefix and graphs are computed from the weights
-            from .loading import base_hash
-            from .adapter import check_adapter, merge_adapter
+            from .weights.loading import base_hash
+            from .weights.adapter import check_adapter, merge_adapter
 
             check_adapter(adapter_file, base_hash(self.loaded), template, labels, self.prompt.chat,
                           str(adapter))

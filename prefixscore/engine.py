@@ -16,7 +16,7 @@ import torch
 
 from .batch import Plan
 from .kernels import label_head
-from .loading import LoadedModel
+from .weights.loading import LoadedModel
 from .model import Context
 
 # Short requests get their own small buckets: the graph of a bucket does its padding tokens' work

@@ -1,6 +1,6 @@
 """Trained N-way label heads at inference: read the frozen model's final-normed hidden state at
 the read-out position (Classifier.features) and apply a head trained for the task, with or without
-the long instruction in front of the query. Fitting them lives in prefixscore.train.heads.
+the long instruction in front of the query. Fitting them lives in prefixscore.train.fit_heads.
 
 A linear head runs through the same fused label-head path as the label tokens: it is just another
 N-row projection (weight [N, H]) with every row allowed, plus a bias. Feature standardization is
@@ -105,7 +105,7 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
     """Write the head with the identity of `clf` (model, template, chat flag, labels) it was trained on."""
     from safetensors.torch import save
 
-    from .io import cannot_write
+    from .rows.io import cannot_write
 
     if list(head.labels) != list(clf.labels):
         raise ConfigError("the head's labels differ from the classifier's")
@@ -130,7 +130,7 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
 
 def read_head(path) -> HeadWeights:
     """The head file as written (CPU, fp32), metadata parsed into head.meta; no compatibility check."""
-    from .adapter import read_tagged
+    from .weights.adapter import read_tagged
 
     meta, tensors = read_tagged(path, "head", FORMAT, VERSION, "fit the head again")
     try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import ModelConfig, rope_parameters
+from .model_config import ModelConfig, rope_parameters
 from .errors import ModelLoadError
 from .kernels.attention import attention_o, span_layout
 from .kernels.fp8 import Fp8Weight

@@ -48,7 +48,7 @@ from .engine import Engine
 from .errors import ConfigError, InputError, error_at
 from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
-from .loading import finish_load, obtain
+from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
 from .spans import Span, SpanLayout, plan_items
@@ -121,8 +121,8 @@ class Scorer:
             Engine.set_batch_invariant(bool(batch_invariant))
         adapter_file = None
         if adapter is not None:  # unreadable or unsuitable: an error before the model loads
-            from .loading import LoadedModel
-            from .adapter import read_adapter
+            from .weights.loading import LoadedModel
+            from .weights.adapter import read_adapter
 
             adapter_file = read_adapter(adapter)
             if adapter_file.head is not None:
@@ -152,8 +152,8 @@ class Scorer:
             # model is checked: a Scorer's prompt is its own ({query}, {item}), never the
             # classification prompt the adapter was trained with, so its scores mean the adapted
             # model's reading of this prompt (use an adapter trained for related text).
-            from .loading import base_hash
-            from .adapter import check_adapter_base, merge_adapter
+            from .weights.loading import base_hash
+            from .weights.adapter import check_adapter_base, merge_adapter
 
             check_adapter_base(adapter_file, base_hash(self.loaded), str(adapter))
             merge_adapter(self.loaded, adapter_file)

@@ -39,7 +39,7 @@ def dev_queries():
 @pytest.fixture(scope="session")
 def bundled():
     """The bundled SmolLM2-135M-Instruct, loaded once (fp32)."""
-    from prefixscore.loading import load
+    from prefixscore.weights.loading import load
 
     return load(None, "cpu", torch.float32)
 

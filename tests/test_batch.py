@@ -60,7 +60,7 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
 
     from prefixscore import engine as engine_mod
     from prefixscore.engine import Engine, GraphRunner
-    from prefixscore.loading import load
+    from prefixscore.weights.loading import load
     from prefixscore.prompt import Prompt
 
     class EagerGraph:
@@ -143,9 +143,9 @@ def test_gpu_scores_do_not_depend_on_the_bucket():
     widths, 6 layers of random weights, 48 requests: the difference showed from layer 8 of 24."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from prefixscore.config import ModelConfig
+    from prefixscore.model_config import ModelConfig
     from prefixscore.engine import Engine
-    from prefixscore.loading import from_tensors
+    from prefixscore.weights.loading import from_tensors
 
     cfg = AutoConfig.for_model("qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
                                num_key_value_heads=2, num_hidden_layers=6, vocab_size=4096,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from prefixscore.cli import main
+from prefixscore.cli.main import main
 
 
 def run(*args, stdin=None):
@@ -147,8 +147,8 @@ def test_score_options_refused(tmp_path, capsys):
 
 
 def test_bom_and_encoding(model, tmp_path, capsys):
-    from prefixscore.io import read_text as _read_text
-    from prefixscore.io import read_rows
+    from prefixscore.rows.io import read_text as _read_text
+    from prefixscore.rows.io import read_rows
 
     bom = "\ufeff"
     for name, text in (("q.csv", "query,label\nlevis,Jeans\n"), ("q.txt", "levis\n"),
@@ -170,7 +170,7 @@ def test_bom_and_encoding(model, tmp_path, capsys):
 
 def test_malformed_csv(tmp_path):
     from prefixscore.errors import InputError
-    from prefixscore.io import read_rows
+    from prefixscore.rows.io import read_rows
 
     f = tmp_path / "bad.csv"
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import prefixscore
-from prefixscore import cli, cmdline
+from prefixscore.cli import main as cli, common as cmdline
 from prefixscore.classifier import Classifier, Result
 from prefixscore.errors import ConfigError
 
@@ -232,7 +232,7 @@ def test_show_prompt_eval(run, clfs, tmp_path):
 
 def test_show_prompt_shared_first_token(model):
     """Labels that share a first token: the trie's branching node is shown with its children."""
-    from prefixscore.show import describe
+    from prefixscore.cli.show import describe
 
     clf = Classifier(model, TEMPLATE, ["T-shirt", "Trench Coat", "Jeans"], chat=False, graphs=False)
     text = describe(clf, "x")
@@ -365,7 +365,7 @@ def test_quiet_and_verbose_lines(run, capsys):
     rc, _, err = run("classify", "-i", "/nonexistent.txt", "--quiet")  # errors still shown
     assert rc == 2 and err.startswith("prefixscore: error: input file not found")
     rc, out3, err = run("classify", "red dress", "--verbose")
-    assert rc == 0 and out3 == out and "debug: prefixscore.stream: rows 1-1 written" in err
+    assert rc == 0 and out3 == out and "debug: prefixscore.rows.stream: rows 1-1 written" in err
     assert "classified 1 queries" in err
     # the last given wins; the level is the process's again after the command
     rc, _, err = run("classify", "red dress", "--verbose", "--quiet")
@@ -375,8 +375,8 @@ def test_quiet_and_verbose_lines(run, capsys):
 
 
 def test_progress_is_quiet():
-    from prefixscore.io import RowReader
-    from prefixscore.stream import Progress
+    from prefixscore.rows.io import RowReader
+    from prefixscore.rows.stream import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -593,7 +593,7 @@ def test_parquet_input_is_the_jsonl_input(run, tmp_path):
     assert t.column_names[:3] == ["row", "query", "ts"] and t.schema.field("ts").type == pa.timestamp("us")
     assert t.column("ts").to_pylist() == ts
     # the whole input, progress by rows (no byte position in a Parquet file)
-    from prefixscore.io import RowReader
+    from prefixscore.rows.io import RowReader
 
     with RowReader(str(src)) as reader:
         assert reader.total == 36 and reader.columns == ["id", "query", "ts", "tags"]

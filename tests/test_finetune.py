@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (prefixscore.train) and adapters merged at load (prefixscore.adapter), on the
+"""LoRA fine-tuning (prefixscore.train) and adapters merged at load (prefixscore.weights.adapter), on the
 tiny random Llama: a keyword task the random model cannot do is learned; the merged engine scores
 equal the unmerged peft model's; mismatched adapters and bad data are refused."""
 import csv
@@ -10,8 +10,8 @@ import torch
 from hf_reference import hf_generate, hf_scores
 from prefixscore import Classifier
 from prefixscore.errors import ConfigError, InputError, ModelLoadError
-from prefixscore.loading import base_hash, load
-from prefixscore.adapter import check_adapter, merge_adapter, read_adapter
+from prefixscore.weights.loading import base_hash, load
+from prefixscore.weights.adapter import check_adapter, merge_adapter, read_adapter
 from prefixscore.train import finetune, save_adapter
 from prefixscore.train.__main__ import main as train_main
 from prefixscore.train.lora import TARGETS
@@ -268,7 +268,7 @@ def test_classifier_loads_an_adapter(llama, trained, tmp_path):
 
 def test_cli_classify_with_an_adapter(llama, trained, capsys):
     path, _ = trained
-    from prefixscore.cli import main
+    from prefixscore.cli.main import main
 
     want = Classifier(llama, adapter=path, graphs=False).classify("trench dress tee")
     assert main(["classify", "--model", str(llama), "--device", "cpu", "--adapter", str(path),
@@ -309,7 +309,7 @@ def test_bfloat16_file_is_half_the_size(trained, tmp_path):
 def test_eval_puts_zero_shot_and_adapter_side_by_side(llama, trained, tmp_path, capsys):
     import json
 
-    from prefixscore.cli import main
+    from prefixscore.cli.main import main
 
     path, _ = trained
     data = _csv(tmp_path / "d.csv", ROWS[:30])
@@ -335,7 +335,8 @@ def test_seed_adapter_is_the_default_task_only(tmp_path, monkeypatch, capsys):
     seed adapter (and say so); any of those flags, or --no-adapter, keeps the raw model."""
     import argparse
 
-    from prefixscore import adapter, cmdline
+    from prefixscore.weights import adapter
+    from prefixscore.cli import common as cmdline
 
     fake = tmp_path / "seed.safetensors"
     fake.write_bytes(b"x")
@@ -393,7 +394,7 @@ def test_scorer_merges_an_adapter(llama, tiny_model, trained, tmp_path, capsys):
     import json
 
     from prefixscore import Scorer
-    from prefixscore.cli import main
+    from prefixscore.cli.main import main
 
     path, adapter = trained
     template = "Is the item relevant to the query?\nQuery: {query}\nItem: {item}\nAnswer:"

@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny_model, random_queries
 from prefixscore import Classifier
 from prefixscore.errors import ModelLoadError
-from prefixscore.loading import check, load
-from prefixscore.quant import checkpoint_format, dequantize_checkpoint
+from prefixscore.weights.loading import check, load
+from prefixscore.weights.quant import checkpoint_format, dequantize_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: torch on one thread
 

@@ -4,11 +4,12 @@ Classifier in fp8 against the same model in bf16. The kernels: test_kernels_fp8.
 import pytest
 import torch
 
-from prefixscore import Classifier, cli
+from prefixscore import Classifier
+from prefixscore.cli import main as cli
 from prefixscore.errors import ConfigError
 from prefixscore.kernels.fp8 import is_fp8
-from prefixscore.loading import base_hash, finish_load, load
-from prefixscore.adapter import merge_adapter
+from prefixscore.weights.loading import base_hash, finish_load, load
+from prefixscore.weights.adapter import merge_adapter
 
 SPEC = dict(template="Which category? {query}", labels=["Dress", "Jeans", "Hoodie"], chat=False)
 QUERIES = ["red dress", "levis 501 jeans", "kids hoodie", "连衣裙", "oversized knit sweater"]

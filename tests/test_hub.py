@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from prefixscore import Classifier, hub
+from prefixscore import Classifier
+from prefixscore.weights import hub
 from prefixscore.errors import ModelLoadError
-from prefixscore.loading import load, resolve
+from prefixscore.weights.loading import load, resolve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "89abcdef0123456789abcdef0123456789abcdef"

@@ -229,10 +229,10 @@ def test_gpu_classify_alone_equals_batched():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from prefixscore.batch import plan_classify
-    from prefixscore.config import ModelConfig
+    from prefixscore.model_config import ModelConfig
     from prefixscore.engine import Engine
     from prefixscore.labels import LabelTrie
-    from prefixscore.loading import from_tensors
+    from prefixscore.weights.loading import from_tensors
 
     cfg = AutoConfig.for_model("qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
                                num_key_value_heads=2, num_hidden_layers=6, vocab_size=4096,
@@ -273,8 +273,8 @@ def test_switch_reaches_the_kernels(monkeypatch, tiny_model):
     captured; after, another setting is refused); None leaves it. On CPU the answers are torch's
     either way."""
     from prefixscore import Classifier
-    from prefixscore.cmdline import classifier_kwargs
-    from prefixscore.cli import build_parser
+    from prefixscore.cli.common import classifier_kwargs
+    from prefixscore.cli.main import build_parser
 
     path = str(tiny_model("qwen2"))
     spec = dict(template="Which category? {query}", labels=["Dress", "Jeans"], chat=False, device="cpu")

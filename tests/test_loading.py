@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prefixscore.config import ModelConfig
+from prefixscore.model_config import ModelConfig
 from prefixscore.errors import ModelLoadError
-from prefixscore.loading import from_tensors, load
+from prefixscore.weights.loading import from_tensors, load
 
 
 @pytest.fixture

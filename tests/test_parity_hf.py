@@ -41,7 +41,7 @@ def test_tiny_architectures_match_hf(arch, tiny_model):
 def test_bundled_model_matches_hf(bundled):
     from transformers import AutoModelForCausalLM
 
-    from prefixscore.loading import bundled_model_path, converted_folder
+    from prefixscore.weights.loading import bundled_model_path, converted_folder
 
     clf = Classifier(bundled)
     hf = AutoModelForCausalLM.from_pretrained(converted_folder(bundled_model_path()),

@@ -18,7 +18,7 @@ pytest.importorskip("ray.data")
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
-from prefixscore import cli  # noqa: E402
+from prefixscore.cli import main as cli  # noqa: E402
 from prefixscore.classifier import Classifier  # noqa: E402
 
 LABELS = ["Dress", "Jeans", "Other"]
@@ -210,7 +210,7 @@ def test_resume_skips_finished_files_whichever_mode_wrote_them(cluster, classify
     names = ["a.csv", "b.jsonl", "c.csv", "empty.jsonl"]
     for d in ("here", "ray"):
         assert sorted(os.listdir(tmp_path / d)) == sorted(names + [f"{n}.meta.json" for n in names])
-    from prefixscore.io import RowReader
+    from prefixscore.rows.io import RowReader
 
     for name in names:
         with RowReader(str(tmp_path / "here" / name)) as h, RowReader(str(tmp_path / "ray" / name)) as r:

@@ -10,7 +10,7 @@ import torch
 from conftest import ARCHS, random_queries
 from hf_reference import _children, _left_pad, hf_generate
 from prefixscore import ConfigError, InputError
-from prefixscore.loading import LoadedModel, load
+from prefixscore.weights.loading import LoadedModel, load
 from prefixscore.scorer import Scorer
 
 TOL = 1e-4
@@ -372,7 +372,7 @@ def test_bad_input(models):
 
 
 def test_cli_score(models, tmp_path, capsys):
-    from prefixscore.cli import main
+    from prefixscore.cli.main import main
 
     _, _, path = models("qwen2")
     template = TEMPLATES["query_first"][0]

@@ -208,9 +208,9 @@ def test_metrics_per_classifier(multi):
 
 def configs(*words, config=None):
     """`prefixscore serve WORDS` as the CLI reads it (flags, config file), up to the two configs."""
-    from prefixscore.cli import build_parser
-    from prefixscore.cmdline import apply_sources
-    from prefixscore.serve.cli import configs as serve_configs
+    from prefixscore.cli.main import build_parser
+    from prefixscore.cli.common import apply_sources
+    from prefixscore.cli.serve import configs as serve_configs
 
     argv = ["serve", "--device", "cpu", *words] + (["--config", str(config)] if config else [])
     a = build_parser().parse_args(argv)

@@ -18,9 +18,9 @@ import tracemalloc
 import pytest
 
 from conftest import random_queries
-from prefixscore import cli
+from prefixscore.cli import main as cli
 from prefixscore.classifier import Classifier
-from prefixscore.resume import chunk_ends
+from prefixscore.rows.resume import chunk_ends
 
 LABELS = ["Dress", "Jeans", "Other"]
 # Subprocesses use one thread: on a busy host, OpenMP threads that spin for a core cost 30x here.
@@ -397,8 +397,8 @@ class Clock:
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
-    from prefixscore.io import RowReader
-    from prefixscore.stream import Progress
+    from prefixscore.rows.io import RowReader
+    from prefixscore.rows.stream import Progress
 
     src = tmp_path / "q.txt"
     src.write_text("x\n" * 1000)

@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return classify_dataset
     if name == "classify_files":
-        from .files import classify_files
+        from .classify_files import classify_files
 
         return classify_files
     if name in ("app", "app_builder"):  # ray.serve only when asked for: Ray Data does without it

@@ -14,10 +14,10 @@ import logging
 import os
 
 from ..errors import ConfigError, PrefixScoreError
-from ..io import Row, query_row
-from ..rowformat import RowFormat, output_name
-from ..resume import CHUNK_ROWS, model_record
-from ..stream import encode_rows
+from ..rows.io import Row, query_row
+from ..rows.writer import RowFormat, output_name
+from ..rows.resume import CHUNK_ROWS, model_record
+from ..rows.stream import encode_rows
 
 try:
     import pyarrow as pa
@@ -125,8 +125,8 @@ def checked(classifier: dict) -> dict:
     model's files, the dtype's name. Local files become absolute paths (an actor's working
     directory is not the caller's)."""
     from ..classifier import MODES, classifier_labels
-    from ..loading import bundled_model_path, check, resolve, resolve_dtype
-    from ..adapter import read_adapter
+    from ..weights.loading import bundled_model_path, check, resolve, resolve_dtype
+    from ..weights.adapter import read_adapter
     from ..prompt import check_template
 
     kw = dict(classifier)

@@ -113,7 +113,7 @@ def from_tables(tables: dict, where: str) -> list[ClassifierSpec]:
 def _spec(name, raw: dict, at: str) -> ClassifierSpec:
     """A spec from its keys (strings from a flag; TOML values from a table), files read."""
     from ..classifier import MODES, classifier_labels
-    from ..io import read_text
+    from ..rows.io import read_text
     from ..prompt import check_template
 
     if not isinstance(name, str) or not NAME.fullmatch(name):

@@ -19,7 +19,7 @@ from .api_error import ApiError
 from .catalog import DEFAULT_MODEL, Catalog  # noqa: F401 -- importable from here, as before
 from .client import EngineDead
 from .config import FrontendConfig
-from .many import ClassifyMany
+from .fanout import ClassifyMany
 
 
 class Frontend(ClassifyMany):

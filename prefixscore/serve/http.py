@@ -14,7 +14,7 @@ import hmac
 import json
 import time
 
-from . import compat, many
+from . import compat, fanout
 from .answers import label_probs
 from .frontend import ApiError, Frontend
 from .schemas import (ERRORS, ClassifyManyResponse, ClassifyRequest, ClassifyResponse, ScoreRequest,
@@ -219,8 +219,8 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         return JSONResponse({"detail": detail, "errors": errors}, status_code=422)
 
     async def answer_classify(req: ClassifyRequest) -> bytes:
-        if req.classifiers is not None:  # several classifiers: many.py
-            return await many.answer(fe, req)
+        if req.classifiers is not None:  # several classifiers: fanout.py
+            return await fanout.answer(fe, req)
         queries = [req.query] if isinstance(req.query, str) else req.query
         return classify_body(await fe.classify(queries, req.model, req.classifier))
 

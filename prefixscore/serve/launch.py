@@ -375,7 +375,7 @@ def serve(fcfg: FrontendConfig, ecfg: EngineConfig) -> int:
             from .grpc_server import check_port
 
             check_port(fcfg.host, fcfg.grpc_port)  # a taken port fails before the model loads
-        from ..hub import quiet_downloads
+        from ..weights.hub import quiet_downloads
 
         with quiet_downloads(fcfg.log_level in ("warning", "error")):
             ecfg = local_model(ecfg)
@@ -394,7 +394,7 @@ def local_model(ecfg: EngineConfig) -> EngineConfig:
     dying, and the engine (and a restarted one) loads those same files without asking the hub."""
     import dataclasses
 
-    from ..loading import check, resolve
+    from ..weights.loading import check, resolve
 
     if ecfg.model is None:  # the bundled model: the engine finds it as every command does
         return ecfg

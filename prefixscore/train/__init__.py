@@ -1,9 +1,9 @@
 """Offline training (DESIGN.md §8): LoRA adapters fine-tuned through peft, written as a small
-safetensors file that prefixscore.loading reads, checks and merges into the weights at load.
+safetensors file that prefixscore.weights.loading reads, checks and merges into the weights at load.
 
     python -m prefixscore.train finetune data.csv -o seed.adapter.safetensors
 """
-from .adapter import save_adapter
+from .write_adapter import save_adapter
 from .lora import finetune
 
 __all__ = ["finetune", "save_adapter"]

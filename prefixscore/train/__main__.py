@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cmdline import apply_sources, model_args, verbosity
+from ..cli.common import apply_sources, model_args, verbosity
 from ..errors import PrefixScoreError
-from .commands import add_command
+from ..cli.train import add_command
 
 
 def main(argv=None) -> int:

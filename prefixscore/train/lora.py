@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, InputError, ModelLoadError
-from ..adapter import ADAPTER_OBJECTIVES, Adapter
+from ..weights.adapter import ADAPTER_OBJECTIVES, Adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Measured on one fold of intent_dev (SmolLM2-135M, "{query}" no chat): lr 2e-3 peaked at epoch 4
@@ -35,7 +35,7 @@ DEFAULTS = dict(lr=2e-3, epochs=6, patience=2, batch_size=16, dropout=0.0, label
 def hf_folder(model) -> Path:
     """The Hugging Face folder holding the weights the engine loads for `model`: for a GGUF file (the
     bundled model included) the safetensors copy the first load converts, else the folder itself."""
-    from ..loading import converted_folder, load, resolve
+    from ..weights.loading import converted_folder, load, resolve
 
     path = resolve(_model_path(model))
     if path.is_file() and path.suffix == ".gguf":
@@ -54,7 +54,7 @@ def hf_folder(model) -> Path:
 def _model_path(model):
     """A path or None; a LoadedModel stands for the files it was loaded from (training needs the
     Hugging Face model and fp32 weights, so it is loaded afresh)."""
-    from ..loading import LoadedModel
+    from ..weights.loading import LoadedModel
 
     return model.name if isinstance(model, LoadedModel) else model
 
@@ -62,7 +62,7 @@ def _model_path(model):
 def read_data(data, labels, query_col="query", label_col="label", fmt="auto", need_labels=True):
     """(queries, gold label indices) from a file path or a list of (query, label) pairs / dicts.
     InputError for no rows, a missing column, an unknown label or a single class."""
-    from ..io import read_rows
+    from ..rows.io import read_rows
 
     cols = (query_col, label_col) if need_labels else (query_col,)
     if isinstance(data, (str, os.PathLike)):
@@ -234,12 +234,12 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     if importlib.util.find_spec("peft") is None:
         raise ConfigError("fine-tuning needs peft: pip install 'prefixscore[train]'")
 
-    from .heads import split_indices
+    from .fit_heads import split_indices
     from ..labels import LabelTrie, check_labels
-    from ..loading import base_hash, load, resolve_device, resolve_dtype, wants_fp8
-    from ..report import rows_digest
+    from ..weights.loading import base_hash, load, resolve_device, resolve_dtype, wants_fp8
+    from ..rows.report import rows_digest
     from ..prompt import SEED_LABELS, SEED_TEMPLATE, Prompt, check_template
-    from .adapter import from_peft, save_adapter
+    from .write_adapter import from_peft, save_adapter
 
     lr = DEFAULTS["lr"] if lr is None else lr
     epochs = DEFAULTS["epochs"] if epochs is None else epochs
@@ -263,7 +263,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     check_template(template, ("query",))
     queries, gold = read_data(data, labels, query_column, label_column, input_format, teacher is None)
     if output is not None:
-        from ..io import check_output
+        from ..rows.io import check_output
 
         check_output(str(output))
     say = log or (lambda m: print(m, file=sys.stderr))

@@ -5,9 +5,9 @@ input. Output has CSV's columns, typed, and each chunk is written as one row gro
 finishes."""
 from __future__ import annotations
 
-from .errors import InputError
+from ..errors import InputError
 from .io import cannot_write
-from .rowformat import RowFormat, _cell
+from .writer import RowFormat, _cell
 
 BATCH_ROWS = 1024  # rows turned into Python objects at a time: a chunk takes a few batches
 

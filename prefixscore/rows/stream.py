@@ -21,11 +21,11 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .errors import InputError
+from ..errors import InputError
 from .io import Row, RowReader, check_output, output_format
-from .overlap import run_ahead
+from ..overlap import run_ahead
 from .resume import CHUNK_ROWS, check_meta, chunk_ends, scan_output, write_meta
-from .rowformat import ResultWriter, RowFormat
+from .writer import ResultWriter, RowFormat
 
 PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
 log = logging.getLogger(__name__)

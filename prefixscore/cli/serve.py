@@ -6,8 +6,8 @@ import argparse
 import ipaddress
 import sys
 
-from .classifiers import parse_tables
-from .config import EngineConfig, FrontendConfig, api_key_from, default_workers
+from ..serve.classifiers import parse_tables
+from ..serve.config import EngineConfig, FrontendConfig, api_key_from, default_workers
 
 
 def add_command(subparsers, model_args) -> None:
@@ -102,11 +102,11 @@ def add_command(subparsers, model_args) -> None:
 def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     """The flags as the two processes' configs (every value checked here, before any model loads)."""
     from ..classifier import classifier_labels
-    from ..cmdline import seed_adapter_default, warn, warn_seed_prompt
+    from .common import seed_adapter_default, warn, warn_seed_prompt
     from ..errors import ConfigError
-    from ..io import labels_option, template_option
+    from ..rows.io import labels_option, template_option
     from ..prompt import check_template
-    from .classifiers import seed_prompt_warnings, specs
+    from ..serve.classifiers import seed_prompt_warnings, specs
 
     declared = specs(a)  # before the seed adapter's default: declared classifiers run the raw model
     if not declared:
@@ -157,11 +157,11 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
     they were read, classifiers.specs), the /v1/score template and labels. The model's own files
     are checked after the ports are bound (launch.serve), where a hub name is also downloaded."""
     from ..errors import ConfigError
-    from ..loading import resolve_device, resolve_dtype
-    from ..adapter import read_adapter
+    from ..weights.loading import resolve_device, resolve_dtype
+    from ..weights.adapter import read_adapter
     from ..prompt import check_template
-    from .engine_proc import spin_seconds
-    from .launch import engine_cpu
+    from ..serve.engine_proc import spin_seconds
+    from ..serve.launch import engine_cpu
 
     for flag, port in (("--port", a.port), ("--grpc-port", a.grpc_port)):
         if port is not None and not 0 <= port <= 65535:
@@ -180,7 +180,7 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
         from ..heads import read_head
 
         read_head(a.head)
-    from .classifiers import check_heads
+    from ..serve.classifiers import check_heads
 
     check_heads(classifiers)
     if a.score_template is not None:
@@ -199,7 +199,7 @@ def data_parallel(a) -> int:
     import torch
 
     from ..errors import ConfigError
-    from ..loading import resolve_device
+    from ..weights.loading import resolve_device
 
     dev = resolve_device(a.device)
     visible = torch.cuda.device_count() if dev.type == "cuda" else 0
@@ -228,7 +228,7 @@ def data_parallel(a) -> int:
 def _device_type(device) -> str:
     """'cuda' or 'cpu' for a device flag (None and 'auto' resolved), as data-parallel engines get
     it before launch.engine_config gives each its index."""
-    from ..loading import resolve_device
+    from ..weights.loading import resolve_device
 
     return resolve_device(device).type
 
@@ -237,7 +237,7 @@ def _hub_name(model) -> str | None:
     """A hub model's name as the server reports it (org/name; its folder's name is a commit hash)."""
     import os
 
-    from ..hub import parse
+    from ..weights.hub import parse
 
     ref = parse(model) if model is not None and not os.path.exists(model) else None
     return None if ref is None else (ref.filename.rsplit("/", 1)[-1] if ref.filename else ref.repo_id)
@@ -252,7 +252,7 @@ def _log_level(a) -> str:
 
 
 def cmd_serve(a) -> int:
-    from .launch import serve
+    from ..serve.launch import serve
 
     front, engine = configs(a)
     try:

@@ -10,18 +10,18 @@ from collections import Counter
 
 import torch
 
-from ..cmdline import err, make_classifier, run_batches
+from .common import err, make_classifier, run_batches
 from ..errors import ConfigError, InputError
 from ..heads import KINDS, save_head
-from ..adapter import ADAPTER_OBJECTIVES
-from ..report import format_confusion
-from .heads import FitOptions, check_compare_options, compare_modes, few_shot_template, fit_head, format_modes
-from .lora import DEFAULTS
+from ..weights.adapter import ADAPTER_OBJECTIVES
+from ..rows.report import format_confusion
+from ..train.fit_heads import FitOptions, check_compare_options, compare_modes, few_shot_template, fit_head, format_modes
+from ..train.lora import DEFAULTS
 
 
 def cmd_finetune(a) -> int:
-    from ..io import check_output, labels_option, read_text, template_option
-    from .lora import finetune
+    from ..rows.io import check_output, labels_option, read_text, template_option
+    from ..train.lora import finetune
 
     check_output(a.output)  # before minutes of training
     labels, teacher = labels_option(a), None
@@ -106,7 +106,7 @@ def _fit_options(a) -> FitOptions:
 
 
 def _labeled(path, fmt, column, label_column, labels) -> tuple[list[str], list[str]]:
-    from ..io import read_rows
+    from ..rows.io import read_rows
 
     rows = read_rows(path, fmt, (column, label_column))
     unknown = sorted({r[label_column] for r in rows} - set(labels))
@@ -117,9 +117,9 @@ def _labeled(path, fmt, column, label_column, labels) -> tuple[list[str], list[s
 
 
 def cmd_fit_head(a) -> int:
-    from ..io import labels_option, template_option
+    from ..rows.io import labels_option, template_option
     from ..classifier import Classifier
-    from ..io import check_output, read_rows
+    from ..rows.io import check_output, read_rows
     from ..prompt import SEED_LABELS, SEED_TEMPLATE
 
     opts = _fit_options(a)
@@ -140,7 +140,7 @@ def cmd_fit_head(a) -> int:
     if a.teacher:
         tt = a.teacher_template
         if a.teacher_template_file:
-            from ..io import read_text
+            from ..rows.io import read_text
 
             tt = read_text(a.teacher_template_file, "teacher template").rstrip("\n")
         teacher = Classifier(clf.loaded, tt, labels, chat=a.teacher_chat, truncate=a.truncate,
@@ -169,9 +169,9 @@ def cmd_fit_head(a) -> int:
 
 
 def cmd_eval_modes(a) -> int:
-    from ..io import labels_option, template_option
-    from ..io import Output, check_output
-    from ..loading import obtain
+    from ..rows.io import labels_option, template_option
+    from ..rows.io import Output, check_output
+    from ..weights.loading import obtain
     from ..prompt import SEED_LABELS, SEED_TEMPLATE
 
     labels = labels_option(a) or SEED_LABELS

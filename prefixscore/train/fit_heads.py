@@ -268,7 +268,7 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
     through Classifier.classify or the head path (head_scores), over `latency_queries` rows.
     clf_opts go to every Classifier (truncate, max_batch_tokens)."""
     from ..classifier import Classifier
-    from ..report import confusion_report
+    from ..rows.report import confusion_report
 
     check_compare_options(labels, folds, latency_queries)
     unknown = sorted(set(gold) - set(labels))

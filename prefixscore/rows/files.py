@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 from .io import RowReader, cannot_write, output_format
 from .resume import META_FORMAT, check_meta, meta_path, write_meta
 from .stream import ClassifyJob

@@ -28,11 +28,11 @@ from types import SimpleNamespace
 
 from ..classifier import Result
 from ..errors import InputError
-from ..files import check, commit, looks_finished, plan, start
-from ..io import Row, RowReader
-from ..rowformat import ResultWriter, RowFormat
-from ..resume import CHUNK_ROWS, check_meta, chunk_ends
-from ..stream import Progress
+from ..rows.files import check, commit, looks_finished, plan, start
+from ..rows.io import Row, RowReader
+from ..rows.writer import ResultWriter, RowFormat
+from ..rows.resume import CHUNK_ROWS, check_meta, chunk_ends
+from ..rows.stream import Progress
 from .data import checked, connect, describe, pool
 
 import pyarrow as pa  # noqa: E402 (after data.py, which says how to install Ray Data and pyarrow)
@@ -150,7 +150,7 @@ class Writers:
                              self.probs, self.top_k)
             start(t, options)
             if t.fmt == "parquet":
-                from ..parquet import ParquetResultWriter
+                from ..rows.parquet import ParquetResultWriter
 
                 writer = ParquetResultWriter(t.partial, form, reader)
             else:

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from . import quant
-from .config import ModelConfig
-from .errors import ConfigError, ModelLoadError, PrefixScoreError
-from .model import Transformer
+from ..model_config import ModelConfig
+from ..errors import ConfigError, ModelLoadError, PrefixScoreError
+from ..model import Transformer
 
 DEFAULT_MODEL = "smollm2-135m"
 _BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,7 +63,7 @@ def resolve_dtype(dtype, device: torch.device | None) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if wants_fp8(dtype):
-        from .kernels.fp8 import supported
+        from ..kernels.fp8 import supported
 
         why = None if device is None else supported(device)
         if why:
@@ -84,7 +84,7 @@ def obtain(model, device=None, dtype=None) -> LoadedModel:
         return model
     dev = resolve_device(device)
     if (dtype is None or dtype == "auto") and dev.type == "cuda" and _fp8_checkpoint(model):
-        from .kernels.fp8 import supported
+        from ..kernels.fp8 import supported
 
         dtype = "fp8" if supported(dev) is None else dtype
     loaded = load(model, dev, resolve_dtype(dtype, dev))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 FP8 = torch.float8_e4m3fn
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",

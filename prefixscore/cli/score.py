@@ -8,10 +8,10 @@ import json
 import sys
 import time
 
-from .cmdline import err, quiet
-from .errors import ConfigError, InputError, error_at
-from .overlap import run_ahead
-from .scorer import LAYOUTS, MODES, Scorer
+from .common import err, quiet
+from ..errors import ConfigError, InputError, error_at
+from ..overlap import run_ahead
+from ..scorer import LAYOUTS, MODES, Scorer
 
 # score_request's keys that the command does not take per line: refused rather than ignored
 REQUEST_ONLY_KEYS = ("labels", "label_token_ids", "apply_softmax", "item_first")
@@ -19,7 +19,7 @@ REQUEST_ONLY_KEYS = ("labels", "label_token_ids", "apply_softmax", "item_first")
 
 def _read_requests(path: str) -> list[tuple[int, dict]]:
     """JSONL, one {"query": ..., "items": [...]} per line (other keys are passed through)."""
-    from .io import _open, iter_jsonl
+    from ..rows.io import _open, iter_jsonl
 
     out = []
     with _open(path) as f:
@@ -44,7 +44,7 @@ def _read_requests(path: str) -> list[tuple[int, dict]]:
 def cmd_score(a) -> int:
     from tqdm import tqdm
 
-    from .io import Output, check_output, labels_option, template_option
+    from ..rows.io import Output, check_output, labels_option, template_option
 
     if a.truncate:
         raise ConfigError("score does not truncate: an item over the context limit is an error")

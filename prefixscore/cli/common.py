@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
-from .errors import ConfigError
-from .io import labels_option, template_option
+from ..errors import ConfigError
+from ..rows.io import labels_option, template_option
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -83,10 +83,10 @@ def classifier_kwargs(a) -> dict:
 
 
 def make_classifier(a, graphs: bool = True):
-    from .classifier import Classifier
+    from ..classifier import Classifier
 
     t0 = time.perf_counter()
-    from .hub import quiet_downloads
+    from ..weights.hub import quiet_downloads
 
     with quiet_downloads(quiet()):  # a hub name downloads here (loading.resolve), bars on stderr
         clf = Classifier(graphs=graphs, **classifier_kwargs(a))
@@ -99,7 +99,7 @@ def make_classifier(a, graphs: bool = True):
 def warn_seed_prompt(labels, template, adapter, head) -> None:
     """Labels of one's own under the default prompt: that prompt lists the nine seed labels, so the
     model is asked one question and scored on another's answers. Said, not refused: it runs."""
-    from .prompt import SEED_LABELS
+    from ..prompt import SEED_LABELS
 
     if labels is None or template is not None or adapter is not None or head is not None:
         return
@@ -326,8 +326,8 @@ def seed_adapter_default(a) -> None:
     """The default task (the bundled model, the seed labels, no template, head or adapter given) runs
     with the shipped seed adapter, fine-tuned for it: the raw 135M model answers "Dress" for almost
     everything. Sets a.adapter = "seed" and says so on stderr; --no-adapter keeps the raw model."""
-    from .errors import ConfigError
-    from .adapter import SEED_ADAPTER
+    from ..errors import ConfigError
+    from ..weights.adapter import SEED_ADAPTER
 
     if getattr(a, "no_adapter", False):
         if a.adapter is not None:

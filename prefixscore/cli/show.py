@@ -54,6 +54,6 @@ def describe(clf, query: str) -> str:
 
 
 def _is_seed(template: str) -> bool:
-    from .prompt import SEED_TEMPLATE
+    from ..prompt import SEED_TEMPLATE
 
     return template == SEED_TEMPLATE

@@ -1,4 +1,4 @@
-"""Writing an adapter file (the offline side; prefixscore.loading reads, checks and merges it).
+"""Writing an adapter file (the offline side; prefixscore.weights.loading reads, checks and merges it).
 
 The file is safetensors, no pickle:
     layers.{i}.{proj}.lora_A  [r, in]    proj: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj
@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from ..adapter import ADAPTER_FORMAT, ADAPTER_VERSION, Adapter
+from ..weights.adapter import ADAPTER_FORMAT, ADAPTER_VERSION, Adapter
 
 
 def adapter_tensors(adapter: Adapter, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -33,7 +33,7 @@ def save_adapter(path, adapter: Adapter, dtype=torch.float32) -> None:
     reader computes the merge in fp32 either way."""
     from safetensors.torch import save
 
-    from ..io import cannot_write
+    from ..rows.io import cannot_write
 
     m = adapter.meta
     meta = {"format": ADAPTER_FORMAT, "version": ADAPTER_VERSION, "base_hash": m["base_hash"],

@@ -8,8 +8,8 @@ import csv
 import json
 import os
 
-from .errors import InputError
-from .rowformat import RowFormat, plain
+from ..errors import InputError
+from .writer import RowFormat, plain
 
 CHUNK_ROWS = 4096  # rows per chunk: thousands keep the GPU's flat batches full, the memory small
 FIRST_CHUNK_ROWS = 32  # the first chunks are short, so the first rows are out moments after the model

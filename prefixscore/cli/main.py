@@ -3,28 +3,25 @@ bundled model, the seed prompt and the nine seed labels."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import os
 import sys
 
-from . import __version__
-from .errors import InputError, PrefixScoreError
-from .cmdline import (apply_sources, classifier_kwargs, err, error, log, make_classifier, model_args,
-                      quiet, run_batches, seed_adapter_default, verbosity)
-from .files import is_many
-from .io import labels_option
-from .report import confusion_report, format_confusion, format_per_label, rows_digest
-from .prompt import SEED_LABELS
-from .resume import CHUNK_ROWS, model_record
+from .. import __version__
+from ..errors import InputError, PrefixScoreError
+from .common import apply_sources, classifier_kwargs, err, error, log, make_classifier, model_args, quiet, run_batches, seed_adapter_default, verbosity
+from ..rows.files import is_many
+from ..rows.io import labels_option
+from ..rows.report import confusion_report, format_confusion, format_per_label, rows_digest
+from ..prompt import SEED_LABELS
+from ..rows.resume import CHUNK_ROWS, model_record
 
 
 def cmd_classify(a) -> int:
     """Rows stream in chunks (stream.py): read, tokenized one chunk ahead, classified, written and
     flushed; memory stays flat however long the input. Output row N answers input row N."""
-    from .io import RowReader
-    from .stream import ClassifyJob
+    from ..rows.io import RowReader
+    from ..rows.stream import ClassifyJob
 
     if a.queries and a.input:
         raise InputError("give queries as arguments or --input, not both")
@@ -55,14 +52,14 @@ def _classify_files(a) -> int:
     """One output file per input file (files.py): on Ray Data with --ray (prefixscore/ray/), else
     here, a file at a time with one model. Each output is written as OUT.partial and renamed when
     complete; --resume skips the finished ones (here a partial CSV or JSONL output also continues)."""
-    from . import files
-    from .io import RowReader
-    from .stream import ClassifyJob
+    from ..rows import files
+    from ..rows.io import RowReader
+    from ..rows.stream import ClassifyJob
 
     keep = _keep_columns(a.keep_columns)
     if a.ray:
-        from .ray import data  # without Ray: one ConfigError line naming the extra
-        from .ray.files import classify_files
+        from ..ray import data  # without Ray: one ConfigError line naming the extra
+        from ..ray.classify_files import classify_files
 
         data.quiet_logs()
         seed_adapter_default(a)
@@ -100,8 +97,8 @@ def _flags(a) -> dict:
 
 def _first_query(a) -> str:
     """--show-prompt's example: the first row of --input that has a query, else a stand-in."""
-    from .files import expand
-    from .io import RowReader
+    from ..rows.files import expand
+    from ..rows.io import RowReader
 
     if a.input:
         path = expand(a.input)[0] if is_many(a.input) else a.input
@@ -138,7 +135,7 @@ def cmd_eval(a) -> int:
     """Accuracy, macro-F1 and speed of every decision rule the flags name, side by side on the same
     rows: zero-shot (the prompt alone), a --head, an --adapter (the shipped seed adapter by default);
     then the confusion matrix of the last. The JSON report is the last rule's, with all in "modes"."""
-    from .io import Output, check_output, read_rows
+    from ..rows.io import Output, check_output, read_rows
 
     check_output(a.json)
     _check_predictions(a.predictions)
@@ -192,10 +189,10 @@ def _data_name(a) -> str:
 
 def _check_predictions(path: str | None) -> None:
     """Before the model loads: --predictions can be written (Parquet: pyarrow is there, and a file)."""
-    from .io import check_output, output_format
+    from ..rows.io import check_output, output_format
 
     if path is not None and output_format(path, "auto") == "parquet":  # ('-' is stdout, CSV)
-        from .parquet import check_parquet_output
+        from ..rows.parquet import check_parquet_output
 
         check_parquet_output(path, resume=False)
     check_output(path)
@@ -208,11 +205,11 @@ def _write_predictions(path: str, queries, gold, results, labels) -> None:
     import csv
     import io
 
-    from .io import Output, output_format
+    from ..rows.io import Output, output_format
 
     fmt = output_format(path, "auto")
     if fmt == "parquet":
-        from .parquet import write_predictions
+        from ..rows.parquet import write_predictions
 
         write_predictions(path, queries, gold, results, labels)
         return
@@ -295,10 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "then exit without classifying")
     model_args(e)
     e.set_defaults(func=cmd_eval)
-    # Other commands live beside what they drive: each module adds its own subcommand.
-    for name in ("score_command", "server", "train.commands"):
-        if importlib.util.find_spec(f"prefixscore.{name}") is not None:
-            importlib.import_module(f"prefixscore.{name}").add_command(sub, model_args)
+    # score, serve and the training commands: each module of this package adds its own subcommand.
+    from . import score, serve, train
+
+    for module in (score, serve, train):
+        module.add_command(sub, model_args)
     for command in sub.choices.values():  # main() parses a command's words again (apply_sources)
         command.set_defaults(command_parser=command)
     return p
