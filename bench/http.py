@@ -142,7 +142,7 @@ def _inprocess_child(conn, serve_flags, queries, n, cpus) -> None:
     try:
         if cpus:
             os.sched_setaffinity(0, cpus)
-        from prefixscore.cli.main import build_parser
+        from prefixscore.cli.commands import build_parser
         from prefixscore.cli.common import make_classifier
         from prefixscore.serve.config import default_workers
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import numbers
-from dataclasses import asdict, dataclass
 
 import torch
 
@@ -15,6 +14,7 @@ from .errors import ConfigError, InputError, numbered
 from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
+from .result import Result
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
 MODES = ("logprobs", "logits")
@@ -30,16 +30,6 @@ def classifier_labels(labels) -> list[str]:
     if len(labels) < 2:
         raise ConfigError(f"a classifier needs at least two labels to choose from, got {labels}")
     return labels
-
-
-@dataclass
-class Result:
-    query: str
-    label: str
-    scores: dict[str, float]  # log-probabilities (mode "logprobs") or raw first-token logits
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class Classifier:

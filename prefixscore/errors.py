@@ -36,3 +36,7 @@ def numbered(first: int):
     """An InputError from encode_many named by its query's 1-based place in the whole input, of
     which the encoded queries start at `first`."""
     return error_at(lambda e: f"query {first + e.index + 1}")
+
+
+def cannot_write(path, e: OSError) -> InputError:
+    return InputError(f"cannot write output file {path}: {e.strerror or e}")

@@ -105,7 +105,7 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
     """Write the head with the identity of `clf` (model, template, chat flag, labels) it was trained on."""
     from safetensors.torch import save
 
-    from .rows.io import cannot_write
+    from .errors import cannot_write
 
     if list(head.labels) != list(clf.labels):
         raise ConfigError("the head's labels differ from the classifier's")
@@ -130,7 +130,7 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
 
 def read_head(path) -> HeadWeights:
     """The head file as written (CPU, fp32), metadata parsed into head.meta; no compatibility check."""
-    from .weights.adapter import read_tagged
+    from .weights.tagged import read_tagged
 
     meta, tensors = read_tagged(path, "head", FORMAT, VERSION, "fit the head again")
     try:
@@ -207,7 +207,7 @@ def head_scores(clf, head: HeadWeights, batch, logprobs: bool = True):
 def classify_with_head(clf, head: HeadWeights, queries: list[str], logprobs: bool = True):
     """Results for queries through `head` (what Classifier(..., head=...) returns), in batches that
     follow the classifier's token budget."""
-    from .classifier import Result
+    from .result import Result
 
     encoded = clf.encode_many(queries)
     out = [None] * len(encoded)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from prefixscore.cli.main import main
+from prefixscore.cli.commands import main
 
 
 def run(*args, stdin=None):

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import prefixscore
-from prefixscore.cli import main as cli, common as cmdline
+from prefixscore.cli import commands as cli, common as cmdline
 from prefixscore.classifier import Classifier, Result
 from prefixscore.errors import ConfigError
 

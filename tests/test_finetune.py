@@ -268,7 +268,7 @@ def test_classifier_loads_an_adapter(llama, trained, tmp_path):
 
 def test_cli_classify_with_an_adapter(llama, trained, capsys):
     path, _ = trained
-    from prefixscore.cli.main import main
+    from prefixscore.cli.commands import main
 
     want = Classifier(llama, adapter=path, graphs=False).classify("trench dress tee")
     assert main(["classify", "--model", str(llama), "--device", "cpu", "--adapter", str(path),
@@ -309,7 +309,7 @@ def test_bfloat16_file_is_half_the_size(trained, tmp_path):
 def test_eval_puts_zero_shot_and_adapter_side_by_side(llama, trained, tmp_path, capsys):
     import json
 
-    from prefixscore.cli.main import main
+    from prefixscore.cli.commands import main
 
     path, _ = trained
     data = _csv(tmp_path / "d.csv", ROWS[:30])
@@ -394,7 +394,7 @@ def test_scorer_merges_an_adapter(llama, tiny_model, trained, tmp_path, capsys):
     import json
 
     from prefixscore import Scorer
-    from prefixscore.cli.main import main
+    from prefixscore.cli.commands import main
 
     path, adapter = trained
     template = "Is the item relevant to the query?\nQuery: {query}\nItem: {item}\nAnswer:"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from prefixscore import Classifier
-from prefixscore.cli import main as cli
+from prefixscore.cli import commands as cli
 from prefixscore.errors import ConfigError
 from prefixscore.kernels.fp8 import is_fp8
 from prefixscore.weights.loading import base_hash, finish_load, load

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from prefixscore import Classifier, ConfigError, InputError, ModelLoadError
-from prefixscore.cli.main import main
+from prefixscore.cli.commands import main
 from prefixscore.heads import classify_with_head, head_scores, load_head, read_head, save_head
-from prefixscore.train.fit_heads import FitOptions, compare_modes, few_shot_template, fit_head, stratified_folds
+from prefixscore.train.fit_heads import (
+    FitOptions, compare_modes, few_shot_template, fit_head, stratified_folds,
+)
 from prefixscore.weights.loading import load
 
 LABELS = ["Alpha", "Beta", "Gamma"]

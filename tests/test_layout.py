@@ -1,21 +1,23 @@
-"""Layering: data flows one way. The library and the serving path import neither the command line
-nor training code (peft, the fitting loops) nor prefixscore.ray (Ray, an optional extra); the
-command modules import the library, never the reverse. Checked two ways: statically over every
-module's imports, and by importing the serving modules in a fresh interpreter and looking at what
-came in."""
+"""Layering (docs/DESIGN.md §4): data flows one way, and no two modules import each other.
+
+    kernels  <  the engine stack (prefixscore/*.py, weights/)  <  rows/, serve/  <  train/, ray/  <  cli/
+
+A module imports only modules of its own layer or below: the library never imports the command line,
+training code (peft, the fitting loops) or Ray (an optional extra); the command line imports the
+library, never the reverse. Checked statically over every module's imports (inside functions too),
+and by importing the serving modules in a fresh interpreter and looking at what came in."""
 import ast
 import subprocess
 import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "prefixscore"
-# The command layer: modules that parse flags or add subcommands (they may import anything).
-COMMANDS = {"cli", "cmdline", "score_command", "server", "serve.cli", "train.commands", "train.__main__"}
+LAYERS = {"kernels": 0, "weights": 1, "rows": 2, "serve": 2, "train": 3, "ray": 3, "cli": 4}
 # prefixscore.finetune: the package's lazy __getattr__ imports training code only when asked for
 # (test_serving_path_loads_no_training_or_cli_code checks that importing prefixscore does not).
-ALLOWED = {("", "train"), ("", "train.finetune")}
-# Packages above the library: only the command layer and themselves import them.
-UPPER = ("train", "ray")
+ALLOWED = {("", "train")}
+MAX_TOP_LEVEL = 16  # modules at the top of prefixscore/: the public API and the engine stack
+MAX_LINES = 420  # a module outside kernels/ (whose Triton kernels sit beside their references)
 
 
 def module_name(path: Path) -> str:
@@ -24,46 +26,115 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def layer(name: str) -> int:
+    if name.endswith("__main__"):  # python -m prefixscore.PKG: a command entry point
+        return LAYERS["cli"]
+    top = name.split(".")[0]
+    return LAYERS.get(top, 1)  # the top-level modules (and the package itself) are the engine stack
+
+
 def imported(path: Path) -> set[str]:
-    """Absolute prefixscore-relative names of every `import` in the file (inside functions too)."""
+    """Prefixscore-relative names of every `import` in the file (inside functions too), resolved to
+    modules that exist: `from .rows import io` names rows.io, `from .errors import X` names errors."""
     me = module_name(path).split(".") if module_name(path) else []
     package = me if path.name == "__init__.py" else me[:-1]
-    out = set()
+    names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[: len(package) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
-                out.add(name)
-                out.update(f"{name}.{a.name}" if name else a.name for a in node.names)
-            elif node.module and node.module.startswith("prefixscore"):
-                out.add(node.module.removeprefix("prefixscore").lstrip("."))
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            elif node.module and node.module.split(".")[0] == "prefixscore":
+                base = node.module.removeprefix("prefixscore").lstrip(".")
+            else:
+                continue
+            names.update(f"{base}.{a.name}".lstrip(".") for a in node.names)
+            names.add(base)
         elif isinstance(node, ast.Import):
-            out.update(a.name.removeprefix("prefixscore").lstrip(".") for a in node.names
-                       if a.name.startswith("prefixscore"))
+            names.update(a.name.removeprefix("prefixscore").lstrip(".") for a in node.names
+                         if a.name.split(".")[0] == "prefixscore")
+    out = set()
+    for n in names:  # the longest prefix that is a module of the package
+        while n and not (PKG / n.replace(".", "/")).with_suffix(".py").exists() \
+                and not (PKG / n.replace(".", "/") / "__init__.py").exists():
+            n = n.rpartition(".")[0]
+        out.add(n)
     return out
 
 
-def test_library_imports_no_command_or_training_module():
-    bad = []
+def graph() -> dict[str, set[str]]:
+    g = {}
     for path in sorted(PKG.rglob("*.py")):
         name = module_name(path)
-        if name in COMMANDS:
-            continue
-        for dep in imported(path):
-            if (name, dep) in ALLOWED:
-                continue
-            if dep in COMMANDS or any(dep.split(".")[0] == top and name.split(".")[0] != top
-                                      for top in UPPER):
-                bad.append(f"{name} imports {dep}")
+        # a module's import of its own package (__init__) runs first anyway: not an edge
+        g[name] = {d for d in imported(path) if d != name and not name.startswith(d + ".") and d != ""}
+    return g
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10_000)
+    for v in g:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_cycle_checker_finds_a_cycle():
+    """The checker itself: a circle through a function-level import is found."""
+    g = graph()
+    g["rows.io"] = g["rows.io"] | {"rows.writer"}  # writer imports io at the top
+    assert ["rows.io", "rows.writer"] in cycles(g)
+
+
+def test_layers_import_downwards():
+    bad = [f"{name} imports {dep}" for name, deps in graph().items() for dep in deps
+           if layer(dep) > layer(name) and (name, dep.split(".")[0]) not in ALLOWED]
     assert not bad, bad
 
 
 def test_import_checker_sees_relative_imports():
-    """The checker itself: a relative import of the CLI from a subpackage is found."""
-    assert "cli" in imported(PKG / "train" / "__main__.py") or \
-        "cmdline" in imported(PKG / "train" / "__main__.py")
-    assert "train.heads" in imported(PKG / "train" / "lora.py")
+    assert "cli.train" in imported(PKG / "train" / "__main__.py")
+    assert "train.fit_heads" in imported(PKG / "train" / "lora.py")
+    assert "errors" in imported(PKG / "rows" / "parquet.py")
+
+
+def test_top_level_holds_the_api_and_the_engine_stack():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, top
+
+
+def test_modules_are_small():
+    big = [f"{p.relative_to(PKG)}: {n}" for p in sorted(PKG.rglob("*.py"))
+           if "kernels" not in p.parts and "proto" not in p.parts
+           and (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not big, big
 
 
 def test_serving_path_loads_no_training_or_cli_code():
@@ -71,7 +142,7 @@ def test_serving_path_loads_no_training_or_cli_code():
             "prefixscore.serve.frontend, prefixscore.serve.engine_proc, prefixscore.serve.http, "
             "prefixscore.serve.launch\n"
             "print(' '.join(m for m in sys.modules if m.startswith(('prefixscore.train', 'prefixscore.cli', "
-            "'prefixscore.cmdline', 'peft', 'prefixscore.ray')) or m == 'ray' or m.startswith('ray.')))")
+            "'peft', 'prefixscore.ray')) or m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "", out.stdout

@@ -149,7 +149,7 @@ def test_errors_name_the_query(clf, small_chunks, monkeypatch):
 
 
 def test_cli_file_mode_streams_and_names_the_query(model, tmp_path, capsys, small_chunks):
-    from prefixscore.cli.main import main
+    from prefixscore.cli.commands import main
 
     queries = [q for q in random_queries(120, 5) if q.strip() == q and "\n" not in q]
     src, out = tmp_path / "q.txt", tmp_path / "out.jsonl"
@@ -314,7 +314,7 @@ def test_allow_special_tokens(model, monkeypatch, tmp_path):
     # The command line: the flag reaches Classifier (make_classifier) and Scorer (score).
     import argparse
 
-    from prefixscore.cli import main as cli, score as scorer_mod
+    from prefixscore.cli import commands as cli, score as scorer_mod
 
     seen = []
 

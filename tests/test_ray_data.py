@@ -18,7 +18,7 @@ pytest.importorskip("ray.data")
 pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
-from prefixscore.cli import main as cli  # noqa: E402
+from prefixscore.cli import commands as cli  # noqa: E402
 from prefixscore.classifier import Classifier  # noqa: E402
 
 LABELS = ["Dress", "Jeans", "Other"]

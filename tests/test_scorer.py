@@ -372,7 +372,7 @@ def test_bad_input(models):
 
 
 def test_cli_score(models, tmp_path, capsys):
-    from prefixscore.cli.main import main
+    from prefixscore.cli.commands import main
 
     _, _, path = models("qwen2")
     template = TEMPLATES["query_first"][0]

@@ -208,7 +208,7 @@ def test_metrics_per_classifier(multi):
 
 def configs(*words, config=None):
     """`prefixscore serve WORDS` as the CLI reads it (flags, config file), up to the two configs."""
-    from prefixscore.cli.main import build_parser
+    from prefixscore.cli.commands import build_parser
     from prefixscore.cli.common import apply_sources
     from prefixscore.cli.serve import configs as serve_configs
 

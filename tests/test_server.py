@@ -308,7 +308,7 @@ def test_api_key(clf, scorer):
     ('labels = ["small, medium", "large"]\n', "contains a comma"),
 ])
 def test_bad_config_file(tmp_path, capsys, text, says):
-    from prefixscore.cli.main import main
+    from prefixscore.cli.commands import main
 
     cfg = tmp_path / "serve.toml"
     cfg.write_text(text)
@@ -319,7 +319,7 @@ def test_bad_config_file(tmp_path, capsys, text, says):
 def test_config_file_under_the_command_line(tmp_path, monkeypatch):
     """File values fill what the command line leaves out; a flag given on the command line wins,
     even one equal to its default; values may start with '-'."""
-    import prefixscore.cli.main as cli
+    import prefixscore.cli.commands as cli
     import prefixscore.serve.launch as launch
 
     seen = []

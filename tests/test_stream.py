@@ -18,7 +18,7 @@ import tracemalloc
 import pytest
 
 from conftest import random_queries
-from prefixscore.cli import main as cli
+from prefixscore.cli import commands as cli
 from prefixscore.classifier import Classifier
 from prefixscore.rows.resume import chunk_ends
 

@@ -1,6 +1,6 @@
 """python -m prefixscore.cli ... runs the `prefixscore` command."""
 import sys
 
-from .main import main
+from .commands import main
 
 sys.exit(main())

@@ -44,7 +44,8 @@ def _read_requests(path: str) -> list[tuple[int, dict]]:
 def cmd_score(a) -> int:
     from tqdm import tqdm
 
-    from ..rows.io import Output, check_output, labels_option, template_option
+    from ..rows.io import labels_option, template_option
+    from ..rows.writer import Output, check_output
 
     if a.truncate:
         raise ConfigError("score does not truncate: an item over the context limit is an error")

@@ -15,12 +15,15 @@ from ..errors import ConfigError, InputError
 from ..heads import KINDS, save_head
 from ..weights.adapter import ADAPTER_OBJECTIVES
 from ..rows.report import format_confusion
-from ..train.fit_heads import FitOptions, check_compare_options, compare_modes, few_shot_template, fit_head, format_modes
+from ..train.fit_heads import (
+    FitOptions, check_compare_options, compare_modes, few_shot_template, fit_head, format_modes,
+)
 from ..train.lora import DEFAULTS
 
 
 def cmd_finetune(a) -> int:
-    from ..rows.io import check_output, labels_option, read_text, template_option
+    from ..rows.io import labels_option, read_text, template_option
+    from ..rows.writer import check_output
     from ..train.lora import finetune
 
     check_output(a.output)  # before minutes of training
@@ -119,7 +122,8 @@ def _labeled(path, fmt, column, label_column, labels) -> tuple[list[str], list[s
 def cmd_fit_head(a) -> int:
     from ..rows.io import labels_option, template_option
     from ..classifier import Classifier
-    from ..rows.io import check_output, read_rows
+    from ..rows.io import read_rows
+    from ..rows.writer import check_output
     from ..prompt import SEED_LABELS, SEED_TEMPLATE
 
     opts = _fit_options(a)
@@ -170,7 +174,7 @@ def cmd_fit_head(a) -> int:
 
 def cmd_eval_modes(a) -> int:
     from ..rows.io import labels_option, template_option
-    from ..rows.io import Output, check_output
+    from ..rows.writer import Output, check_output
     from ..weights.loading import obtain
     from ..prompt import SEED_LABELS, SEED_TEMPLATE
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InputError
-from .io import RowReader, cannot_write, output_format
+from .io import RowReader
+from .writer import output_format
+from ..errors import cannot_write
 from .resume import META_FORMAT, check_meta, meta_path, write_meta
 from .stream import ClassifyJob
 

@@ -1,9 +1,8 @@
-"""Reading queries and labeled rows from files (plain lines, CSV, JSONL; Parquet in parquet.py) and
-the output files' plumbing (how result rows are written: rowformat.py)."""
+"""Reading queries and labeled rows from files: plain lines, CSV, JSONL and Parquet (through
+pyarrow, the `parquet` extra, a batch at a time). Writing them lives in writer.py and parquet.py."""
 from __future__ import annotations
 
 import csv
-import errno
 import io
 import json
 import os
@@ -88,8 +87,6 @@ def _parquet_rows(path: str, columns: tuple[str, ...]) -> list[dict]:
     if path == "-":
         raise InputError("Parquet input is read from a file (its footer says where the rows are), "
                          "not from stdin: give the FILE.parquet")
-    from .parquet import ParquetRows
-
     f = ParquetRows(path, columns[0])
     try:
         missing = [c for c in columns if c not in f.columns]
@@ -170,8 +167,6 @@ class RowReader:
         if self.fmt not in ("txt", "csv", "jsonl", "parquet"):
             raise InputError(f"unknown input format {self.fmt!r}: use txt, csv, jsonl or parquet")
         if self.fmt == "parquet":  # columns, typed: read by pyarrow a batch at a time
-            from .parquet import ParquetRows
-
             self.f = ParquetRows(path, column)
             self.columns, self.total = self.f.columns, self.f.num_rows
             self._rows = self.f.rows(self._checked)
@@ -296,65 +291,6 @@ def _checked(row: dict, columns, where: str) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- output
-
-def cannot_write(path, e: OSError) -> InputError:
-    return InputError(f"cannot write output file {path}: {e.strerror or e}")
-
-
-def check_output(path: str | None) -> None:
-    """Fail now, before the model loads and the work runs, if `path` cannot be written (a directory,
-    a missing folder, no permission). An existing file is opened for appending, so it is not
-    truncated yet; a new one is created and removed again. Devices and pipes are left alone."""
-    if path in (None, "-"):
-        return
-    try:
-        if os.path.isdir(path):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))  # as open() would
-        if not os.path.lexists(path):
-            open(path, "x").close()
-            os.remove(path)
-        elif os.path.isfile(path):
-            open(path, "a").close()
-    except OSError as e:
-        raise cannot_write(path, e) from None
-
-
-class Output:
-    """stdout (path None or '-') or a file opened for writing, as a context manager. Each write is
-    flushed, so what is written survives a crash or Ctrl-C later on. An OSError on the file is an
-    InputError naming it; stdout's own (a closed pipe) are left to the caller."""
-
-    def __init__(self, path: str | None, mode: str = "w"):
-        self.path = None if path in (None, "-") else path
-        self.f = sys.stdout if self.path is None else self._io(
-            open, self.path, mode, newline="", encoding="utf-8")
-
-    def _io(self, fn, *args, **kw):
-        try:
-            return fn(*args, **kw)
-        except OSError as e:
-            if self.path is None:
-                raise
-            raise cannot_write(self.path, e) from None
-
-    def write(self, text: str) -> None:
-        self._io(self.f.write, text)
-        self._io(self.f.flush)
-
-    def __enter__(self) -> "Output":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.path is not None:
-            self._io(self.f.close)
-
-
-def output_format(path: str | None, fmt: str) -> str:
-    fmt = _format(path, fmt)
-    return "csv" if fmt == "txt" else fmt
-
-
 def read_text(path: str, what: str) -> str:
     """A whole UTF-8 text file (a template, a label list), or an InputError naming it."""
     try:
@@ -380,3 +316,63 @@ def template_option(a) -> str | None:
     if a.template_file:
         return read_text(a.template_file, "template").rstrip("\n")
     return a.template
+
+
+# ---------------------------------------------------------------- Parquet input
+
+BATCH_ROWS = 1024  # rows turned into Python objects at a time: a chunk takes a few batches
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise InputError("Parquet needs pyarrow: pip install 'prefixscore[parquet]'") from None
+    return pyarrow
+
+
+class ParquetRows:
+    """A Parquet file's rows as dicts of Python values (timestamps as datetime, lists, structs as
+    dicts), lazily; `columns` is the file's schema, known before the first row."""
+
+    def __init__(self, path: str, column: str):
+        pa = _pyarrow()
+        if path == "-":
+            raise InputError("Parquet input is read from a file (its footer says where the rows "
+                             "are), not from stdin: give -i FILE.parquet")
+        try:
+            self.file = pa.parquet.ParquetFile(path)
+        except FileNotFoundError:
+            raise InputError(f"input file not found: {path}") from None
+        except IsADirectoryError:
+            raise InputError(f"input is a directory, not a file: {path}") from None
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{path}: not a readable Parquet file ({e})") from None
+        self.name, self.column, self.read = path, column, None  # read None: every column
+        self.schema = self.file.schema_arrow
+        self.columns, self.num_rows = list(self.schema.names), self.file.metadata.num_rows
+        if column not in self.columns:
+            raise InputError(f"{path}: no column {column!r} (columns: {', '.join(self.columns)})")
+
+    def select(self, columns: list[str]) -> None:
+        """Decode only these columns and the query's."""
+        self.read = [c for c in self.columns if c == self.column or c in columns]
+
+    def rows(self, make_row):
+        """make_row(n, line, fields) for each row, n from 1."""
+        pa, n = _pyarrow(), 0
+        batches = self.file.iter_batches(BATCH_ROWS, columns=self.read)
+        while True:
+            try:  # only the reading is guarded: an error of the consumer's is its own
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError) as e:
+                raise InputError(f"{self.name}: unreadable after row {n} ({e})") from None
+            if batch is None:
+                return
+            for fields in batch.to_pylist():
+                n += 1
+                yield make_row(n, n, fields)
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,70 +1,11 @@
-"""Parquet in and out for `prefixscore classify`, through pyarrow (an optional dependency: the
-`parquet` extra). Input is read a batch at a time (ParquetFile.iter_batches decodes one row group
-at a time, and only the columns that are written), so memory stays flat as it does for text
-input. Output has CSV's columns, typed, and each chunk is written as one row group when it
-finishes."""
+"""Parquet output for `prefixscore classify`, through pyarrow (an optional dependency: the `parquet`
+extra; io.ParquetRows reads it a batch at a time, so memory stays flat as it does for text input).
+Output has CSV's columns, typed, and each chunk is written as one row group when it finishes."""
 from __future__ import annotations
 
-from ..errors import InputError
-from .io import cannot_write
+from ..errors import InputError, cannot_write
+from .io import _pyarrow
 from .writer import RowFormat, _cell
-
-BATCH_ROWS = 1024  # rows turned into Python objects at a time: a chunk takes a few batches
-
-
-def _pyarrow():
-    try:
-        import pyarrow
-        import pyarrow.parquet  # noqa: F401
-    except ImportError:
-        raise InputError("Parquet needs pyarrow: pip install 'prefixscore[parquet]'") from None
-    return pyarrow
-
-
-class ParquetRows:
-    """A Parquet file's rows as dicts of Python values (timestamps as datetime, lists, structs as
-    dicts), lazily; `columns` is the file's schema, known before the first row."""
-
-    def __init__(self, path: str, column: str):
-        pa = _pyarrow()
-        if path == "-":
-            raise InputError("Parquet input is read from a file (its footer says where the rows "
-                             "are), not from stdin: give -i FILE.parquet")
-        try:
-            self.file = pa.parquet.ParquetFile(path)
-        except FileNotFoundError:
-            raise InputError(f"input file not found: {path}") from None
-        except IsADirectoryError:
-            raise InputError(f"input is a directory, not a file: {path}") from None
-        except (pa.ArrowException, OSError) as e:
-            raise InputError(f"{path}: not a readable Parquet file ({e})") from None
-        self.name, self.column, self.read = path, column, None  # read None: every column
-        self.schema = self.file.schema_arrow
-        self.columns, self.num_rows = list(self.schema.names), self.file.metadata.num_rows
-        if column not in self.columns:
-            raise InputError(f"{path}: no column {column!r} (columns: {', '.join(self.columns)})")
-
-    def select(self, columns: list[str]) -> None:
-        """Decode only these columns and the query's."""
-        self.read = [c for c in self.columns if c == self.column or c in columns]
-
-    def rows(self, make_row):
-        """make_row(n, line, fields) for each row, n from 1."""
-        pa, n = _pyarrow(), 0
-        batches = self.file.iter_batches(BATCH_ROWS, columns=self.read)
-        while True:
-            try:  # only the reading is guarded: an error of the consumer's is its own
-                batch = next(batches, None)
-            except (pa.ArrowException, OSError) as e:
-                raise InputError(f"{self.name}: unreadable after row {n} ({e})") from None
-            if batch is None:
-                return
-            for fields in batch.to_pylist():
-                n += 1
-                yield make_row(n, n, fields)
-
-    def close(self) -> None:
-        self.file.close()
 
 
 def check_parquet_output(output: str | None, resume: bool) -> None:

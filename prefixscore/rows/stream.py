@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import InputError
-from .io import Row, RowReader, check_output, output_format
+from .io import Row, RowReader
+from .writer import check_output, output_format
 from ..overlap import run_ahead
 from .resume import CHUNK_ROWS, check_meta, chunk_ends, scan_output, write_meta
 from .writer import ResultWriter, RowFormat

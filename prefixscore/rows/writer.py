@@ -3,11 +3,15 @@ parquet.py takes CSV's columns from it) and ResultWriter, a chunk of rows per fl
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
 import math
+import os
+import sys
 
-from .io import Output, Row
+from ..errors import cannot_write
+from .io import Row, _format
 
 
 # Output names of ours; an input column so named is written as "input:NAME".
@@ -146,6 +150,61 @@ class RowFormat:
         for i in range(0, len(out), 256):  # writerows holds the GIL throughout: the engine's thread
             w.writerows(out[i:i + 256])    # waits for it (a writer thread formats: stream.py)
         return buf.getvalue()
+
+
+# ---------------------------------------------------------------- output files
+
+def check_output(path: str | None) -> None:
+    """Fail now, before the model loads and the work runs, if `path` cannot be written (a directory,
+    a missing folder, no permission). An existing file is opened for appending, so it is not
+    truncated yet; a new one is created and removed again. Devices and pipes are left alone."""
+    if path in (None, "-"):
+        return
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))  # as open() would
+        if not os.path.lexists(path):
+            open(path, "x").close()
+            os.remove(path)
+        elif os.path.isfile(path):
+            open(path, "a").close()
+    except OSError as e:
+        raise cannot_write(path, e) from None
+
+
+class Output:
+    """stdout (path None or '-') or a file opened for writing, as a context manager. Each write is
+    flushed, so what is written survives a crash or Ctrl-C later on. An OSError on the file is an
+    InputError naming it; stdout's own (a closed pipe) are left to the caller."""
+
+    def __init__(self, path: str | None, mode: str = "w"):
+        self.path = None if path in (None, "-") else path
+        self.f = sys.stdout if self.path is None else self._io(
+            open, self.path, mode, newline="", encoding="utf-8")
+
+    def _io(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except OSError as e:
+            if self.path is None:
+                raise
+            raise cannot_write(self.path, e) from None
+
+    def write(self, text: str) -> None:
+        self._io(self.f.write, text)
+        self._io(self.f.flush)
+
+    def __enter__(self) -> "Output":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.path is not None:
+            self._io(self.f.close)
+
+
+def output_format(path: str | None, fmt: str) -> str:
+    fmt = _format(path, fmt)
+    return "csv" if fmt == "txt" else fmt
 
 
 class ResultWriter(Output):

@@ -263,7 +263,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     check_template(template, ("query",))
     queries, gold = read_data(data, labels, query_column, label_column, input_format, teacher is None)
     if output is not None:
-        from ..rows.io import check_output
+        from ..rows.writer import check_output
 
         check_output(str(output))
     say = log or (lambda m: print(m, file=sys.stderr))

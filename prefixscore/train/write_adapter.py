@@ -33,7 +33,7 @@ def save_adapter(path, adapter: Adapter, dtype=torch.float32) -> None:
     reader computes the merge in fp32 either way."""
     from safetensors.torch import save
 
-    from ..rows.io import cannot_write
+    from ..errors import cannot_write
 
     m = adapter.meta
     meta = {"format": ADAPTER_FORMAT, "version": ADAPTER_VERSION, "base_hash": m["base_hash"],

@@ -9,7 +9,10 @@ import sys
 
 from .. import __version__
 from ..errors import InputError, PrefixScoreError
-from .common import apply_sources, classifier_kwargs, err, error, log, make_classifier, model_args, quiet, run_batches, seed_adapter_default, verbosity
+from .common import (
+    apply_sources, classifier_kwargs, err, error, log, make_classifier, model_args, quiet,
+    run_batches, seed_adapter_default, verbosity,
+)
 from ..rows.files import is_many
 from ..rows.io import labels_option
 from ..rows.report import confusion_report, format_confusion, format_per_label, rows_digest
@@ -135,7 +138,8 @@ def cmd_eval(a) -> int:
     """Accuracy, macro-F1 and speed of every decision rule the flags name, side by side on the same
     rows: zero-shot (the prompt alone), a --head, an --adapter (the shipped seed adapter by default);
     then the confusion matrix of the last. The JSON report is the last rule's, with all in "modes"."""
-    from ..rows.io import Output, check_output, read_rows
+    from ..rows.io import read_rows
+    from ..rows.writer import Output, check_output
 
     check_output(a.json)
     _check_predictions(a.predictions)
@@ -189,7 +193,7 @@ def _data_name(a) -> str:
 
 def _check_predictions(path: str | None) -> None:
     """Before the model loads: --predictions can be written (Parquet: pyarrow is there, and a file)."""
-    from ..rows.io import check_output, output_format
+    from ..rows.writer import check_output, output_format
 
     if path is not None and output_format(path, "auto") == "parquet":  # ('-' is stdout, CSV)
         from ..rows.parquet import check_parquet_output
@@ -205,7 +209,7 @@ def _write_predictions(path: str, queries, gold, results, labels) -> None:
     import csv
     import io
 
-    from ..rows.io import Output, output_format
+    from ..rows.writer import Output, output_format
 
     fmt = output_format(path, "auto")
     if fmt == "parquet":
