@@ -35,7 +35,7 @@ import torch
 
 import prefixscore.kernels as K
 from prefixscore.batch import plan_classify
-from prefixscore.model_config import ModelConfig
+from prefixscore.weights.model_config import ModelConfig
 from prefixscore.engine import Engine
 from prefixscore.labels import LabelTrie
 from prefixscore.weights.loading import from_tensors

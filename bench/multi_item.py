@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from prefixscore.model_config import ModelConfig
+from prefixscore.weights.model_config import ModelConfig
 from prefixscore.weights.loading import from_tensors
 from prefixscore.scorer import Scorer
 

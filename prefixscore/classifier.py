@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import numbers
 
 import torch
 
@@ -15,6 +14,7 @@ from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .result import Result
+from .spec import ModelSpec
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
 MODES = ("logprobs", "logits")
@@ -42,92 +42,107 @@ class Classifier:
     adapter: a LoRA adapter file (prefixscore finetune), merged into the weights
     once at load (objective "head": its trained head decides, as head= would) (same kernels and graphs as the base model); its template, labels and chat flag
     are the defaults, and another base model, template or label set is refused.
-    batch_invariant: True runs every kernel in batch-invariant mode (kernels.BATCH_INVARIANT): on
-    CUDA a query's scores are then bitwise the same alone and inside any batch, at a cost at large
-    batches (BENCHMARKS.md). Process-wide, as the kernels are; None (default) leaves the process's
-    setting (PREFIXSCORE_BATCH_INVARIANT=1 turns it on). No effect on CPU (torch's kernels).
+    batch_invariant: True runs every kernel in batch-invariant mode (KernelOptions.batch_invariant):
+    on CUDA a query's scores are then bitwise the same alone and inside any batch, at a cost at large
+    batches (BENCHMARKS.md). A setting of the model's engine, which the classifiers and scorers of
+    one loaded model (Classifier.many's) share: asking it for the other setting is a ConfigError.
+    None (default): the shared engine's, else the environment's (PREFIXSCORE_BATCH_INVARIANT=1
+    turns it on). No effect on CPU (torch's kernels).
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, device=None,
                  dtype=None, chat: bool | None = None, mode: str = "logprobs", truncate: bool = False,
                  max_batch_tokens: int = 16384, graphs: bool = True, head=None,
-                 allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None):
-        if batch_invariant is not None:  # before any graph is captured
-            Engine.set_batch_invariant(bool(batch_invariant))
-        head_file = adapter_file = None
-        self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)
-        if adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights
-            from .weights.loading import LoadedModel
-            from .weights.adapter import read_adapter
-
-            adapter_file = read_adapter(adapter)  # unreadable file: ModelLoadError before loading
-            if head is not None:
-                raise ConfigError(f"pass an adapter or a head, not both: {adapter} brings its own "
-                                  f"decision rule (objective {adapter_file.meta['objective']!r})")
-            if isinstance(model, LoadedModel):
-                raise ConfigError("an adapter is merged into the weights it loads with: pass the "
-                                  "model's path, not a loaded model (whose weights others share)")
-            template = adapter_file.meta["template"] if template is None else template
-            labels = adapter_file.meta["labels"] if labels is None else labels
-            chat = adapter_file.meta["chat"] if chat is None else chat
-        if head is not None:  # a trained head (heads.py): template, labels, chat default to its own
-            from .heads import read_head
-
-            head_file = read_head(head)  # unreadable file: ModelLoadError before loading a model
-            template = head_file.meta["template"] if template is None else template
-            labels = head_file.labels if labels is None else labels
-            chat = head_file.meta["chat"] if chat is None else chat
-        template = SEED_TEMPLATE if template is None else template
-        labels = classifier_labels(SEED_LABELS if labels is None else labels)
-        check_template(template, ("query",))  # fail fast, before loading a model
-        if mode not in MODES:
-            raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
-        if not isinstance(truncate, bool) or not (chat is None or isinstance(chat, bool)):
-            raise ConfigError(f"truncate and chat are true or false (chat may be None), got "
-                              f"truncate={truncate!r}, chat={chat!r}")
-        if not isinstance(allow_special_tokens, bool):
-            raise ConfigError(f"allow_special_tokens is true or false, got {allow_special_tokens!r}")
-        if not isinstance(max_batch_tokens, numbers.Integral) or max_batch_tokens < 1:  # numpy ints too
-            raise ConfigError(f"max_batch_tokens must be a positive integer, got {max_batch_tokens!r}")
-        self.loaded = obtain(model, device, dtype)
-        self.engine = Engine.shared(self.loaded)
+                 allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None,
+                 spec: ModelSpec | None = None):
+        if spec is None:
+            spec = ModelSpec(model, template, labels, device=device, dtype=dtype, chat=chat, mode=mode,
+                             truncate=truncate, max_batch_tokens=max_batch_tokens, head=head,
+                             adapter=adapter, allow_special_tokens=allow_special_tokens,
+                             batch_invariant=batch_invariant)
+        elif model is not None or template is not None or labels is not None:
+            raise ConfigError("pass spec= or model/template/labels, not both")
+        spec, adapter_file, head_file = self._files(spec)
+        self.spec = spec
+        self.loaded = obtain(spec.model, spec.device, spec.dtype)
+        self.engine = Engine.shared(self.loaded, batch_invariant=spec.batch_invariant)
         tok = self.loaded.tokenizer
-        self.prompt = Prompt(tok, template, chat=chat, special_tokens=allow_special_tokens)
+        self.prompt = Prompt(tok, spec.template, chat=spec.chat, special_tokens=spec.allow_special_tokens)
+        self.adapter_meta = None  # a merged adapter's metadata (template, labels, training)
         if adapter_file is not None:  # before the prefix and graphs are computed from the weights
-            from .weights.loading import base_hash
-            from .weights.adapter import check_adapter, merge_adapter
-
-            check_adapter(adapter_file, base_hash(self.loaded), template, labels, self.prompt.chat,
-                          str(adapter))
-            merge_adapter(self.loaded, adapter_file)
-            self.adapter_meta = adapter_file.meta
-            if adapter_file.head is not None:  # objective "head": its linear head decides
-                head_file = adapter_file.head_weights()
-        self.trie = LabelTrie.build(tok, labels, self.prompt.render(query="x"), self.prompt.encode_text)
+            head_file = self._merge(adapter_file) or head_file
+        self.labels, self.mode, self.truncate = list(spec.labels), spec.mode, spec.truncate
+        self.trie = LabelTrie.build(tok, self.labels, self.prompt.render(query="x"), self.prompt.encode_text)
         # Branch tokens follow the suffix, so the prompt itself must leave room for them.
         limit = self.engine.config.context_limit
         self.prompt.context_limit = limit - self.trie.max_len
         check_prefix_fits(self.prefix_len, self.trie.max_len, limit)
-        self.labels, self.mode, self.truncate = labels, mode, truncate
         self.head = None
         if head_file is not None:  # refuse a head trained for another model, template or labels
             from .heads import check_head
 
             if adapter_file is None:  # an adapter's head was checked with the adapter, unmerged
-                check_head(head_file, self, head)
+                check_head(head_file, self, spec.head)
             self.head = head_file.to(self.engine.device, self.engine.dtype)
-        if mode == "logits" and not self.trie.first_distinct and self.head is None:
+        if self.mode == "logits" and not self.trie.first_distinct and self.head is None:
             raise ConfigError("mode 'logits' needs labels whose first tokens differ; these share a "
                               "first token, so use mode 'logprobs'")
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = spec.max_batch_tokens
         finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge and checks
         self.prefix_kv = self.engine.prefill(self.prompt.prefix_ids)
         self.weight = self.engine.label_weight(self.trie.columns)
         # A linear head is an N-row projection like the label rows: graphs capture it instead.
         linear = self.head is not None and self.head.kind == "linear"
-        weight, logprobs = (self.head.weight, False) if linear else (self.weight, mode == "logprobs")
+        weight, logprobs = (self.head.weight, False) if linear else (self.weight, self.mode == "logprobs")
         self.capture_info = self.engine.capture(self.prefix_kv, weight, logprobs,
-                                                max_batch_tokens) if graphs else {}
+                                                spec.max_batch_tokens) if graphs else {}
+
+    @staticmethod
+    def _files(spec: ModelSpec):
+        """-> (spec with every default filled in, adapter file, head file): an adapter's or a
+        head's template, labels and chat flag are the defaults, then the seed prompt's. Every check
+        that needs no model runs here, so a mistake fails before loading one."""
+        adapter_file = head_file = None
+        fill = {}
+        if spec.adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights
+            from .weights.adapter import read_adapter
+            from .weights.loading import LoadedModel
+
+            adapter_file = read_adapter(spec.adapter)  # unreadable file: ModelLoadError before loading
+            if spec.head is not None:
+                raise ConfigError(f"pass an adapter or a head, not both: {spec.adapter} brings its own "
+                                  f"decision rule (objective {adapter_file.meta['objective']!r})")
+            if isinstance(spec.model, LoadedModel):
+                raise ConfigError("an adapter is merged into the weights it loads with: pass the "
+                                  "model's path, not a loaded model (whose weights others share)")
+            fill = {k: adapter_file.meta[k] for k in ("template", "labels", "chat")}
+        if spec.head is not None:  # a trained head (heads.py): template, labels, chat default to its own
+            from .heads import read_head
+
+            head_file = read_head(spec.head)  # unreadable file: ModelLoadError before loading a model
+            fill = {"template": head_file.meta["template"], "labels": head_file.labels,
+                    "chat": head_file.meta["chat"]}
+        fill = {"template": SEED_TEMPLATE, "labels": SEED_LABELS, "chat": None, **fill}
+        template, labels, chat = (fill[k] if getattr(spec, k) is None else getattr(spec, k)
+                                  for k in ("template", "labels", "chat"))
+        mode = "logprobs" if spec.mode is None else spec.mode
+        check_template(template, ("query",))
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
+        spec = spec.replace(template=template, labels=tuple(classifier_labels(labels)), chat=chat, mode=mode)
+        return spec, adapter_file, head_file
+
+    def _merge(self, adapter_file):
+        """Check the adapter against this model, template and labels and merge it into the weights;
+        -> its linear head for objective "head" (which then decides), else None."""
+        from .weights.adapter import check_adapter, merge_adapter
+        from .weights.loading import base_hash
+
+        check_adapter(adapter_file, base_hash(self.loaded), self.spec.template, self.spec.label_list,
+                      self.prompt.chat, str(self.spec.adapter))
+        merge_adapter(self.loaded, adapter_file)
+        self.adapter_meta = adapter_file.meta
+        return adapter_file.head_weights() if adapter_file.head is not None else None
 
     @classmethod
     def many(cls, classifiers: dict, model=None, *, device=None, dtype=None,

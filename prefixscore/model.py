@@ -17,17 +17,18 @@ weights. The vocabulary head is not here: only its label-token rows are used (ke
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .model_config import ModelConfig, rope_parameters
+from .weights.model_config import ModelConfig, rope_parameters
 from .errors import ModelLoadError
 from .kernels.attention import attention_o, span_layout
 from .kernels.fp8 import Fp8Weight
 from .kernels.fused import embed_rope
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
+from .kernels.options import KernelOptions
 
 
 def fold(w, norm_weight):
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         c = self.c
         qn = (self.q_norm.weight, self.k_norm.weight) if c.qk_norm else (None, None)
         q, k, v = qkv_rope(h, self.wqkv, self.bqkv, cos, sin, c.num_heads, c.num_kv_heads, c.head_dim,
-                           *qn, c.rms_norm_eps)
+                           *qn, c.rms_norm_eps, options=ctx.options)
         if ctx.kv_out is not None:  # building the prefix cache: keep post-RoPE K/V
             ctx.kv_out.append((k, v))
         pk, pv = ctx.prefix_kv[layer]
@@ -74,7 +75,7 @@ class Attention(nn.Module):
                                      pk.shape[0], ctx.prefix_range)
         return attention_o(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                            c.head_dim ** -0.5, self.o_proj.weight, residual, ctx.seg_offsets,
-                           ctx.layout, self.o_proj.bias, ctx.prefix_range)
+                           ctx.layout, self.o_proj.bias, ctx.prefix_range, options=ctx.options)
 
 
 class MLP(nn.Module):
@@ -90,9 +91,9 @@ class MLP(nn.Module):
         self.bgu = torch.cat([self.gate_proj.bias, self.up_proj.bias]) if self.bias else None
         del self.gate_proj, self.up_proj
 
-    def forward(self, h: Normed, residual):
-        return linear_residual(gate_up_silu(h, self.wgu, self.bgu), self.down_proj.weight,
-                               self.down_proj.bias, residual)
+    def forward(self, h: Normed, residual, options: KernelOptions):
+        gu = gate_up_silu(h, self.wgu, self.bgu, options=options)
+        return linear_residual(gu, self.down_proj.weight, self.down_proj.bias, residual, options=options)
 
 
 class Fp8Linear(nn.Module):
@@ -116,7 +117,7 @@ class Block(nn.Module):
         """x: the residual stream; ssq: its per-row sums of squares if the GEMM that wrote x left
         them (then the norm is a scale in the next GEMM's epilogue). -> the same for the next layer."""
         x, ssq = self.self_attn(Normed(x, ssq, self.input_layernorm.eps), x, cos, sin, ctx, layer)
-        return self.mlp(Normed(x, ssq, self.post_attention_layernorm.eps), x)
+        return self.mlp(Normed(x, ssq, self.post_attention_layernorm.eps), x, ctx.options)
 
     def fuse(self):
         self.self_attn.fuse(self.input_layernorm.weight)
@@ -156,6 +157,9 @@ class Context:
     # (prefix_start, prefix_end) int32 [T]: the pinned keys each token sees, when prefix_kv is a
     # bank of several classifiers' prefixes (kernels/attention.py); None: all of them.
     prefix_range: tuple | None = None
+    # The engine's kernel switches, passed to every kernel of the forward (kernels/options.py): a
+    # keyword every Context is built with, so no forward runs with options the engine did not fix.
+    options: KernelOptions = field(kw_only=True)
 
 
 class Transformer(nn.Module):
@@ -216,7 +220,8 @@ class Transformer(nn.Module):
         """tokens, positions [T] -> hidden states [T, hidden] before the final norm."""
         emb = self.embed_tokens.weight
         # x, its rows' sums of squares for layer 0's norm (fused path; else None), RoPE's cos/sin
-        x, ssq, cos, sin = embed_rope(tokens, positions, emb, *self.rope_table(emb.device, emb.dtype))
+        x, ssq, cos, sin = embed_rope(tokens, positions, emb, *self.rope_table(emb.device, emb.dtype),
+                                      options=ctx.options)
         for i, layer in enumerate(self.layers):
             x, ssq = layer(x, ssq, cos, sin, ctx, i)
         return x

@@ -51,9 +51,10 @@ from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
+from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, check_token_ids, label_key
 from .spans import Span, SpanLayout, plan_items
+from .spec import ModelSpec
 
-SLOTS = ("query", "item")
 DEFAULT_TEMPLATE = ("Decide whether the item is relevant to the query. Answer yes or no.\n"
                     "Query: {query}\nItem: {item}")
 DEFAULT_LABELS = ["yes", "no"]
@@ -78,14 +79,6 @@ class ItemResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass
-class Prepared:
-    """One request, tokenized."""
-    items: list  # as given
-    full: list[list[int]]  # per item, the whole prompt's tokens (what the model must see)
-    shared: list[int]  # tokens of the text before the item slot: the candidate query part
 
 
 @dataclass
@@ -116,9 +109,21 @@ class Scorer:
                  device=None, dtype=None, chat: bool | None = None, mode: str = "logprobs",
                  layout: str = "auto", max_items: int = 1024, max_batch_tokens: int = 16384,
                  prefix_ids: list[int] | None = None, graphs: bool = True,
-                 allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None):
-        if batch_invariant is not None:  # as Classifier's: before any graph is captured
-            Engine.set_batch_invariant(bool(batch_invariant))
+                 allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None,
+                 spec: ModelSpec | None = None):
+        if spec is None:
+            spec = ModelSpec(model, template, labels, device=device, dtype=dtype, chat=chat, mode=mode,
+                             max_batch_tokens=max_batch_tokens, adapter=adapter,
+                             allow_special_tokens=allow_special_tokens, batch_invariant=batch_invariant)
+        elif model is not None or template is not None or labels is not None:
+            raise ConfigError("pass spec= or model/template/labels, not both")
+        if spec.head is not None or spec.truncate:
+            raise ConfigError("a Scorer takes no head and no truncate: it scores label tokens, and "
+                              "refuses an over-long request")
+        self.spec = spec
+        model, template, device, dtype, chat = spec.model, spec.template, spec.device, spec.dtype, spec.chat
+        labels, adapter, allow_special_tokens = spec.label_list, spec.adapter, spec.allow_special_tokens
+        mode, max_batch_tokens = spec.mode or "logprobs", spec.max_batch_tokens
         adapter_file = None
         if adapter is not None:  # unreadable or unsuitable: an error before the model loads
             from .weights.loading import LoadedModel
@@ -133,14 +138,12 @@ class Scorer:
                                   "model's path, not a loaded model (whose weights others share)")
         if labels is not None and label_token_ids is not None:
             raise ConfigError("give labels or label_token_ids, not both")
-        if not isinstance(allow_special_tokens, bool):
-            raise ConfigError(f"allow_special_tokens is true or false, got {allow_special_tokens!r}")
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-        if max_items < 1 or max_batch_tokens < 1:
-            raise ConfigError("max_items and max_batch_tokens must be positive")
+        if max_items < 1:
+            raise ConfigError("max_items must be positive")
         if label_token_ids is None:
             labels = check_labels(DEFAULT_LABELS if labels is None else labels)
         if template is not None:
@@ -159,7 +162,7 @@ class Scorer:
             merge_adapter(self.loaded, adapter_file)
             self.adapter_meta = adapter_file.meta
         finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge
-        self.engine = Engine.shared(self.loaded)
+        self.engine = Engine.shared(self.loaded, batch_invariant=spec.batch_invariant)  # (Classifier's)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer
         self.mode = mode
@@ -233,17 +236,7 @@ class Scorer:
         return head
 
     def _label_key(self, labels, label_token_ids, err) -> tuple:
-        if label_token_ids is not None:
-            ids = self._check_token_ids(label_token_ids, "label_token_ids", err)
-            if not ids:
-                raise err("label_token_ids is empty: give at least one token id")
-            if len(set(ids)) != len(ids):
-                raise err(f"label_token_ids has duplicates: {ids}")
-            return ("ids", tuple(ids))
-        try:
-            return ("text", tuple(check_labels(labels)))
-        except ConfigError as e:
-            raise err(str(e)) from None
+        return label_key(labels, label_token_ids, self.config.vocab_size, err)
 
     def _build_head(self, key, err) -> _Head:
         tok = self.tokenizer
@@ -273,14 +266,7 @@ class Scorer:
                       f"use mode 'softmax' (apply_softmax=true) or label_token_ids")
 
     def _check_token_ids(self, ids, what: str, err=InputError) -> list[int]:
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
-            raise err(f"{what} must be a list of token ids")
-        V = self.config.vocab_size
-        # C-speed checks first (a request carries ~10^4 ids); find the culprit only on failure
-        if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= V):
-            bad = next(i for i in ids if type(i) is not int or not 0 <= i < V)
-            raise err(f"{what}: {bad!r} is not a token id of this model (0 <= id < {V})")
-        return list(ids)
+        return check_token_ids(ids, what, self.config.vocab_size, err)
 
     # ------------------------------------------------------------ public API
 
@@ -339,92 +325,30 @@ class Scorer:
         token-id query/items are scored as given, query + item or item + query. Labels default to
         the scorer's own.
         """
-        if not isinstance(req, dict):
-            raise InputError("a score request is a JSON object with query and items")
-        query, items = req.get("query"), req.get("items")
-        if isinstance(items, str):  # SGLang accepts one item as a bare string
-            items = [items]
-        for k in ("apply_softmax", "item_first"):
-            if k in req and not isinstance(req[k], bool):
-                raise InputError(f"{k} must be true or false, got {req[k]!r}")
-        labels, ids = req.get("labels"), req.get("label_token_ids")
-        if labels is not None and ids is not None:
-            raise InputError("give labels or label_token_ids, not both")
-        by_ids = isinstance(query, (list, tuple))
-        item_first = req.get("item_first", False if by_ids else self.item_first)
-        if not by_ids and item_first != self.item_first:
-            order = "item first" if self.item_first else "query first"
-            raise InputError(f"item_first={str(item_first).lower()}, but this scorer's template puts "
-                             f"the {order}: the template decides where each slot goes (use a "
-                             f"template with the other order, or token ids)")
-        if labels is None and ids is None:
-            head = self.head
-        else:
-            head = self._head(labels, ids, InputError, single=True)
-        mode = "softmax" if req.get("apply_softmax", False) else "vocab_probs"
-        self._check_mode(mode, head, InputError)
-        prep = self.prepare_ids(query, items, item_first) if by_ids else self.prepare(query, items)
-        results = self.run([prep], mode, head)[0]
-        n = sum(len(f) for f in prep.full)
-        return {"scores": [[r.scores[l] for l in head.labels] for r in results],
-                "labels": head.labels, "model": self.loaded.name, "object": "scoring",
-                "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}
+        return self.score_call(self.input.parse(req))
 
     # ------------------------------------------------------------ requests -> token spans
 
+    # The checks and tokenization live in ScoreInput (score_input.py), which a server's front end
+    # runs too: these keep the Scorer's own names for them.
     def _check_items(self, items, text: bool) -> list:
-        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
-            raise InputError(f"items must be a list of {'strings' if text else 'token id lists'}")
-        if not items:
-            raise InputError("no items: give at least one item to score")
-        if len(items) > self.max_items:
-            raise InputError(f"{len(items)} items in one request, over the limit of {self.max_items}; "
-                             f"split the request (or raise max_items)")
-        for i, it in enumerate(items):
-            if text and not isinstance(it, str):
-                raise InputError(f"items[{i}] must be a string, got {type(it).__name__}")
-            if not text:
-                self._check_token_ids(it, f"items[{i}]")
-            if not (it.strip() if text else it):
-                raise InputError(f"items[{i}] is empty")
-        return list(items)
+        return self.input.check_items(items, text)
 
     def _check_text(self, query, items) -> list:
         """The checks of a text request that need no tokenizer call -> items as a list."""
-        if self.tokenizer is None:
-            raise ConfigError("this scorer has no tokenizer: score token ids with score_ids")
-        if not isinstance(query, str):
-            raise InputError(f"query must be a string, got {type(query).__name__}")
-        if not query.strip():
-            raise InputError("empty query")
-        return self._check_items(items, text=True)
+        return self.input.check_text(query, items)
 
     def prepare(self, query: str, items) -> Prepared:
         """Tokenize a text request: each item's whole prompt (one batched tokenizer call), and the
         prompt before the item slot (the query and the item are plain text unless
         allow_special_tokens)."""
-        items = self._check_text(query, items)
-        full = self.prompt.encode_ids([{"query": query, "item": it} for it in items])
-        shared = self.prompt.encode_before("item", query=query)
-        return self._checked(Prepared(items, full, shared))
+        return self.input.prepare(query, items)
 
     def prepare_ids(self, query_ids, items_ids, item_first: bool = False) -> Prepared:
-        q = self._check_token_ids(query_ids, "query")
-        if not q:
-            raise InputError("empty query")
-        items = self._check_items(items_ids, text=False)
-        full = [list(it) + q if item_first else q + list(it) for it in items]
-        return self._checked(Prepared(items, full, [] if item_first else q))
+        return self.input.prepare_ids(query_ids, items_ids, item_first)
 
     def _checked(self, prep: Prepared) -> Prepared:
-        limit = self.config.context_limit - self.trie.max_len  # room for the label tokens
-        for i, ids in enumerate(prep.full):
-            if len(ids) > limit:
-                it = prep.items[i]
-                size = f"{len(it)} characters" if isinstance(it, str) else f"{len(it)} tokens"
-                raise InputError(f"items[{i}]: the prompt is {len(ids)} tokens, over the model's "
-                                 f"context limit of {limit} tokens (the item is {size}); shorten it")
-        return prep
+        return self.input.checked(prep)
 
     def _groups(self, prep: Prepared, branch: int, one_per_span: bool) -> list[Span]:
         """Split one request into spans. `branch`: label-branch tokens per item; one_per_span when
@@ -534,3 +458,28 @@ class Scorer:
             logits = (x[c:c + 1024] @ self.loaded.lm_head.t()).float()
             out.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
         return torch.cat(out).cpu()
+
+    # ------------------------------------------------------------ a score request in two halves
+
+    @property
+    def input(self) -> ScoreInput:
+        """The request side: checks and tokenization (score_input.py), no device work. A server's
+        front end builds the same from the engine's Ready and sends the engine token ids."""
+        return ScoreInput(self.prompt, self.item_first, self.config.vocab_size,
+                          self.config.context_limit - self.trie.max_len, self.max_items)
+
+    def score_call(self, call: ScoreCall) -> dict:
+        """score_request's second half: a parsed request (ScoreInput.parse, here or in a server's
+        front end) -> SGLang's response. The request's label set is built here (an LRU of
+        REQUEST_HEADS), its labels checked to be single tokens and to suit the mode."""
+        if call.labels is None and call.label_token_ids is None:
+            head = self.head
+        else:
+            head = self._head(call.labels, call.label_token_ids, InputError, single=True)
+        mode = "softmax" if call.apply_softmax else "vocab_probs"
+        self._check_mode(mode, head, InputError)
+        results = self.run([call.prep], mode, head)[0]
+        n = sum(len(f) for f in call.prep.full)
+        return {"scores": [[r.scores[l] for l in head.labels] for r in results],
+                "labels": head.labels, "model": self.loaded.name, "object": "scoring",
+                "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .batch import Plan
-from .model_config import ModelConfig
+from .weights.model_config import ModelConfig
 from .labels import LabelTrie
 
 # Cost of one (query row, in-batch key) pair scanned by attention relative to its FLOPs in a GEMM:

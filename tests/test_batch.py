@@ -58,8 +58,8 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     buffer contents from a bigger batch must not leak into a smaller one)."""
     import contextlib
 
-    from prefixscore import engine as engine_mod
     from prefixscore.engine import Engine, GraphRunner
+    from prefixscore.kernels.options import KernelOptions
     from prefixscore.weights.loading import load
     from prefixscore.prompt import Prompt
 
@@ -70,7 +70,8 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
             self.body()
 
     loaded = load(tiny_model("qwen2"), "cpu", torch.float32)
-    engine = Engine(loaded)
+    # a GPU host: the copy kernel needs CUDA tensors (test_copy_bytes runs it there)
+    engine = Engine(loaded, KernelOptions(graph_copies=os.environ.get("TRITON_INTERPRET") == "1"))
     prompt = Prompt(loaded.tokenizer, "Is this a question? {query}", chat=False)
     trie = LabelTrie.build(loaded.tokenizer, [" yes", " no", " maybe so"],
                            prompt.render(query="x"), prompt.encode_text)
@@ -85,8 +86,6 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"synchronize": lambda s: None})())
     monkeypatch.setattr(EagerGraph, "pool", lambda self: None, raising=False)
-    if os.environ.get("TRITON_INTERPRET") != "1":  # a GPU host: the copy kernel needs CUDA tensors
-        monkeypatch.setattr(engine_mod, "GRAPH_COPIES", False)  # (test_copy_bytes runs it there)
     orig_body = GraphRunner._body
 
     def body(self, T):  # record each bucket's body as its graph
@@ -143,7 +142,7 @@ def test_gpu_scores_do_not_depend_on_the_bucket():
     widths, 6 layers of random weights, 48 requests: the difference showed from layer 8 of 24."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from prefixscore.model_config import ModelConfig
+    from prefixscore.weights.model_config import ModelConfig
     from prefixscore.engine import Engine
     from prefixscore.weights.loading import from_tensors
 

@@ -1,4 +1,4 @@
-"""Batch-invariant mode (kernels.BATCH_INVARIANT, issue 23): a row's outputs are bitwise the same
+"""Batch-invariant mode (KernelOptions.batch_invariant, issue 23): a row's outputs are bitwise the same
 whether it runs alone or inside a larger batch, at any offset, for every kernel of the forward:
 the skinny GEMMs over row tiles (each epilogue, split-K), attention (canonical in-batch order)
 and the label head. Each is also checked against its torch reference (tolerances: fp32 1e-4,
@@ -8,7 +8,8 @@ where tl.dot is numpy's matmul, which rounds a row differently by its position i
 keeps its place in its 16-row tile (other rows before it, a different batch size and tile count),
 and equality checks that the kernels give every row the same operations in the same order. On
 CUDA a row runs truly alone (the tensor cores compute each row of an MMA the same way; the GPU
-test, test_gpu_classify_alone_equals_batched, checks the whole forward).
+test, test_gpu_classify_alone_equals_batched, checks the whole forward). The mode is a field of
+an engine's KernelOptions, passed to each kernel here (INV), not a process-wide switch.
 """
 import os
 import random
@@ -26,7 +27,6 @@ from conftest import fix_interpreter_loop_bounds  # noqa: E402
 
 fix_interpreter_loop_bounds()
 
-from prefixscore import kernels  # noqa: E402
 from prefixscore.kernels.attention import attention_ref  # noqa: E402
 from prefixscore.kernels.attention_triton import attention_triton  # noqa: E402
 from prefixscore.kernels.gemm import gate_up_silu_ref, linear_ref, qkv_rope_ref  # noqa: E402
@@ -34,6 +34,7 @@ from prefixscore.kernels.gemm_triton import (  # noqa: E402
     gate_up_silu_small, linear_residual_small, linear_small, qkv_rope_small)
 from prefixscore.kernels.label_head import label_head_ref  # noqa: E402
 from prefixscore.kernels.label_head_triton import label_head_triton  # noqa: E402
+from prefixscore.kernels.options import KernelOptions  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CUDA = DEVICE == "cuda"
@@ -42,11 +43,7 @@ TOL = {F32: 1e-4, BF: 2e-2}
 # Interpreter: few programs (wide tiles), still split-K so the per-row-tile workspace and arrival
 # counters run; CUDA: the pinned config itself.
 SMALL = None if CUDA else {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT": 2}
-
-
-@pytest.fixture(autouse=True)
-def invariant(monkeypatch):
-    monkeypatch.setattr(kernels, "BATCH_INVARIANT", True)
+INV = KernelOptions(batch_invariant=True)
 
 
 def seed():
@@ -77,11 +74,11 @@ def _pieces(T, gen):
 @pytest.mark.parametrize("rows", [16, 64])
 @pytest.mark.parametrize("dtype", [F32, BF], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("epi", ["plain", "residual", "gated+norm", "qkv+rope+norm"])
-def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows, monkeypatch):
+def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows):
     """Rows t0..t0+n of a launch of 45 (16-row tiles) or 150 rows (64-row tiles, the other
-    INVARIANT_ROWS bench/invariance_gpu measures: three row tiles either way) against the same rows
+    invariant_rows bench/invariance_gpu measures: three row tiles either way) against the same rows
     launched alone."""
-    monkeypatch.setattr(kernels, "INVARIANT_ROWS", rows)
+    opts = KernelOptions(batch_invariant=True, invariant_rows=rows)
     gen = seed()
     T, K, N = 3 * rows - 3, 96, 112
     x = _rand(gen, T, K, dtype=dtype)
@@ -97,13 +94,14 @@ def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows, monkeypatch):
     def run(a, n):
         s = slice(a, a + n)
         if epi == "plain":
-            return [linear_small(x[s], w, b, config=SMALL)]
+            return [linear_small(x[s], w, b, config=SMALL, options=opts)]
         if epi == "residual":
-            return list(linear_residual_small(x[s], w, b, r[s], config=SMALL))
+            return list(linear_residual_small(x[s], w, b, r[s], config=SMALL, options=opts))
         norm = (1e-6, ssq[:, s].contiguous())
         if epi == "gated+norm":
-            return [gate_up_silu_small(x[s], w, b, config=SMALL, norm=norm)]
-        return list(qkv_rope_small(x[s], wq, bq, cos[s], sin[s], Hq, Hkv, D, config=SMALL, norm=norm))
+            return [gate_up_silu_small(x[s], w, b, config=SMALL, norm=norm, options=opts)]
+        return list(qkv_rope_small(x[s], wq, bq, cos[s], sin[s], Hq, Hkv, D, config=SMALL, norm=norm,
+                                   options=opts))
 
     whole = run(0, T)
     for a, n in _pieces(T, gen):
@@ -142,10 +140,10 @@ def test_fp8_gemm_rows_do_not_depend_on_the_batch():
     x = _rand(gen, T, K)
     w = Fp8Weight.quantize((torch.randn(N, K, generator=gen) * K ** -0.5).to(DEVICE, BF))
     r = _rand(gen, T, N, scale=2.0)
-    whole, ssq = linear_residual_small(x, w, None, r, config=SMALL)
+    whole, ssq = linear_residual_small(x, w, None, r, config=SMALL, options=INV)
     for a, n in _pieces(T, gen):
         a0 = launch_start(a)
-        got, gs = linear_residual_small(x[a0:a + n], w, None, r[a0:a + n], config=SMALL)
+        got, gs = linear_residual_small(x[a0:a + n], w, None, r[a0:a + n], config=SMALL, options=INV)
         assert torch.equal(got[a - a0:], whole[a:a + n]) and torch.equal(gs[:, a - a0:], ssq[:, a:a + n])
     y = x.float() @ w.dequantize().float().t()
     err = (whole.float() - (r.float() + y)).abs()
@@ -181,7 +179,7 @@ def test_attention_rows_do_not_depend_on_the_batch(dtype):
     q, k, v = (_rand(gen, T, h, D, dtype=dtype) for h in (G * Hkv, Hkv, Hkv))
     pk, pv = (_rand(gen, P, Hkv, D, dtype=dtype) for _ in range(2))
     dev = [x.to(DEVICE) for x in (bs, be, own)]
-    whole = attention_triton(q, k, v, pk, pv, *dev, D ** -0.5)
+    whole = attention_triton(q, k, v, pk, pv, *dev, D ** -0.5, options=INV)
     ref = attention_ref(q, k, v, pk, pv, *dev, D ** -0.5)
     torch.testing.assert_close(whole.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     t0 = 0
@@ -194,7 +192,7 @@ def test_attention_rows_do_not_depend_on_the_batch(dtype):
             zero = torch.zeros(shift, dtype=torch.int32)
             ranges = [torch.cat([zero, x[s] - t0 + shift]).to(DEVICE) for x in (bs, be, own)]
             qkv = [torch.cat([f, x[s]]) for f, x in zip(fill, (q, k, v))]
-            got = attention_triton(*qkv, pk, pv, *ranges, D ** -0.5)[shift:]
+            got = attention_triton(*qkv, pk, pv, *ranges, D ** -0.5, options=INV)[shift:]
             assert torch.equal(got, whole[s]), (L, shift, (got.float() - whole[s].float()).abs().max())
         t0 += L
 
@@ -210,12 +208,12 @@ def test_label_head_rows_do_not_depend_on_the_batch(dtype):
     w = _rand(gen, N, H, dtype=dtype, scale=H ** -0.5)
     allowed = (torch.rand(R, N, generator=gen) < 0.7).to(DEVICE)
     allowed[:, 0] = True
-    s, b = label_head_triton(hidden, rows, nw, 1e-6, w, allowed)
+    s, b = label_head_triton(hidden, rows, nw, 1e-6, w, allowed, options=INV)
     rs, rb = label_head_ref(hidden, rows, nw, 1e-6, w, allowed)
     torch.testing.assert_close(s, rs, atol=TOL[dtype] * 5, rtol=TOL[dtype])
     for a, n in _pieces(R, gen):
         a0 = launch_start(a)
-        s1, b1 = label_head_triton(hidden, rows[a0:a + n], nw, 1e-6, w, allowed[a0:a + n])
+        s1, b1 = label_head_triton(hidden, rows[a0:a + n], nw, 1e-6, w, allowed[a0:a + n], options=INV)
         assert torch.equal(s1[a - a0:], s[a:a + n]) and torch.equal(b1[a - a0:], b[a:a + n]), (a, n)
 
 
@@ -229,7 +227,7 @@ def test_gpu_classify_alone_equals_batched():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from prefixscore.batch import plan_classify
-    from prefixscore.model_config import ModelConfig
+    from prefixscore.weights.model_config import ModelConfig
     from prefixscore.engine import Engine
     from prefixscore.labels import LabelTrie
     from prefixscore.weights.loading import from_tensors
@@ -245,7 +243,7 @@ def test_gpu_classify_alone_equals_batched():
             p.uniform_(0.8, 1.2) if "norm" in n else p.normal_(0, 0.02)
     loaded = from_tensors(ModelConfig.from_hf(cfg), hf.state_dict(), None, "random",
                           torch.device("cuda"), BF)
-    engine = Engine(loaded)
+    engine = Engine(loaded, INV)
     labels = [str(t) for t in range(9)]
     # three first tokens, three labels each: three branch rows per request (base + own ranges)
     trie = LabelTrie(labels, [[100 + t // 3, 300 + t % 3] for t in range(9)], None)
@@ -268,52 +266,95 @@ def test_gpu_classify_alone_equals_batched():
         assert at == scores.shape[0]
 
 
-def test_switch_reaches_the_kernels(monkeypatch, tiny_model):
-    """Classifier(batch_invariant=) and --batch-invariant set the process's mode (before graphs are
-    captured; after, another setting is refused); None leaves it. On CPU the answers are torch's
-    either way."""
+def test_mode_is_the_engines(monkeypatch, tiny_model):
+    """Classifier(batch_invariant=) and --batch-invariant fix the mode of the classifier's engine
+    (its KernelOptions), not of the process: another classifier keeps its own; None takes the
+    environment's default (PREFIXSCORE_BATCH_INVARIANT) or, over a shared loaded model, the shared
+    engine's; a classifier, scorer or Classifier.many member asking a shared engine for the other
+    setting is refused. On CPU the answers are torch's either way."""
     from prefixscore import Classifier
     from prefixscore.cli.common import classifier_kwargs
-    from prefixscore.cli.main import build_parser
+    from prefixscore.cli.commands import build_parser
+    from prefixscore.errors import ConfigError
+    from prefixscore.scorer import Scorer
+    from prefixscore.weights.loading import load
 
     path = str(tiny_model("qwen2"))
-    spec = dict(template="Which category? {query}", labels=["Dress", "Jeans"], chat=False, device="cpu")
-    monkeypatch.setattr(kernels, "BATCH_INVARIANT", False)
-    plain = Classifier(path, **spec).classify_batch(["red dress", "jeans"])
-    inv = Classifier(path, batch_invariant=True, **spec)
-    assert kernels.BATCH_INVARIANT is True
-    assert inv.classify_batch(["red dress", "jeans"]) == plain
-    Classifier(path, **spec)  # None: left as it is
-    assert kernels.BATCH_INVARIANT is True
-    # graphs keep the kernels they were captured with: no change of the setting after one
-    from prefixscore.engine import Engine
-    from prefixscore.errors import ConfigError
+    spec = dict(template="Which category? {query}", labels=["Dress", "Jeans"], chat=False)
+    queries = ["red dress", "jeans"]
+    monkeypatch.delenv("PREFIXSCORE_BATCH_INVARIANT", raising=False)
+    plain = Classifier(path, device="cpu", **spec)
+    inv = Classifier(path, device="cpu", batch_invariant=True, **spec)
+    assert plain.engine.options.batch_invariant is False and inv.engine.options.batch_invariant is True
+    assert plain.engine is not inv.engine
+    assert inv.classify_batch(queries) == plain.classify_batch(queries)
+    assert Classifier(path, device="cpu", **spec).engine.options.batch_invariant is False
+    monkeypatch.setenv("PREFIXSCORE_BATCH_INVARIANT", "1")  # the environment gives the default only
+    assert Classifier(path, device="cpu", **spec).engine.options.batch_invariant is True
+    assert Classifier(path, device="cpu", batch_invariant=False, **spec).engine.options.batch_invariant is False
+    assert inv.engine.options.batch_invariant is True and plain.engine.options.batch_invariant is False
+    monkeypatch.delenv("PREFIXSCORE_BATCH_INVARIANT")
 
-    monkeypatch.setattr(Engine, "graph_modes", {True})
-    with pytest.raises(ConfigError, match="process-wide"):
-        Classifier(path, batch_invariant=False, **spec)
-    Classifier(path, batch_invariant=True, **spec)
-    # the Scorer (prefixscore score --batch-invariant) the same way
-    from prefixscore.scorer import Scorer
+    # one loaded model: one engine, one setting (its graphs hold its kernels)
+    loaded = load(path, "cpu", torch.float32)
+    first = Classifier(loaded, batch_invariant=True, **spec)
+    assert Classifier(loaded, **spec).engine is first.engine  # None: the shared engine's
+    assert Classifier(loaded, batch_invariant=True, **spec).engine is first.engine
+    with pytest.raises(ConfigError, match="batch_invariant=False: this model's engine runs its kernels "
+                                          "with batch_invariant=True"):
+        Classifier(loaded, batch_invariant=False, **spec)
+    with pytest.raises(ConfigError, match="batch_invariant=False"):
+        Scorer(loaded, chat=False, batch_invariant=False)
+    assert Scorer(loaded, chat=False, batch_invariant=True).engine is first.engine
+    with pytest.raises(ConfigError, match="batch_invariant=True"):
+        Classifier.many({"a": dict(spec), "b": dict(spec, batch_invariant=True)}, path, device="cpu")
+    many = Classifier.many({"a": dict(spec), "b": dict(spec)}, path, device="cpu", batch_invariant=True)
+    assert {c.engine.options.batch_invariant for c in many.values()} == {True}
 
-    with pytest.raises(ConfigError, match="process-wide"):
-        Scorer(path, chat=False, device="cpu", batch_invariant=False)
-    monkeypatch.setattr(Engine, "graph_modes", set())
-    Scorer(path, chat=False, device="cpu", batch_invariant=False)
-    assert kernels.BATCH_INVARIANT is False
     a = build_parser().parse_args(["classify", "--batch-invariant", "x"])
     assert classifier_kwargs(a)["batch_invariant"] is True
     a = build_parser().parse_args(["classify", "x"])
     assert classifier_kwargs(a)["batch_invariant"] is None
 
 
+def test_options_reach_every_kernel(monkeypatch, tiny_model):
+    """An engine's KernelOptions (not the defaults) reach every kernel entry point of its forwards,
+    through the model's Context, and its label head: the prefill, eager runs, and the hidden states
+    a Scorer reads."""
+    import prefixscore.engine as engine_mod
+    import prefixscore.model as model_mod
+    from prefixscore import Classifier
+    from prefixscore.engine import Engine
+    from prefixscore.scorer import Scorer
+    from prefixscore.weights.loading import load
+
+    seen = []
+    for mod, name in ((model_mod, "embed_rope"), (model_mod, "qkv_rope"), (model_mod, "attention_o"),
+                      (model_mod, "gate_up_silu"), (model_mod, "linear_residual"), (engine_mod, "label_head")):
+        def spy(*a, _real=getattr(mod, name), _name=name, **kw):
+            seen.append((_name, kw["options"]))
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, spy)
+    loaded = load(str(tiny_model("qwen2")), "cpu", torch.float32)
+    engine = Engine.shared(loaded, batch_invariant=True, fuse_norms=False, tune={"gu.num_stages": 3})
+    assert engine.options == KernelOptions.from_env(batch_invariant=True, fuse_norms=False,
+                                                    tune=(("gu.num_stages", 3),))
+    clf = Classifier(loaded, template="Which category? {query}", labels=["Dress", "Jeans"], chat=False)
+    clf.classify_batch(["red dress", "jeans"])
+    Scorer(loaded, chat=False).score("shoes", ["a red shoe", "a hat"])
+    assert {n for n, _ in seen} == {"embed_rope", "qkv_rope", "attention_o", "gate_up_silu",
+                                    "linear_residual", "label_head"}
+    assert all(o is engine.options for _, o in seen), {n for n, o in seen if o is not engine.options}
+
+
 def test_counters_grow_without_freeing():
     """A row-tiled launch past the arrival-counter buffer's size gets a larger zeroed one; the old
     one stays alive (CUDA graphs captured with it keep pointing at it)."""
-    from prefixscore.kernels import gemm_triton as G
+    from prefixscore.kernels import triton_util as U
 
     dev = torch.device(DEVICE)
-    old = G._counters(dev)
-    new = G._counters(dev, old.numel() + 5)
+    old = U._counters(dev)
+    new = U._counters(dev, old.numel() + 5)
     assert new.numel() >= old.numel() + 5 and not new.any()
-    assert any(b is old for b in G._RETIRED) and G._counters(dev) is new
+    assert any(b is old for b in U._RETIRED) and U._counters(dev) is new

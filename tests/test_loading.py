@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prefixscore.model_config import ModelConfig
+from prefixscore.weights.model_config import ModelConfig
 from prefixscore.errors import ModelLoadError
 from prefixscore.weights.loading import from_tensors, load
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ import time
 
 from ..errors import ConfigError
 from ..rows.io import labels_option, template_option
+from ..spec import ModelSpec
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -68,18 +70,24 @@ def common_args(p: argparse.ArgumentParser) -> None:
                    help="debug logging on stderr")
 
 
-def classifier_kwargs(a) -> dict:
-    """Classifier's keyword arguments from the model and prompt flags (template and label files
-    read here, so a process that builds the classifier elsewhere, a Ray actor, needs neither)."""
+def model_spec(a) -> ModelSpec:
+    """The model and prompt flags as a ModelSpec (template and label files read here, so a process
+    that builds the classifier elsewhere, a Ray actor or the engine process, needs neither)."""
     labels, template = labels_option(a), template_option(a)
     warn_seed_prompt(labels, template, getattr(a, "adapter", None), getattr(a, "head", None))
-    kw = dict(model=a.model, template=template, labels=labels, device=a.device, dtype=a.dtype,
-              chat=a.chat, mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
-              head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
-              allow_special_tokens=a.allow_special_tokens,
-              batch_invariant=getattr(a, "batch_invariant", None) or None)
-    log.debug("Classifier(%s)", ", ".join(f"{k}={v!r}" for k, v in kw.items()))
-    return kw
+    spec = ModelSpec(a.model, template, labels, device=a.device, dtype=a.dtype, chat=a.chat,
+                     mode=a.mode, truncate=a.truncate, max_batch_tokens=a.batch_tokens,
+                     head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
+                     allow_special_tokens=a.allow_special_tokens,
+                     batch_invariant=getattr(a, "batch_invariant", None) or None)
+    log.debug("%s", spec)
+    return spec
+
+
+def classifier_kwargs(a) -> dict:
+    """Classifier's keyword arguments from the flags (Ray Data's actors take them as they are)."""
+    spec = model_spec(a)
+    return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
 
 
 def make_classifier(a, graphs: bool = True):
@@ -89,7 +97,7 @@ def make_classifier(a, graphs: bool = True):
     from ..weights.hub import quiet_downloads
 
     with quiet_downloads(quiet()):  # a hub name downloads here (loading.resolve), bars on stderr
-        clf = Classifier(graphs=graphs, **classifier_kwargs(a))
+        clf = Classifier(spec=model_spec(a), graphs=graphs)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")

@@ -107,6 +107,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     from ..rows.io import labels_option, template_option
     from ..prompt import check_template
     from ..serve.classifiers import seed_prompt_warnings, specs
+    from ..spec import ModelSpec
 
     declared = specs(a)  # before the seed adapter's default: declared classifiers run the raw model
     if not declared:
@@ -126,12 +127,14 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     check_before_loading(a, score_labels, declared)
     dp = data_parallel(a)
     engine = EngineConfig(
-        model=a.model, template=template, labels=tuple(labels) if labels else None,
-        device=a.device if dp == 1 else _device_type(a.device),  # engine i: cuda:i (launch)
-        dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate, batch_tokens=a.batch_tokens,
-        head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
-        allow_special_tokens=getattr(a, "allow_special_tokens", False),
-        batch_invariant=getattr(a, "batch_invariant", None) or None,
+        spec=ModelSpec(
+            a.model, template, labels,
+            device=a.device if dp == 1 else _device_type(a.device),  # engine i: cuda:i (launch)
+            dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate,
+            max_batch_tokens=a.batch_tokens, head=getattr(a, "head", None),
+            adapter=getattr(a, "adapter", None),
+            allow_special_tokens=getattr(a, "allow_special_tokens", False),
+            batch_invariant=getattr(a, "batch_invariant", None) or None),
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
         served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared)

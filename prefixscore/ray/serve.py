@@ -37,6 +37,7 @@ import sys
 
 from ..errors import ConfigError
 from ..serve.config import EngineConfig, FrontendConfig
+from ..spec import ModelSpec
 
 try:
     import ray
@@ -54,7 +55,13 @@ READY_TIMEOUT_S = 3600.0  # the engine's warm-up (CUDA graphs of a large model) 
 FRONT_KEYS = ("api_key", "max_queue", "max_queue_tokens", "max_queue_ms", "max_body_bytes",
               "max_queries", "max_tokens", "max_score_tokens", "max_label_ids", "cache_size",
               "cache_ttl", "body_timeout", "shutdown_timeout", "log_level", "access_log")
-ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "classifiers")
+# Settings named as the server's flags: the ModelSpec's (--batch-tokens is its max_batch_tokens)
+# beside EngineConfig's own.
+SPEC_KEYS = {"device": "device", "dtype": "dtype", "mode": "mode", "chat": "chat", "truncate": "truncate",
+             "batch_tokens": "max_batch_tokens", "head": "head", "adapter": "adapter",
+             "allow_special_tokens": "allow_special_tokens", "batch_invariant": "batch_invariant"}
+ENGINE_KEYS = tuple(SPEC_KEYS) + tuple(f.name for f in dataclasses.fields(EngineConfig)
+                                       if f.name not in ("spec", "classifiers"))
 DEPLOY_KEYS = ("name", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
                "max_ongoing_requests", "num_gpus", "num_cpus")
 # Each replica's environment. Serve runs a replica's code on an event loop of a thread of its own by
@@ -167,8 +174,8 @@ def app(model: str | None = None, template: str | None = None, labels=None, *,
         check_template(template, ("query",))
     engine = {k: v for k, v in config.items() if k in ENGINE_KEYS}
     engine = {k: tuple(v) if k == "score_labels" and v is not None else v for k, v in engine.items()}
-    ecfg = EngineConfig(model=model, template=template, labels=tuple(labels) if labels else None,
-                        **engine)
+    spec = ModelSpec(model, template, labels, **{SPEC_KEYS[k]: engine.pop(k) for k in SPEC_KEYS if k in engine})
+    ecfg = EngineConfig(spec=spec, **engine)
     front = {k: v for k, v in config.items() if k in FRONT_KEYS}
     # Serve's proxy holds the connections: the connection limit only has to pass the server's check.
     fcfg = FrontendConfig(max_connections=front.get("max_queue", 1024) + 1, **front)

@@ -51,9 +51,9 @@ class ClassifierSpec:
     mode: str | None = None
     head: str | None = None
 
-    def kwargs(self, chat: bool | None, mode: str) -> dict:
-        """Its Classifier keyword arguments, under the server's chat and mode."""
-        return dict(template=self.template, labels=list(self.labels) if self.labels else None,
+    def kwargs(self, chat: bool | None, mode: str | None) -> dict:
+        """Its Classifier keyword arguments (ModelSpec fields), under the server's chat and mode."""
+        return dict(template=self.template, labels=tuple(self.labels) if self.labels else None,
                     chat=chat if self.chat is None else self.chat, mode=self.mode or mode,
                     head=self.head)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from ..spec import ModelSpec
 
 if TYPE_CHECKING:
     from .classifiers import ClassifierSpec
@@ -17,27 +18,16 @@ MAX_WINDOW_MS = 10_000.0  # a longer batch window would outlast any client's tim
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine process needs to build its Classifier (and Scorer) and run its loop."""
-    model: str | None = None
-    template: str | None = None
-    labels: tuple[str, ...] | None = None
-    device: str | None = None
-    dtype: str | None = None
-    mode: str = "logprobs"
-    chat: bool | None = None
-    truncate: bool = False
-    batch_tokens: int = 16384
-    head: str | None = None
-    adapter: str | None = None
-    allow_special_tokens: bool = False
-    batch_invariant: bool | None = None  # Classifier(batch_invariant=): None leaves the process's
+    # What to load and how to prompt it (--batch-tokens is its max_batch_tokens). With several
+    # classifiers (--classifier) its template, labels and head are None and each spec has its own.
+    spec: ModelSpec = ModelSpec()
     score_template: str | None = None
     score_labels: tuple[str, ...] | None = None
     batch_window_ms: float = 0.0
     engine_spin_ms: str = "auto"
     engine_cpu: str = "none"
     served_model_name: str | None = None
-    # Several classifiers over the one model (--classifier): then template, labels and head
-    # above are None and each spec has its own; () serves one, named like the model.
+    # Several classifiers over the one model (--classifier); () serves one, named like the model.
     classifiers: tuple[ClassifierSpec, ...] = ()
 
     def __post_init__(self):

@@ -19,6 +19,7 @@ import sys
 import time
 
 from . import protocol as P
+from ..spec import ModelSpec
 from .config import EngineConfig
 from .engine_loop import STOP, EngineLoop
 
@@ -31,28 +32,25 @@ def build(cfg: EngineConfig):
     label rows and graphs each), the default first; and the /v1/score Scorer on those weights."""
     from ..classifier import Classifier
 
-    kw = {"allow_special_tokens": True} if cfg.allow_special_tokens else {}
-    if cfg.batch_invariant is not None:
-        kw["batch_invariant"] = cfg.batch_invariant
-    common = dict(truncate=cfg.truncate, max_batch_tokens=cfg.batch_tokens, **kw)
+    spec = cfg.spec
     if not cfg.classifiers:
-        clf = Classifier(cfg.model, cfg.template, list(cfg.labels) if cfg.labels else None,
-                         device=cfg.device, dtype=cfg.dtype, chat=cfg.chat, mode=cfg.mode,
-                         head=cfg.head, adapter=cfg.adapter, **common)
-    elif cfg.adapter is not None:  # merged into the weights: one classifier (classifiers.specs)
-        (spec,) = cfg.classifiers
-        clf = {spec.name: Classifier(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                                     adapter=cfg.adapter, **spec.kwargs(cfg.chat, cfg.mode), **common)}
+        clf = Classifier(spec=spec)
+    elif spec.adapter is not None:  # merged into the weights: one classifier (classifiers.specs)
+        (one,) = cfg.classifiers
+        clf = {one.name: Classifier(spec=spec.replace(**one.kwargs(spec.chat, spec.mode)))}
     else:
-        clf = Classifier.many({s.name: s.kwargs(cfg.chat, cfg.mode) for s in cfg.classifiers},
-                              model=cfg.model, device=cfg.device, dtype=cfg.dtype, **common)
+        common = dict(truncate=spec.truncate, max_batch_tokens=spec.max_batch_tokens,
+                      allow_special_tokens=spec.allow_special_tokens, batch_invariant=spec.batch_invariant)
+        clf = Classifier.many({s.name: s.kwargs(spec.chat, spec.mode) for s in cfg.classifiers},
+                              model=spec.model, device=spec.device, dtype=spec.dtype, **common)
     scorer = None
     if cfg.score_template:
         from ..scorer import Scorer
 
-        scorer = Scorer(model=first(clf).loaded, template=cfg.score_template,
-                        labels=list(cfg.score_labels) if cfg.score_labels else None, chat=cfg.chat,
-                        max_batch_tokens=cfg.batch_tokens, **kw)
+        scorer = Scorer(spec=ModelSpec(first(clf).loaded, cfg.score_template, cfg.score_labels,
+                                       chat=spec.chat, max_batch_tokens=spec.max_batch_tokens,
+                                       allow_special_tokens=spec.allow_special_tokens,
+                                       batch_invariant=spec.batch_invariant))
     return clf, scorer
 
 
@@ -76,6 +74,27 @@ def spin_seconds(spec: str, device: str) -> float:
     if not 0 <= ms < float("inf"):
         raise ConfigError(f"--engine-spin-ms must be milliseconds (>= 0) or 'auto', got {spec!r}")
     return ms / 1e3
+
+
+def engine_cpu(spec: str, device: str) -> int | None:
+    """--engine-cpu: the CPU for the engine thread, or None (off by default: pinning measured
+    better in one H200 run and worse in another). Never on CPU inference: its OpenMP workers
+    would inherit the one-CPU mask."""
+    from ..errors import ConfigError
+
+    if spec == "none" or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = os.sched_getaffinity(0)
+    if spec == "auto":
+        return max(cpus) if device == "cuda" and len(cpus) >= 4 else None
+    try:
+        cpu = int(spec)
+    except ValueError:
+        raise ConfigError(f"--engine-cpu must be a CPU number, 'auto' or 'none', got {spec!r}") from None
+    if cpu not in cpus or len(cpus) < 2:
+        raise ConfigError(f"--engine-cpu {cpu}: this process may run on CPUs {sorted(cpus)}, and "
+                          f"needs one more for the event loop")
+    return cpu
 
 
 class ZmqSource:
@@ -154,16 +173,15 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
     source = ZmqSource(address)
     signal.signal(signal.SIGTERM, lambda *_: source.put(STOP, None))
     try:
-        if engines > 1 and str(cfg.device).startswith("cuda:"):  # engine i: cuda:i
+        if engines > 1 and str(cfg.spec.device).startswith("cuda:"):  # engine i: cuda:i
             import torch
 
             # Current device too, not only the tensors': Triton launches, CUDA graphs and streams
             # are made on the current device, which is cuda:0 unless set.
-            torch.cuda.set_device(cfg.device)
+            torch.cuda.set_device(cfg.spec.device)
         classifiers, scorer = build(cfg)
         clf = first(classifiers)
         from .classifiers import log_memory
-        from .launch import engine_cpu
         from .metrics import Metrics
 
         cpu = engine_cpu(cfg.engine_cpu, clf.engine.device.type)

@@ -39,6 +39,9 @@ import threading
 
 from ..errors import ConfigError
 from .config import EngineConfig, FrontendConfig
+# engine_cpu: beside the engine process that pins itself with it (and importable from here, as
+# before); launch imports engine_proc, never the other way round
+from .engine_proc import engine_cpu  # noqa: F401
 
 log = logging.getLogger("prefixscore.serve")
 
@@ -146,25 +149,6 @@ def single_process(fcfg: FrontendConfig, ecfg: EngineConfig, sock=None) -> None:
     uvicorn_server(app, fcfg, fe).run(sockets=[sock])
 
 
-def engine_cpu(spec: str, device: str) -> int | None:
-    """--engine-cpu: the CPU for the engine thread, or None (off by default: pinning measured
-    better in one H200 run and worse in another). Never on CPU inference: its OpenMP workers
-    would inherit the one-CPU mask."""
-    if spec == "none" or not hasattr(os, "sched_setaffinity"):
-        return None
-    cpus = os.sched_getaffinity(0)
-    if spec == "auto":
-        return max(cpus) if device == "cuda" and len(cpus) >= 4 else None
-    try:
-        cpu = int(spec)
-    except ValueError:
-        raise ConfigError(f"--engine-cpu must be a CPU number, 'auto' or 'none', got {spec!r}") from None
-    if cpu not in cpus or len(cpus) < 2:
-        raise ConfigError(f"--engine-cpu {cpu}: this process may run on CPUs {sorted(cpus)}, and "
-                          f"needs one more for the event loop")
-    return cpu
-
-
 # ---------------------------------------------------------------- --workers N
 
 def die_with_parent() -> None:
@@ -224,8 +208,8 @@ def engine_config(ecfg: EngineConfig, index: int, engines: int) -> EngineConfig:
     engines > 1), or the one config as given."""
     import dataclasses
 
-    if engines > 1 and ecfg.device == "cuda":
-        return dataclasses.replace(ecfg, device=f"cuda:{index}")
+    if engines > 1 and ecfg.spec.device == "cuda":
+        return dataclasses.replace(ecfg, spec=ecfg.spec.replace(device=f"cuda:{index}"))
     return ecfg
 
 
@@ -396,6 +380,6 @@ def local_model(ecfg: EngineConfig) -> EngineConfig:
 
     from ..weights.loading import check, resolve
 
-    if ecfg.model is None:  # the bundled model: the engine finds it as every command does
+    if ecfg.spec.model is None:  # the bundled model: the engine finds it as every command does
         return ecfg
-    return dataclasses.replace(ecfg, model=str(check(resolve(ecfg.model))))
+    return dataclasses.replace(ecfg, spec=ecfg.spec.replace(model=str(check(resolve(ecfg.spec.model)))))

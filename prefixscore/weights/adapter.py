@@ -16,7 +16,7 @@ from .loading import LoadedModel
 ADAPTER_FORMAT = "prefixscore-adapter"
 # The adapter shipped for the bundled model and the seed labels (prefixscore/adapters/README.md
 # says how it was made); `adapter="seed"` / `--adapter seed` name it.
-SEED_ADAPTER = Path(__file__).resolve().parent / "adapters" / "seed.safetensors"
+SEED_ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "seed.safetensors"
 ADAPTER_VERSION = "1"
 ADAPTER_OBJECTIVES = ("label", "head")
 # HF projection name -> (module, the fused runtime weight it lives in, its row block in that weight)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import quant
-from ..model_config import ModelConfig
+from .model_config import ModelConfig
 from ..errors import ConfigError, ModelLoadError, PrefixScoreError
 from ..model import Transformer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
 
 # model_type -> our family. All four share the Llama block; the differences are flags below.
 SUPPORTED = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
