@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 
 from .errors import ConfigError, InputError
+from .weights.tokenizer import plain, rust_backend, second_to_last_word
 
 SEED_TEMPLATE = (
     "Analyze the category intent of the given query. Output exactly one label from: Dress, Jeans, "
@@ -179,7 +180,7 @@ class Prompt:
         # A chat template writes its own special tokens; a plain template gets the tokenizer's (BOS).
         special = not self.chat
         if self.backend is not None:  # no offsets: the fast form (tokenizers >= 0.21), ~20% less
-            encoded = _plain(self.backend).encode_batch_fast(texts, add_special_tokens=special)
+            encoded = plain(self.backend).encode_batch_fast(texts, add_special_tokens=special)
             return [e.ids for e in encoded]
         return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
@@ -194,7 +195,7 @@ class Prompt:
         of a different class and looks ahead one at most; and BPE runs per pre-token, so no token
         crosses c whatever the query. Checked on the probes (which also catch tokenizers that add a
         space or a special token at the start of any text); None, whole prompts, if one differs."""
-        c = _second_to_last_word(self.backend, self.prefix_text)
+        c = second_to_last_word(self.backend, self.prefix_text)
         if c is None:
             return None
         head = self.encode_texts([self.prefix_text[:c]])[0]
@@ -204,7 +205,7 @@ class Prompt:
 
     def _encode_resumed(self, texts: list[str], c: int, head: list[int]) -> list[list[int]]:
         """Ids of prompts that start with prefix_text: head, then each text from char c on."""
-        tails = _plain(self.backend).encode_batch_fast([t[c:] for t in texts], add_special_tokens=False)
+        tails = plain(self.backend).encode_batch_fast([t[c:] for t in texts], add_special_tokens=False)
         return [head + t.ids for t in tails]
 
     # ---- default: the template's special tokens, and the text runs between them as plain text
@@ -237,7 +238,7 @@ class Prompt:
         non-special added token (still parsed in plain text) that could span c, or too few words."""
         lead = parts[1][0]
         backend = self.split_backend or getattr(self.tokenizer, "_tokenizer", None)
-        c = _second_to_last_word(backend, lead)
+        c = second_to_last_word(backend, lead)
         if c is None:
             return None
         norm = getattr(getattr(backend, "normalizer", None), "normalize_str", None) or (lambda s: s)
@@ -402,67 +403,6 @@ class Prompt:
 def _at(e: InputError, index: int) -> InputError:
     e.index = index
     return e
-
-
-def rust_backend(tokenizer, texts: list[str], special: bool, reference: list[list[int]],
-                 split: bool = False):
-    """The Rust `tokenizers.Tokenizer` behind a fast HF tokenizer, when it gives the same ids as the
-    HF call on `texts` (the prefix and the probes): calling it directly skips ~0.1 ms of Python
-    wrapping per call and tokenizes a batch in parallel without the GIL. None otherwise (a
-    tokenizer that pre-processes text in Python keeps the HF call). split: a copy of it that reads
-    special-token text as plain text (_split_copy; a cached copy is made afresh if it disagrees)."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "encode_batch_fast"):
-        return None
-    for fresh in (False, True) if split else (False,):
-        try:
-            own = _split_copy(backend, fresh) if split else _plain(backend)
-            fast = [e.ids for e in own.encode_batch_fast(texts, add_special_tokens=special)]
-        except Exception:  # a backend of another shape: keep the HF call
-            return None
-        if fast == reference:
-            return own
-    return None
-
-
-def _plain(backend):
-    """The shared backend, set to parse special tokens: HF's call sets `encode_special_tokens` per
-    call (split_special_tokens) and leaves it so, which would change our direct calls."""
-    if getattr(backend, "encode_special_tokens", False):
-        backend.encode_special_tokens = False
-    return backend
-
-
-_SPLIT_COPIES: dict = {}  # id(backend) -> (backend, its copy); a few, most recent last
-
-
-def _split_copy(backend, fresh: bool):
-    """A copy of `backend` with encode_special_tokens set, made once per backend (Prompts of one
-    tokenizer share it; from_str takes ~0.3-1 s): our own object, so no other caller's flag can
-    change how it reads a request, nor the other way round."""
-    from tokenizers import Tokenizer
-
-    hit = _SPLIT_COPIES.pop(id(backend), None)
-    if hit is None or hit[0] is not backend or fresh:
-        hit = backend, Tokenizer.from_str(backend.to_str())
-        hit[1].encode_special_tokens = True
-    _SPLIT_COPIES[id(backend)] = hit
-    while len(_SPLIT_COPIES) > 4:
-        _SPLIT_COPIES.pop(next(iter(_SPLIT_COPIES)))
-    return hit[1]
-
-
-def _second_to_last_word(backend, text: str):
-    """Where the second-to-last pre-token of `text` starts (see Prompt._resume_point); None when
-    the pre-tokenizer cannot say or there are fewer than three."""
-    pre = getattr(backend, "pre_tokenizer", None)
-    if pre is None:
-        return None
-    try:
-        words = pre.pre_tokenize_str(text)
-    except Exception:  # a pre-tokenizer that cannot run alone
-        return None
-    return words[-2][1][0] if len(words) >= 3 else None
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
