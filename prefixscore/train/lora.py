@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
-import os
 import sys
 import time
 import warnings
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError, InputError, ModelLoadError
 from ..weights.adapter import ADAPTER_OBJECTIVES, Adapter
+from .data import read_data
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Measured on one fold of intent_dev (SmolLM2-135M, "{query}" no chat): lr 2e-3 peaked at epoch 4
@@ -57,38 +57,6 @@ def _model_path(model):
     from ..weights.loading import LoadedModel
 
     return model.name if isinstance(model, LoadedModel) else model
-
-
-def read_data(data, labels, query_col="query", label_col="label", fmt="auto", need_labels=True):
-    """(queries, gold label indices) from a file path or a list of (query, label) pairs / dicts.
-    InputError for no rows, a missing column, an unknown label or a single class."""
-    from ..rows.io import read_rows
-
-    cols = (query_col, label_col) if need_labels else (query_col,)
-    if isinstance(data, (str, os.PathLike)):
-        rows = read_rows(str(data), fmt, cols)
-        where = str(data)
-    else:
-        rows = [r if isinstance(r, dict) else {query_col: r} if isinstance(r, str) else dict(zip(cols, r))
-                for r in data]  # dicts, (query, label) pairs, or bare queries (teacher)
-        where = "data"
-        if not rows:
-            raise InputError("data: no rows")
-        for n, r in enumerate(rows):
-            if any(not isinstance(r.get(c), str) or not r[c].strip() for c in cols):
-                raise InputError(f"data row {n}: needs non-empty string values for {', '.join(cols)}")
-    queries = [r[query_col] for r in rows]
-    if not need_labels:
-        return queries, None
-    unknown = sorted({r[label_col] for r in rows} - set(labels))
-    if unknown:
-        raise InputError(f"{where}: labels not in the label set: {', '.join(map(repr, unknown[:10]))} "
-                         f"(the label set: {', '.join(labels)}; pass labels / --labels to change it)")
-    gold = [labels.index(r[label_col]) for r in rows]
-    if len(set(gold)) < 2:
-        raise InputError(f"{where}: every row has the label {labels[gold[0]]!r}: fine-tuning needs "
-                         f"at least two classes")
-    return queries, gold
 
 
 def _children(trie) -> dict:
