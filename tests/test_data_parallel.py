@@ -49,7 +49,7 @@ def ready(pid, prefix=(1, 2, 3)):
                          labels=["a", "b"], mode="logprobs", truncate=False,
                          prefix_ids=list(prefix), context_limit=100, memory={})
     return P.ReadyOut(model="m", tokenizer_path=f"/tmp/t-{pid}", classifiers=[c],
-                      max_batch_tokens=64, scorer=False, device="cpu", pid=pid)
+                      max_batch_tokens=64, scorer=None, device="cpu", pid=pid)
 
 
 def answer(msg):

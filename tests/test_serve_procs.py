@@ -117,6 +117,37 @@ def test_workers_answer_like_in_process(model, clf):
         assert text.count("process_cpu_seconds_total{") == 2 and 'process="engine"' in text
 
 
+def test_workers_score_like_in_process(model, clf):
+    """/v1/score through front-end processes: each tokenizes with the score template rebuilt over
+    the engine's saved tokenizer files and sends ids; answers and errors are the in-process
+    Scorer's."""
+    from prefixscore import InputError
+    from prefixscore.scorer import Scorer
+
+    template = "Decide whether the item fits the query.\nQuery: {query}\nItem: {item}\nAnswer:"
+    scorer = Scorer(clf.loaded, template, ["yes", "no"], chat=False)
+    requests = [
+        {"query": "wool coat", "items": [" a long camel coat", " flip flops"], "apply_softmax": True},
+        {"query": "wool coat", "items": ["parka"], "label_token_ids": [5, 9]},
+        {"query": [11, 12, 13], "items": [[20, 21], [30]], "item_first": True},
+        {"query": "wool coat", "items": ["parka"], "item_first": True},  # errors: the template's order
+        {"query": "q", "items": ["a"], "labels": ["Trench Coat", "Dress"]},  # not single tokens
+    ]
+    with serve(model, "--score-template", template, "--score-labels", "yes,no", "--no-chat") as (base, _):
+        for req in requests:
+            r = httpx.post(base + "/v1/score", json=req, timeout=60)
+            try:
+                want = scorer.score_request(req)
+            except InputError as e:
+                assert r.status_code == 422 and r.json()["detail"] == str(e), r.text
+                continue
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["labels"] == want["labels"] and got["usage"] == want["usage"]
+            for a, b in zip(got["scores"], want["scores"], strict=True):
+                assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5
+
+
 def test_engine_killed_then_restarted(model, clf):
     """Killing the engine process: requests in flight and after get 503 within a second (none
     hangs), /healthz is unhealthy; with --restart-engine a new engine serves again."""

@@ -355,7 +355,7 @@ def test_bad_config(clf):
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux CPU affinity")
 def test_engine_cpu(clf):
-    from prefixscore.serve.launch import engine_cpu
+    from prefixscore.serve.engine_proc import engine_cpu
 
     cpus = os.sched_getaffinity(0)
     assert engine_cpu("none", "cuda") is None

@@ -3,7 +3,9 @@ model, or those --classifier declared), each with the Prompt that tokenizes for 
 engine's Ready. A request names a classifier by `classifier`, or by `model` as vLLM's requests name
 a served model or a LoRA adapter (the served model's name: the default classifier); the catalog
 turns names into the indices the engine's messages carry, or answers 404 (422 when two names
-disagree). Cards describe them for /healthz and /v1/models.
+disagree). Cards describe them for /healthz and /v1/models. With a scorer, the catalog also holds
+the request side of /v1/score (score_input.ScoreInput over the score template's Prompt), so that
+the front end checks and tokenizes score requests as it does classify requests.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class Catalog:
         for p, c in zip(prompts, info.classifiers):
             p.context_limit = c.context_limit
         self.model, self.prompts, self.classifiers = info.model, prompts, info.classifiers
+        # None: no /v1/score on this engine
+        self.scoring = None if info.scorer is None else score_input(info.scorer, prompts[0].tokenizer)
         self.names = [c.name for c in info.classifiers]
         self.index = {name: k for k, name in enumerate(self.names)}
 
@@ -99,3 +103,22 @@ class Catalog:
         return {"id": name, "object": "model", "created": created, "owned_by": "prefixscore",
                 "root": self.model, "parent": parent, "max_model_len": c.context_limit,
                 "labels": c.labels}
+
+
+def score_input(info: P.ScorerInfo, tokenizer):
+    """The engine's Scorer's request side over this front end's tokenizer (every prompt's): its
+    Prompt rebuilt from the template, checked to split as the engine's does."""
+    from ..prompt import Prompt
+    from ..score_input import SLOTS, ScoreInput
+
+    prompt = None
+    if info.template is not None:
+        prompt = Prompt(tokenizer, info.template, chat=info.chat, slots=SLOTS,
+                        special_tokens=info.special_tokens)
+        if list(prompt.prefix_ids) != list(info.prefix_ids):
+            raise RuntimeError("this front end's tokenizer splits the score template differently "
+                               "from the engine's")
+    inp = ScoreInput(prompt, info.item_first, info.vocab_size, info.context_limit, info.max_items)
+    if prompt is not None:
+        inp.template_tokens()  # now, not in the first request (its cost limit reads them)
+    return inp

@@ -94,13 +94,19 @@ class BaseClient:
                                   classifiers or []))
         return job.future
 
-    def score(self, request: dict, deadline: float) -> asyncio.Future:
+    def score(self, full: list[list[int]], shared: list[int], deadline: float,
+              labels: list[str] | None = None, label_token_ids: list[int] | None = None,
+              apply_softmax: bool = False) -> asyncio.Future:
+        """One tokenized score request (ScoreInput.parse's): per item its whole prompt's ids, and
+        the ids before the item slot; the label set as the request named it (None: the scorer's)."""
         if self.error is not None:
             raise EngineDead(self.error)
         fut = self.loop.create_future()
         rid = next(self.rids)
         self.jobs[rid] = (fut, None)
-        self._queue(P.ScoreReq(self.id, rid, request, deadline))
+        data, offsets = P.pack_ids(full)
+        self._queue(P.ScoreReq(self.id, rid, data, offsets, np.asarray(shared, np.int32).tobytes(),
+                               labels, label_token_ids, apply_softmax, deadline))
         return fut
 
     def abort(self, futures: list) -> None:

@@ -39,9 +39,13 @@ def least_loaded(loads: list[int | None], turn: int) -> int | None:
 def disagreement(a: P.ReadyOut, b: P.ReadyOut) -> str | None:
     """What two engines' Ready facts differ in (those a front end builds its prompts and answers
     from), or None. pid, device and the tokenizer's copy are each engine's own."""
-    for name in ("model", "scorer", "max_batch_tokens"):
+    for name in ("model", "max_batch_tokens"):
         if getattr(a, name) != getattr(b, name):
             return f"{name}: {getattr(a, name)!r} != {getattr(b, name)!r}"
+    if (a.scorer is None) != (b.scorer is None):
+        return f"scorer: {a.scorer is not None} != {b.scorer is not None}"
+    if a.scorer != b.scorer:  # a front end tokenizes score requests by the first one's
+        return "the scorer's template, labels or limits"
     if [c.name for c in a.classifiers] != [c.name for c in b.classifiers]:
         return "the classifiers' names"
     for x, y in zip(a.classifiers, b.classifiers):

@@ -3,7 +3,8 @@
 It takes everything its front ends queued since the last pass (HTTP, gRPC, any number of worker
 processes), drops what expired or was aborted, runs every classify request in one
 `classify_encoded` call (flat batches, CUDA graphs), answers each front end with one message, then
-runs queued multi-item scoring requests. The same loop runs on a thread of the server process
+runs queued multi-item scoring requests (token ids: the front end checked and tokenized them,
+Scorer.score_call runs them; only a request's label set is tokenized here, once per set). The same loop runs on a thread of the server process
 (`--workers 1`, client.InprocClient) or as the main loop of an engine process (engine_proc.py); a
 `source` gives it messages and a reply function per message. It calls `Classifier.decide_encoded`
 (label indices and score rows, no Result objects): the tests' seam for a slow or failing engine.
@@ -27,6 +28,7 @@ import numpy as np
 from ..errors import PrefixScoreError
 from ..many import GRAPH_TOKENS, decide_many, fusable, fused_tokens
 from ..prompt import Encoded
+from ..score_input import Prepared, ScoreCall
 from . import protocol as P
 
 log = logging.getLogger("prefixscore.engine")
@@ -90,7 +92,7 @@ class EngineLoop:
         return P.ReadyOut(
             model=model, tokenizer_path=tokenizer_path,
             classifiers=[classifier_info(name, c) for name, c in zip(self.names or [model], self.clfs)],
-            max_batch_tokens=clf.max_batch_tokens, scorer=self.scorer is not None,
+            max_batch_tokens=clf.max_batch_tokens, scorer=scorer_info(self.scorer),
             device=str(clf.engine.device), pid=os.getpid())
 
     def warmup(self) -> None:
@@ -209,19 +211,29 @@ class EngineLoop:
 
     def _score(self, m: P.ScoreReq) -> P.ScoreOut:
         if (m.client, m.rid) in self.aborted:
-            return P.ScoreOut(m.rid, P.ABORTED, None, None)
+            return _score_failed(m, P.ABORTED, None)
         if m.deadline + self.window < time.monotonic():
-            return P.ScoreOut(m.rid, P.EXPIRED, None, None)
+            return _score_failed(m, P.EXPIRED, None)
         if self.scorer is None:
-            return P.ScoreOut(m.rid, P.BAD_INPUT, None, "no multi-item scorer on this server")
+            return _score_failed(m, P.BAD_INPUT, "no multi-item scorer on this server")
         try:
-            out = self.scorer.score_request(m.request)
-        except PrefixScoreError as e:
-            return P.ScoreOut(m.rid, P.BAD_INPUT, None, str(e))
+            full, shared = P.unpack_score(m, self.scorer.config.vocab_size)
+            # query and items as given stay with the front end (its errors and limits read them):
+            # the answer reads only the scores
+            call = ScoreCall(None, Prepared(full, full, shared), m.labels, m.label_token_ids,
+                             m.apply_softmax)
+            out = self.scorer.score_call(call)
+        except PrefixScoreError as e:  # a label set the scorer refuses, or a ProtocolError
+            return _score_failed(m, P.BAD_INPUT, str(e))
         except Exception as e:
             log.error("engine fault in multi-item scoring", exc_info=e)
-            return P.ScoreOut(m.rid, P.FAULT, None, f"engine fault: {type(e).__name__}: {e}")
-        return P.ScoreOut(m.rid, P.OK, out, None)
+            return _score_failed(m, P.FAULT, f"engine fault: {type(e).__name__}: {e}")
+        return P.ScoreOut(m.rid, P.OK, out["scores"], out["labels"], out["usage"]["prompt_tokens"],
+                          None)
+
+
+def _score_failed(m: P.ScoreReq, status: int, error: str | None) -> P.ScoreOut:
+    return P.ScoreOut(m.rid, status, [], [], 0, error)
 
 
 def classifier_info(name: str, clf) -> P.ClassifierInfo:
@@ -232,3 +244,16 @@ def classifier_info(name: str, clf) -> P.ClassifierInfo:
         special_tokens=getattr(prompt, "special_tokens", False), labels=list(clf.labels),
         mode=clf.mode, truncate=clf.truncate, prefix_ids=list(prompt.prefix_ids),
         context_limit=prompt.context_limit or 0, memory=dict(getattr(clf, "memory", None) or {}))
+
+
+def scorer_info(sc) -> P.ScorerInfo | None:
+    """What a front end needs of the Scorer to check and tokenize score requests itself
+    (score_input.ScoreInput over its Prompt rebuilt from the template)."""
+    if sc is None:
+        return None
+    prompt, inp = sc.prompt, sc.input
+    return P.ScorerInfo(
+        template=None if prompt is None else prompt.template,
+        chat=bool(prompt and prompt.chat), special_tokens=bool(prompt and prompt.special_tokens),
+        labels=list(sc.labels), item_first=sc.item_first, prefix_ids=list(sc.prefix_ids),
+        vocab_size=inp.vocab_size, context_limit=inp.context_limit, max_items=inp.max_items)

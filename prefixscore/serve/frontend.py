@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ..errors import InputError
+from ..errors import InputError, PrefixScoreError
 from . import protocol as P
 from .answers import Answer, ResultCache, is_unicode, label_probs, query_name  # noqa: F401
 from .api_error import ApiError
@@ -32,6 +32,7 @@ class Frontend(ClassifyMany):
         self.catalog: Catalog | None = None  # the classifiers by name, and their prompts
         self.prompts: list = []  # per classifier, in ReadyOut.classifiers order
         self.prompt = None  # the default classifier's (its tokenizer is every classifier's)
+        self.scoring = None  # the scorer's request side (score_input.ScoreInput); None: no scorer
         self.info: P.ReadyOut | None = None
         self.classifiers: list[P.ClassifierInfo] = []
         self.created = 0  # when this front end first saw the engine ready (Unix seconds)
@@ -54,6 +55,7 @@ class Frontend(ClassifyMany):
         if info is not None and info is not self.info:
             catalog = Catalog(info, list(self.prompt_factory(info)))
             self.catalog, self.prompts, self.prompt = catalog, catalog.prompts, catalog.prompts[0]
+            self.scoring = catalog.scoring
             self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
@@ -79,7 +81,7 @@ class Frontend(ClassifyMany):
         self.sync()
         i, default = self.info, self.classifiers[0]
         return 200, {"status": "ok", "model": i.model, "labels": default.labels, "mode": default.mode,
-                     "scorer": i.scorer, "queue_depth": self.inflight + c.queued,
+                     "scorer": i.scorer is not None, "queue_depth": self.inflight + c.queued,
                      "engine": {"pid": i.pid, "device": i.device},
                      "classifiers": self.catalog.health_cards(), **c.health()}
 
@@ -249,14 +251,16 @@ class Frontend(ClassifyMany):
 
     # -- multi-item scoring
     async def score(self, req: dict, field: str = "items", model: str | None = None) -> dict:
-        """SGLang's /v1/score request (only the fields the client sent), limits checked here,
-        tokenization and scoring by the engine's Scorer. field: the request's name for its items,
-        as errors name them ("documents" in a rerank request); model: a name to check (404)."""
+        """SGLang's /v1/score request (only the fields the client sent) -> its response: this
+        server's limits, then the scorer's own checks and tokenization (ScoreInput, the library's
+        code, over the engine's template: errors word for word the Scorer's), and the engine scores
+        the token ids. field: the request's name for its items, as errors name them ("documents"
+        in a rerank request); model: a name to check (404)."""
         cfg = self.cfg
         await self._check_ready()
         if model is not None:
             self.resolve(model)
-        if not self.info.scorer:
+        if self.scoring is None:
             raise ApiError(501, "no multi-item scorer is configured on this server: start it with "
                                 "--score-template TEMPLATE to enable /v1/score")
         items = req.get("items")
@@ -274,39 +278,47 @@ class Frontend(ClassifyMany):
         if not all(is_unicode(t) for t in texts if isinstance(t, str)):
             raise ApiError(422, f"query, {field} and labels must be valid Unicode text (a lone "
                                 f"surrogate)")
-        n = self._count_tokens(req["query"], items)
+        # The one tokenization of the request; the context limit is checked after this server's
+        # own limit, which a request far too long for either breaks first.
+        scoring = self.scoring
+        call = self._score_input(scoring.parse, req, fits=False)
+        n = scoring.own_tokens(call)
         if n > cfg.max_score_tokens:
             raise ApiError(413, f"query and {field} are {n} tokens, over the limit of "
                                 f"{cfg.max_score_tokens} per request (--max-score-tokens)")
+        self._score_input(scoring.checked, call.prep)
         self._admit(len(items), n)
         try:
-            out = await self._wait(self.client.score(req, time.monotonic() + cfg.max_queue_ms / 1e3))
+            out = await self._wait(self.client.score(
+                call.prep.full, call.prep.shared, time.monotonic() + cfg.max_queue_ms / 1e3,
+                call.labels, call.label_token_ids, call.apply_softmax))
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
             self._release(len(items), n)
         if out.status == P.OK:
             self.metrics.score_tokens.inc(n)
-            return out.result
-        if out.status == P.BAD_INPUT:
+            t = out.prompt_tokens
+            return {"scores": out.scores, "labels": out.labels, "model": self.info.model,
+                    "object": "scoring",
+                    "usage": {"prompt_tokens": t, "total_tokens": t, "completion_tokens": 0}}
+        if out.status == P.BAD_INPUT:  # the request's label set (the engine tokenizes it)
             raise ApiError(422, out.error)
         if out.status == P.EXPIRED:
             raise ApiError(503, f"not started within --max-queue-ms ({cfg.max_queue_ms:g} ms): the "
                                 f"server is overloaded; retry later", self.client.wait_s(0))
         raise ApiError(503, out.error or "engine fault", 1)
 
-    def _count_tokens(self, query, items) -> int:
-        """Tokens of query + items (ids as given, text through the tokenizer: exact to a few
-        tokens at the joins, which is what a limit needs)."""
-        texts = [t for t in [query, *items] if isinstance(t, str)]
-        n = sum(len(t) for t in [query, *items] if isinstance(t, list))
-        if texts:
-            backend = getattr(self.prompt.tokenizer, "_tokenizer", None)
-            if backend is not None and hasattr(backend, "encode_batch_fast"):
-                n += sum(len(e.ids) for e in backend.encode_batch_fast(texts, add_special_tokens=False))
-            else:
-                n += sum(len(ids) for ids in self.prompt.tokenizer(texts, add_special_tokens=False)["input_ids"])
-        return n
+    @staticmethod
+    def _score_input(step, *args, **kw):
+        """A ScoreInput step; its errors (the Scorer's text) answered 422."""
+        try:
+            return step(*args, **kw)
+        except PrefixScoreError as e:
+            raise ApiError(422, str(e)) from None
+        except Exception as e:  # the tokenizer itself raised: this request's input
+            raise ApiError(422, f"the tokenizer could not encode this request: "
+                                f"{type(e).__name__}: {e}") from None
 
     def begin_drain(self) -> None:
         """SIGTERM: new requests get 503 + Retry-After from now on; accepted ones still run."""

@@ -269,7 +269,7 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         """The schema lists what this server can do: /v1/score and rerank only with a scorer
         (known once the engine is ready)."""
         schema = full_schema()
-        if fe.client.info is not None and not fe.client.info.scorer:
+        if fe.client.info is not None and fe.client.info.scorer is None:
             scoring = ("/v1/score", *compat.RERANK)
             schema = {**schema, "paths": {k: v for k, v in schema["paths"].items() if k not in scoring}}
         return schema

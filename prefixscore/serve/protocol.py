@@ -12,8 +12,15 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from ..errors import PrefixScoreError
+
 # Per-request status in a ClassifyOut; the front end turns them into HTTP/gRPC answers.
 OK, EXPIRED, ABORTED, BAD_INPUT, FAULT = 0, 1, 2, 3, 4
+
+
+class ProtocolError(PrefixScoreError):
+    """A message that breaks the wire's rules (a front end of another version, or a bug): refused
+    with what is wrong, never run."""
 
 
 class HelloReq(msgspec.Struct, tag=True, array_like=True):
@@ -38,10 +45,21 @@ class ClassifyReq(msgspec.Struct, tag=True, array_like=True):
 
 
 class ScoreReq(msgspec.Struct, tag=True, array_like=True):
-    """One multi-item scoring request in SGLang's /v1/score shape (a dict), run by the Scorer."""
+    """One multi-item scoring request (SGLang's /v1/score), checked and tokenized by the front end
+    (score_input.ScoreInput, over ReadyOut.scorer): item i's whole prompt is
+    ids[offsets[i]:offsets[i+1]] (int32 bytes, as ClassifyReq's), `shared` the tokens before the
+    item slot (the query part the items may share; empty for token ids scored item first).
+    labels / label_token_ids: the request's label set as it named it (checked), neither for the
+    scorer's own: the engine keeps their head rows. apply_softmax: softmax over the labels, else
+    each label token's probability under the whole vocabulary (SGLang's default)."""
     client: int
     rid: int
-    request: dict
+    ids: bytes
+    offsets: list[int]
+    shared: bytes
+    labels: list[str] | None
+    label_token_ids: list[int] | None
+    apply_softmax: bool
     deadline: float
 
 
@@ -66,6 +84,21 @@ class ClassifierInfo(msgspec.Struct, array_like=True, kw_only=True):
     memory: dict[str, int]  # bytes it adds to the shared weights (Classifier.memory)
 
 
+class ScorerInfo(msgspec.Struct, array_like=True, kw_only=True):
+    """The engine's Scorer, as a front end needs it to check and tokenize score requests itself
+    (its Prompt rebuilt over the shared tokenizer, checked against prefix_ids). Not a message:
+    part of ReadyOut. template None: a scorer without a tokenizer (token ids only)."""
+    template: str | None
+    chat: bool
+    special_tokens: bool
+    labels: list[str]  # its own label set (a request that names none)
+    item_first: bool  # the template's slot order
+    prefix_ids: list[int]
+    vocab_size: int
+    context_limit: int  # of a prompt: the model's, less the scorer's longest label
+    max_items: int
+
+
 class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     """What only the engine knows, for the front ends (vLLM's EngineCoreReadyResponse).
     classifiers: every classifier over the one loaded model, the default first; a request names
@@ -74,7 +107,7 @@ class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     tokenizer_path: str
     classifiers: list[ClassifierInfo]
     max_batch_tokens: int
-    scorer: bool
+    scorer: ScorerInfo | None  # None: no /v1/score on this engine
     device: str
     pid: int
 
@@ -95,9 +128,14 @@ class ClassifyOut(msgspec.Struct, tag=True, array_like=True):
 
 
 class ScoreOut(msgspec.Struct, tag=True, array_like=True):
+    """The answer to one ScoreReq: per item a score per label, in the order of labels (the label
+    set's names), and the prompt tokens scored (SGLang's usage); for BAD_INPUT / FAULT, a message
+    in error and nothing else."""
     rid: int
     status: int
-    result: dict | None
+    scores: list[list[float]]
+    labels: list[str]
+    prompt_tokens: int
     error: str | None
 
 
@@ -106,10 +144,11 @@ OUT = ReadyOut | ClassifyOut | ScoreOut
 
 
 def _check_names() -> None:
-    for t in REQ.__args__:
-        assert t.__name__.endswith("Req"), t
-    for t in OUT.__args__:
-        assert t.__name__.endswith("Out"), t
+    for union, end in ((REQ, "Req"), (OUT, "Out")):
+        for t in union.__args__:
+            if not t.__name__.endswith(end):
+                raise ProtocolError(f"message {t.__name__} must be named ...{end} (its direction: "
+                                    f"Req front end -> engine, Out engine -> front end)")
 
 
 _check_names()
@@ -130,3 +169,22 @@ def pack_ids(ids_list: list[list[int]]) -> tuple[bytes, list[int]]:
 def unpack_ids(data: bytes, offsets: list[int]) -> list[list[int]]:
     flat = np.frombuffer(data, dtype=np.int32).tolist()
     return [flat[a:b] for a, b in zip(offsets, offsets[1:])]
+
+
+def unpack_score(m: ScoreReq, vocab_size: int) -> tuple[list[list[int]], list[int]]:
+    """A ScoreReq's (item prompts, shared ids), checked: the engine runs them as given, so ids out
+    of the vocabulary or a malformed layout are refused (ProtocolError), not an engine fault."""
+    n = len(m.ids) // 4
+    o = m.offsets
+    if len(m.ids) % 4 or len(m.shared) % 4 or len(o) < 2 or o[0] != 0 or o[-1] != n or \
+            any(a >= b for a, b in zip(o, o[1:])):
+        raise ProtocolError(f"score request {m.rid}: ids ({len(m.ids)} bytes) and offsets "
+                            f"{o[:4]}... do not describe int32 items of at least one token")
+    flat = np.frombuffer(m.ids, dtype=np.int32)
+    shared = np.frombuffer(m.shared, dtype=np.int32)
+    for a in (flat, shared):
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= vocab_size):
+            raise ProtocolError(f"score request {m.rid}: a token id outside this model's "
+                                f"vocabulary (0 <= id < {vocab_size})")
+    flat = flat.tolist()
+    return [flat[a:b] for a, b in zip(o, o[1:])], shared.tolist()

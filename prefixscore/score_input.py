@@ -1,0 +1,192 @@
+"""The request side of multi-item scoring: a score request's checks and its tokenization, no model.
+
+A Scorer runs its requests through one (`Scorer.input`), and a server's front end through its own,
+built from the engine's Ready over the front end's copy of the tokenizer (serve/catalog.py): a
+/v1/score request is checked and tokenized once, in the front end, by the code the library runs,
+and the engine gets token ids (serve/protocol.py ScoreReq). Only the label set stays the engine's
+to tokenize (its head rows live there, a few label sets in an LRU): here its ids and names are
+checked, not tokenized.
+
+    inp = ScoreInput(prompt, item_first, vocab_size, context_limit, max_items)
+    call = inp.parse({"query": ..., "items": [...], "labels": [...]})   # InputError if malformed
+    scorer.score_call(call)                                              # the engine's half
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError, InputError
+from .labels import check_labels
+
+SLOTS = ("query", "item")
+
+
+@dataclass
+class Prepared:
+    """One request, tokenized."""
+    items: list  # as given
+    full: list[list[int]]  # per item, the whole prompt's tokens (what the model must see)
+    shared: list[int]  # tokens of the text before the item slot: the candidate query part
+
+
+@dataclass
+class ScoreCall:
+    """A checked, tokenized score request (SGLang's /v1/score), ready for Scorer.score_call.
+    labels / label_token_ids: the request's label set as it named it (checked), neither: the
+    scorer's own."""
+    query: str | list[int] | None  # as given (None in an engine: the front end's to read)
+    prep: Prepared
+    labels: list[str] | None = None
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False
+
+
+def check_token_ids(ids, what: str, vocab_size: int, err=InputError) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
+        raise err(f"{what} must be a list of token ids")
+    V = vocab_size
+    # C-speed checks first (a request carries ~10^4 ids); find the culprit only on failure
+    if ids and (not set(map(type, ids)) <= {int} or min(ids) < 0 or max(ids) >= V):
+        bad = next(i for i in ids if type(i) is not int or not 0 <= i < V)
+        raise err(f"{what}: {bad!r} is not a token id of this model (0 <= id < {V})")
+    return list(ids)
+
+
+def label_key(labels, label_token_ids, vocab_size: int, err) -> tuple:
+    """A label set's key, ("ids", ids) or ("text", labels), once its ids or names are checked."""
+    if label_token_ids is not None:
+        ids = check_token_ids(label_token_ids, "label_token_ids", vocab_size, err)
+        if not ids:
+            raise err("label_token_ids is empty: give at least one token id")
+        if len(set(ids)) != len(ids):
+            raise err(f"label_token_ids has duplicates: {ids}")
+        return ("ids", tuple(ids))
+    try:
+        return ("text", tuple(check_labels(labels)))
+    except ConfigError as e:
+        raise err(str(e)) from None
+
+
+class ScoreInput:
+    def __init__(self, prompt, item_first: bool, vocab_size: int, context_limit: int, max_items: int):
+        """prompt: the template's Prompt (slots SLOTS), None for a model without a tokenizer (token
+        ids only); item_first: the template's slot order; context_limit: of a prompt, the model's
+        less the scorer's longest label."""
+        self.prompt, self.item_first, self.vocab_size = prompt, item_first, vocab_size
+        self.context_limit, self.max_items = context_limit, max_items
+        self._blank = None  # (ids before the item slot, ids of the whole prompt) with empty slots
+
+    def parse(self, req: dict, fits: bool = True) -> ScoreCall:
+        """SGLang's /v1/score request {"query", "items", "label_token_ids" | "labels",
+        "apply_softmax", "item_first"} checked and tokenized, as Scorer.score_request documents it.
+        fits=False leaves the context-limit check to the caller (checked()), so that a server can
+        refuse a request over its own token limit first."""
+        if not isinstance(req, dict):
+            raise InputError("a score request is a JSON object with query and items")
+        query, items = req.get("query"), req.get("items")
+        if isinstance(items, str):  # SGLang accepts one item as a bare string
+            items = [items]
+        for k in ("apply_softmax", "item_first"):
+            if k in req and not isinstance(req[k], bool):
+                raise InputError(f"{k} must be true or false, got {req[k]!r}")
+        labels, ids = req.get("labels"), req.get("label_token_ids")
+        if labels is not None and ids is not None:
+            raise InputError("give labels or label_token_ids, not both")
+        by_ids = isinstance(query, (list, tuple))
+        item_first = req.get("item_first", False if by_ids else self.item_first)
+        if not by_ids and item_first != self.item_first:
+            order = "item first" if self.item_first else "query first"
+            raise InputError(f"item_first={str(item_first).lower()}, but this scorer's template puts "
+                             f"the {order}: the template decides where each slot goes (use a "
+                             f"template with the other order, or token ids)")
+        if labels is not None or ids is not None:  # tokenized (and checked further) by the engine
+            kind, key = label_key(labels, ids, self.vocab_size, InputError)
+            labels, ids = (list(key), None) if kind == "text" else (None, list(key))
+        prep = self.prepare_ids(query, items, item_first, fits) if by_ids else \
+            self.prepare(query, items, fits)
+        return ScoreCall(query, prep, labels, ids, req.get("apply_softmax", False))
+
+    # ---- checks
+
+    def check_token_ids(self, ids, what: str, err=InputError) -> list[int]:
+        return check_token_ids(ids, what, self.vocab_size, err)
+
+    def check_items(self, items, text: bool) -> list:
+        if isinstance(items, (str, bytes)) or not isinstance(items, (list, tuple)):
+            raise InputError(f"items must be a list of {'strings' if text else 'token id lists'}")
+        if not items:
+            raise InputError("no items: give at least one item to score")
+        if len(items) > self.max_items:
+            raise InputError(f"{len(items)} items in one request, over the limit of {self.max_items}; "
+                             f"split the request (or raise max_items)")
+        for i, it in enumerate(items):
+            if text and not isinstance(it, str):
+                raise InputError(f"items[{i}] must be a string, got {type(it).__name__}")
+            if not text:
+                self.check_token_ids(it, f"items[{i}]")
+            if not (it.strip() if text else it):
+                raise InputError(f"items[{i}] is empty")
+        return list(items)
+
+    def check_text(self, query, items) -> list:
+        """The checks of a text request that need no tokenizer call -> items as a list."""
+        if self.prompt is None:
+            raise ConfigError("this scorer has no tokenizer: score token ids with score_ids")
+        if not isinstance(query, str):
+            raise InputError(f"query must be a string, got {type(query).__name__}")
+        if not query.strip():
+            raise InputError("empty query")
+        return self.check_items(items, text=True)
+
+    def checked(self, prep: Prepared) -> Prepared:
+        """prep, if every item's whole prompt leaves room for the labels in the context."""
+        limit = self.context_limit
+        for i, ids in enumerate(prep.full):
+            if len(ids) > limit:
+                it = prep.items[i]
+                size = f"{len(it)} characters" if isinstance(it, str) else f"{len(it)} tokens"
+                raise InputError(f"items[{i}]: the prompt is {len(ids)} tokens, over the model's "
+                                 f"context limit of {limit} tokens (the item is {size}); shorten it")
+        return prep
+
+    # ---- tokenization
+
+    def prepare(self, query: str, items, fits: bool = True) -> Prepared:
+        """Tokenize a text request: each item's whole prompt (one batched tokenizer call), and the
+        prompt before the item slot (the query and the item are plain text unless the prompt
+        parses special tokens)."""
+        items = self.check_text(query, items)
+        full = self.prompt.encode_ids([{"query": query, "item": it} for it in items])
+        shared = self.prompt.encode_before("item", query=query)
+        prep = Prepared(items, full, shared)
+        return self.checked(prep) if fits else prep
+
+    def prepare_ids(self, query_ids, items_ids, item_first: bool = False, fits: bool = True) -> Prepared:
+        """Token sequences as given: query + item per item (item + query with item_first)."""
+        q = self.check_token_ids(query_ids, "query")
+        if not q:
+            raise InputError("empty query")
+        items = self.check_items(items_ids, text=False)
+        full = [list(it) + q if item_first else q + list(it) for it in items]
+        prep = Prepared(items, full, [] if item_first else q)
+        return self.checked(prep) if fits else prep
+
+    def template_tokens(self) -> tuple[int, int]:
+        """The template's own tokens (its slots empty): before the item slot, and in all; counted
+        once (a server's front end does it at start-up, not in its first request)."""
+        if self._blank is None:
+            self._blank = (len(self.prompt.encode_before("item", query="")),
+                           len(self.prompt.encode_ids([{"query": "", "item": ""}])[0]))
+        return self._blank
+
+    def own_tokens(self, call: ScoreCall) -> int:
+        """About the tokens of the request's query and items (a server's cost limit): exact for
+        token ids; for text, what each prompt holds beyond the template's own tokens (to a token at
+        the joins), the query counted once where the items share it (a query-first template) and
+        with every item where they cannot (item first: the engine computes it with each)."""
+        prep = call.prep
+        if not isinstance(call.query, str):
+            return len(call.query) + sum(len(it) for it in prep.items)
+        before, whole = self.template_tokens()
+        shared = len(prep.shared)
+        return max(0, shared - before) + sum(max(0, len(f) - shared - (whole - before)) for f in prep.full)
