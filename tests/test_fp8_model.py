@@ -7,7 +7,7 @@ import torch
 from prefixscore import Classifier
 from prefixscore.cli import commands as cli
 from prefixscore.errors import ConfigError
-from prefixscore.kernels.fp8 import is_fp8
+from prefixscore.kernels.fp8 import Fp8Weight, is_fp8
 from prefixscore.weights.loading import base_hash, finish_load, load
 from prefixscore.weights.adapter import merge_adapter
 
@@ -42,20 +42,46 @@ def test_quantized_after_the_merge_with_the_bf16_identity(tiny_model, tmp_path):
         merge_adapter(loaded, None)  # (refused before the adapter is looked at)
 
 
+def rounded_to_e4m3(loaded):
+    """The model's block linears rounded to e4m3 (one scale per output row, as Fp8Weight stores
+    them) and back to its own dtype: the weights an fp8 classifier computes with, in plain
+    arithmetic. Before a Classifier is built on it (its prefix and graphs read the weights)."""
+    for layer in loaded.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        a.wqkv = Fp8Weight.quantize(a.wqkv).dequantize(a.wqkv.dtype)
+        m.wgu = Fp8Weight.quantize(m.wgu).dequantize(m.wgu.dtype)
+        for lin in (a.o_proj, m.down_proj):
+            lin.weight.data = Fp8Weight.quantize(lin.weight.data).dequantize(lin.weight.dtype)
+    return loaded
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_fp8_classifier_on_gpu(tiny_model):
-    """Classifier(dtype="fp8"): e4m3 weights through the graphs and the eager path; decisions as
-    bf16's but for near-ties (the e4m3 rounding of random weights moves scores by ~1e-2)."""
+    """Classifier(dtype="fp8") against the rounding alone: a bf16 classifier over the same weights
+    rounded to e4m3 (rounded_to_e4m3). On these random weights the rounding itself moves scores by
+    ~0.15 (wq: measured here, bf16 against the rounded bf16), so fp8 is judged against the rounded
+    model, not against bf16. One request (the skinny kernels: e4m3 weights, bf16 activations) does
+    bf16 arithmetic on the rounded weights: what is left is bf16's rounding, whose step is 32x
+    finer than e4m3's. A batch past the skinny kernels also rounds each token's activations to
+    e4m3 (FP8 x FP8 GEMMs), as coarse as the weights: up to another wq."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
     path = str(tiny_model("qwen2"))
     f8 = Classifier(path, device="cuda", dtype="fp8", **SPEC)
     bf = Classifier(path, device="cuda", dtype="bfloat16", **SPEC)
+    rq = Classifier(rounded_to_e4m3(load(path, "cuda", torch.bfloat16)), **SPEC)
     assert f8.loaded.fp8 is True and f8.memory["model_bytes"] < bf.memory["model_bytes"]
+
+    def diff(a, b):
+        return max(abs(x.scores[k] - y.scores[k]) for x, y in zip(a, b) for k in x.scores)
+
     qs = QUERIES * 30  # one batch past the skinny kernels (FP8 x FP8 GEMMs) and single requests
-    for a, b in [(f8.classify_batch(qs), bf.classify_batch(qs)),
-                 ([f8.classify(q) for q in QUERIES], [bf.classify(q) for q in QUERIES])]:
-        for x, y in zip(a, b):
-            assert max(abs(x.scores[k] - y.scores[k]) for k in x.scores) < 0.15
+    ref_batch, ref_one = rq.classify_batch(qs), [rq.classify(q) for q in QUERIES]
+    wq = diff(bf.classify_batch(qs), ref_batch)
+    assert 0 < wq < 1, wq  # the rounding moved scores, and not beyond recognition
+    for got, ref, bound in [([f8.classify(q) for q in QUERIES], ref_one, 0.05),
+                            (f8.classify_batch(qs), ref_batch, 0.05 + 2 * wq)]:
+        assert diff(got, ref) <= bound, (diff(got, ref), bound)
+        for x, y in zip(got, ref):
             top = sorted(y.scores.values(), reverse=True)
-            assert x.label == y.label or top[0] - top[1] < 0.15
+            assert x.label == y.label or top[0] - top[1] < 2 * bound

@@ -375,7 +375,12 @@ def test_attention_prefix_ranges(case):
         sl = slice(at, at + L)
         alone = attention_ref(q[sl], k[sl], v[sl], pk[lo:hi], pv[lo:hi], bs[sl] * 0, be[sl] * 0,
                               own[sl] - at, scale)
-        torch.testing.assert_close(ref[sl].float(), alone.float(), atol=1e-5, rtol=1e-5)
+        # Both sums run in fp32 but over key sets of other sizes (the bank masks what "alone" never
+        # sees), so on a GPU their rounding can differ in the last fp32 bits, and an output stored
+        # in bf16 can then round to the neighbouring value: one bf16 step, at most 2^-7 of the value
+        # (8 significant bits; the step is 2^-7 relative at the bottom of a binade).
+        rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(ref[sl].float(), alone.float(), atol=1e-5, rtol=rtol)
         at += L
     cfg = None if block_m is None else {"BLOCK_M": block_m}
     _check_close(attention_triton(q, k, v, pk, pv, bs, be, own, scale, config=cfg,
