@@ -3,8 +3,8 @@ shapes, and the latency of an adapter-merged classifier beside the base model's 
 equal within noise). Random weights in the Qwen2.5 shapes with SmolLM2's tokenizer (bench.gpu's
 real form), intent_dev's 450 rows; accuracy means nothing here (bench.finetune_cv measures it).
 
-    device run, carry [".whl", ".carry"]:  bash bench/finetune_gpu.sh
-    python -m bench.finetune_gpu --shapes 0.5B,7B --epochs 2
+    python -m bench.finetune_gpu --shapes 0.5B,7B --epochs 2   (on the GPU machine: peft and its
+                                                               needs as wheels, bench/gpu_wheels.txt)
 
 Writes $OUT/finetune_gpu.json (default bench/results).
 """

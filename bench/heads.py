@@ -1,4 +1,4 @@
-"""Prompt mode vs trained label heads on shared/data/intent_dev.csv (issue 6), bundled model.
+"""Prompt mode vs trained label heads on tests/data/intent_dev.csv, bundled model.
 
     python -m bench.heads                      # 5-fold, few-shot k in {1, 2, 4}; CPU is fine
     python -m bench.heads --folds 3 --shots 1,2 --device cuda

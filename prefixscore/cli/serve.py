@@ -80,8 +80,8 @@ def add_command(subparsers, model_args) -> None:
                    help="after each batch the engine polls this long for the next one, busy on its "
                         "CPU, before it sleeps; 'auto' (default): 2 on a GPU, 0 on CPU inference")
     g.add_argument("--served-model-name", default=None,
-                   help="the model's name in /healthz and /v1/score answers (default: its file or "
-                        "folder name)")
+                   help="the model's name in /healthz and /v1/score answers (default: a hub "
+                        "model's org/name, else its file or folder name)")
     g.add_argument("--classifier", action="append", default=None,
                    metavar="name=NAME,template=T,labels=A|B",
                    help="serve this classifier (repeat for several over the one model, the first the "

@@ -9,15 +9,16 @@
     dp_client.py    --data-parallel: one ZmqClient per engine, each pass to the least loaded
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
-    many.py         one request to several classifiers ("classifiers": [...]) and its answer
+    fanout.py       one request to several classifiers ("classifiers": [...]) and its answer
     answers.py      Answer, the result cache, probabilities; api_error.py: ApiError
     http.py         the FastAPI app, its ASGI guard and the bounded uvicorn protocol
     compat.py       routes in other servers' shapes: vLLM /classify, TEI /predict, /rerank, /v1/models
     metrics.py      Prometheus series, summed over processes
     launch.py       --workers 1 (one process) or launcher + front ends + engine process
-    cli.py          the `serve` command
 
-Data flows one way: cli -> launch -> (http -> frontend -> client) | (engine_proc -> engine_loop)
+The `serve` command (flags -> these configs) is prefixscore/cli/serve.py.
+
+Data flows one way: cli/serve.py -> launch -> (http -> frontend -> client) | (engine_proc -> engine_loop)
 -> the Classifier.
 """
 from __future__ import annotations
