@@ -6,16 +6,23 @@ The prefix KV is computed once per (model, template) and every batch attends to 
 the plan into one pinned host buffer, replays, and waits once. The graphs of the small buckets
 hold their H2D and D2H copies too, as kernels reading and writing the pinned buffers in place (one
 launch per call); the large ones copy only the rows used, around the replay.
+
+An engine fixes its KernelOptions (kernels/options.py) when it is made and hands them to every
+forward in the model's Context, so its CUDA graphs hold the kernels of those options; another
+setting is another engine (bench/ builds one per A/B arm).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 import torch
 
 from .batch import Plan
+from .errors import ConfigError
 from .kernels import label_head
+from .kernels.options import KernelOptions
 from .weights.loading import LoadedModel
 from .model import Context
 
@@ -28,33 +35,17 @@ BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 GRAPH_MAX_TOKENS = BUCKETS[-1]
 # Buckets whose input + output bytes are at most this copy them inside their graph (the whole
 # buffers, used rows or not); larger ones copy around the replay, only what the call uses.
-GRAPH_COPY_MAX_BYTES = 1 << 20
-GRAPH_COPIES = True  # False: every bucket copies around the replay (bench/ A/B)
+GRAPH_COPY_MAX_BYTES = 1 << 20  # (KernelOptions.graph_copies False: every bucket copies around)
 # GraphRunner.run keeps the filled input of one-request plans up to this many tokens, one per
 # layout (suffix length x first position: at most a few hundred, each <= 64 * (24 + N) bytes).
 IMAGE_MAX_TOKENS, MAX_IMAGES = 64, 1024
 
 
 class Engine:
-    # The kernels' batch-invariant setting (kernels.BATCH_INVARIANT) each capture in this process
-    # ran under: graphs keep the kernels they captured, so the setting cannot change after one.
-    graph_modes: set[bool] = set()
-
-    @classmethod
-    def set_batch_invariant(cls, on: bool) -> None:
-        """The kernels' batch-invariant mode for this process (Classifier's and Scorer's
-        batch_invariant=); refused once graphs were captured with the other setting."""
-        from . import kernels
-        from .errors import ConfigError
-
-        if cls.graph_modes - {on}:
-            raise ConfigError(
-                f"batch_invariant={on}: CUDA graphs of this process were captured with it "
-                f"{'on' if kernels.BATCH_INVARIANT else 'off'}, and the setting is process-wide; set "
-                f"it before the first classifier (or with PREFIXSCORE_BATCH_INVARIANT=1)")
-        kernels.BATCH_INVARIANT = on
-
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, options: KernelOptions | None = None):
+        """options: the kernels this engine runs, fixed for its life (None: the defaults with the
+        environment's settings, KernelOptions.from_env)."""
+        self.options = KernelOptions.from_env() if options is None else options
         self.model = loaded.model
         self.lm_head = loaded.lm_head
         self.config = c = self.model.config
@@ -71,12 +62,25 @@ class Engine:
         self.capture_stream = None
 
     @classmethod
-    def shared(cls, loaded: LoadedModel) -> "Engine":
+    def shared(cls, loaded: LoadedModel, **options) -> "Engine":
         """The one engine of a loaded model: classifiers and scorers over the same weights share
-        its graph memory pool (kept on the LoadedModel, which lives as long as they do)."""
+        its graph memory pool (kept on the LoadedModel, which lives as long as they do), and so its
+        KernelOptions. options: fields the caller asks for (batch_invariant=True; None: no wish);
+        the first caller's make the engine (over KernelOptions.from_env()), and a later caller
+        asking for another value is refused: one engine runs one set of kernels."""
+        want = {k: v for k, v in options.items() if v is not None}
         engine = loaded.__dict__.get("engine")
         if engine is None:
-            engine = loaded.__dict__["engine"] = cls(loaded)
+            engine = loaded.__dict__["engine"] = cls(loaded, KernelOptions.from_env(**want))
+        asked = dataclasses.replace(engine.options, **want)  # (as the options keep them: tune)
+        clash = [k for k in want if getattr(asked, k) != getattr(engine.options, k)]
+        if clash:
+            k, v = clash[0], getattr(asked, clash[0])
+            raise ConfigError(
+                f"{k}={v}: this model's engine runs its kernels with {k}={getattr(engine.options, k)}, "
+                f"fixed by the first classifier or scorer made over it (those of one loaded model, "
+                f"Classifier.many's too, share one engine); give them all the same {k}, or load the "
+                f"model again for the other setting")
         return engine
 
     def weight_bytes(self) -> int:
@@ -92,7 +96,8 @@ class Engine:
         P = len(ids)
         zeros = torch.zeros(P, dtype=torch.int32, device=self.device)
         kv: list = []
-        ctx = Context(self.no_prefix, zeros, zeros, zeros, torch.tensor([0, P]), kv_out=kv)
+        ctx = Context(self.no_prefix, zeros, zeros, zeros, torch.tensor([0, P]), kv_out=kv,
+                      options=self.options)
         self.model(torch.tensor(ids, device=self.device), torch.arange(P, device=self.device), ctx)
         return [(k.contiguous(), v.contiguous()) for k, v in kv]
 
@@ -104,14 +109,15 @@ class Engine:
     def hidden(self, plan: Plan, prefix_kv):
         plan = plan.to(self.device)
         ctx = Context(prefix_kv, plan.base_start, plan.base_end, plan.own_start, plan.seg_offsets,
-                      prefix_range=plan.prefix_range)
+                      prefix_range=plan.prefix_range, options=self.options)
         return self.model(plan.tokens, plan.positions, ctx), plan
 
     @torch.inference_mode()
     def forward_scores(self, tokens, positions, ctx, rows, allowed, weight, logprobs, out=None):
         m = self.model
         h = m(tokens, positions, ctx)
-        return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs, out)
+        return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs, out,
+                          options=self.options)
 
     def run(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
         """-> (scores [R, N] fp32, best [R]) on the CPU for the plan's read-out rows."""
@@ -135,7 +141,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         p = plan.pinned().to(self.device) if cuda else plan  # pinned: the copies do not block
         ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets,
-                      prefix_range=p.prefix_range)
+                      prefix_range=p.prefix_range, options=self.options)
         scores, best = self.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, weight,
                                            logprobs)
         if not cuda:
@@ -163,9 +169,6 @@ class Engine:
         # memory (-1.7 GB after the prefill's temporaries): empty it before the baseline too.
         torch.cuda.empty_cache()
         mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
-        from . import kernels
-
-        Engine.graph_modes.add(kernels.BATCH_INVARIANT)
         runner = GraphRunner(self, prefix_kv, weight, logprobs, min(max_tokens, GRAPH_MAX_TOKENS), ranges)
         self.graphs[(id(prefix_kv), id(weight), logprobs)] = runner
         torch.cuda.synchronize()
@@ -209,9 +212,8 @@ class GraphRunner:
             self.views[T] = (ints, allowed, best, scores)
         self.graphs = {}
         # copies in the graph: the bucket's whole input and output buffers
-        from . import kernels
-
-        copies = GRAPH_COPIES and kernels.USE_TRITON  # (the plain-torch baseline copies around)
+        opts = engine.options
+        copies = opts.graph_copies and opts.use_triton  # (the plain-torch baseline copies around)
         self.inline = {T: copies and self._in_bytes(T) + self._out_bytes(T) <= GRAPH_COPY_MAX_BYTES
                        for T in self.buckets}
         pool = engine.pool
@@ -271,15 +273,16 @@ class GraphRunner:
         if copies:  # a kernel reads the pinned input in place
             from .kernels.fused_triton import copy_bytes  # (CUDA only: triton is imported lazily)
 
-            copy_bytes(self.host_in, self.dev_in, self._in_bytes(T))
+            copy_bytes(self.host_in, self.dev_in, self._in_bytes(T), options=self.engine.options)
         ints, allowed = self._split_in(self.dev_in, T)
         tokens, pos, bs, be, own, rows = ints[:6]
         best, scores = self._split_out(self.dev_out, T)
-        ctx = Context(self.prefix_kv, bs, be, own, prefix_range=(ints[6], ints[7]) if self.ranges else None)
+        ctx = Context(self.prefix_kv, bs, be, own, prefix_range=(ints[6], ints[7]) if self.ranges else None,
+                      options=self.engine.options)
         self.engine.forward_scores(tokens, pos, ctx, rows, allowed, self.weight, self.logprobs,
                                    out=(scores, best))
         if copies:
-            copy_bytes(self.dev_out, self.host_out, self._out_bytes(T))
+            copy_bytes(self.dev_out, self.host_out, self._out_bytes(T), options=self.engine.options)
 
     def run(self, plan: Plan):
         T, R, N = plan.num_tokens, plan.rows.shape[0], self.N

@@ -22,7 +22,6 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
 
-from prefixscore import kernels  # noqa: E402
 from prefixscore.kernels import attention_o_triton as AO  # noqa: E402
 from prefixscore.kernels import attention_triton as AT  # noqa: E402
 from prefixscore.kernels import fused_triton as F  # noqa: E402
@@ -30,6 +29,7 @@ from prefixscore.kernels import fp8_triton as Q8  # noqa: E402
 from prefixscore.kernels import gemm_config as C  # noqa: E402
 from prefixscore.kernels import gemm_triton as G  # noqa: E402
 from prefixscore.kernels import label_head_triton as LH  # noqa: E402
+from prefixscore.kernels.options import KernelOptions  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 CPU = torch.device("cpu")  # config heuristics: the interpreter's stand-in for an H200 (132 SMs)
@@ -89,9 +89,9 @@ def main():
     # Qwen2.5-0.5B (hidden 896, I 4864, 14/2 heads of 64) and 7B (3584, 18944, 28/4 of 128), T = 16.
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14)  # after attention + O
-    kernels.GU_PRE_KB, was = 16, kernels.GU_PRE_KB  # the A/B's other value: one step preloaded
-    cfg = C._finish_config(C.gemm_config(16, 4864, 896, 1, BF16, CPU), 896, BF16, 1, 9728 * 896 * 2)
-    kernels.GU_PRE_KB = was
+    pre16 = KernelOptions(gu_pre_kb=16)  # the A/B's other value: one step preloaded
+    cfg = C._finish_config(C.gemm_config(16, 4864, 896, 1, BF16, CPU), 896, BF16, 1, 9728 * 896 * 2,
+                           options=pre16)
     skinny("0.5B gate/up+norm, 16 KB before the wait", 16, 4864, 896, 1, 9728, norm=True, nt=14,
            trig=True, cfg=cfg)
     skinny("0.5B gate/up+norm (T=64)", 64, 4864, 896, 1, 9728, norm=True, nt=14, trig=True)

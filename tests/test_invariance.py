@@ -291,7 +291,8 @@ def test_mode_is_the_engines(monkeypatch, tiny_model):
     assert Classifier(path, device="cpu", **spec).engine.options.batch_invariant is False
     monkeypatch.setenv("PREFIXSCORE_BATCH_INVARIANT", "1")  # the environment gives the default only
     assert Classifier(path, device="cpu", **spec).engine.options.batch_invariant is True
-    assert Classifier(path, device="cpu", batch_invariant=False, **spec).engine.options.batch_invariant is False
+    off = Classifier(path, device="cpu", batch_invariant=False, **spec)
+    assert off.engine.options.batch_invariant is False
     assert inv.engine.options.batch_invariant is True and plain.engine.options.batch_invariant is False
     monkeypatch.delenv("PREFIXSCORE_BATCH_INVARIANT")
 
@@ -329,8 +330,9 @@ def test_options_reach_every_kernel(monkeypatch, tiny_model):
     from prefixscore.weights.loading import load
 
     seen = []
-    for mod, name in ((model_mod, "embed_rope"), (model_mod, "qkv_rope"), (model_mod, "attention_o"),
-                      (model_mod, "gate_up_silu"), (model_mod, "linear_residual"), (engine_mod, "label_head")):
+    entry_points = [(model_mod, name) for name in ("embed_rope", "qkv_rope", "attention_o", "gate_up_silu",
+                                                   "linear_residual")] + [(engine_mod, "label_head")]
+    for mod, name in entry_points:
         def spy(*a, _real=getattr(mod, name), _name=name, **kw):
             seen.append((_name, kw["options"]))
             return _real(*a, **kw)

@@ -27,6 +27,7 @@ fix_interpreter_loop_bounds()
 from prefixscore.kernels import fp8  # noqa: E402
 from prefixscore.kernels.fp8 import E4M3_MAX, Fp8Weight  # noqa: E402
 from prefixscore.kernels.gemm import gate_up_silu_ref, qkv_rope_ref  # noqa: E402
+from prefixscore.kernels.options import DEFAULTS  # noqa: E402
 from prefixscore.kernels.gemm_triton import (  # noqa: E402
     gate_up_silu_small, linear_residual_small, linear_small, qkv_rope_small)
 
@@ -153,7 +154,7 @@ def test_linear_ref_on_cpu_is_the_dequantized_matmul():
     w = Fp8Weight.quantize(weight(40, 24, gen))
     x = torch.randn(3, 24, generator=gen)
     b = torch.randn(40, generator=gen)
-    torch.testing.assert_close(fp8.linear(x, w, b), x @ w.dequantize().t() + b)
+    torch.testing.assert_close(fp8.linear(x, w, b, options=DEFAULTS), x @ w.dequantize().t() + b)
 
 
 @pytest.mark.skipif(not CUDA, reason="torch._scaled_mm needs a CUDA GPU of compute capability 8.9+")
@@ -164,7 +165,7 @@ def test_scaled_mm_path():
     w = Fp8Weight.quantize(weight(512, 896, gen).cuda())
     x = torch.randn(300, 896, generator=gen).cuda().to(BF)
     b = torch.randn(512, generator=gen).cuda().to(BF)
-    out = fp8.linear(x, w, b).float()
+    out = fp8.linear(x, w, b, options=DEFAULTS).float()
     ref = fp8.linear_ref(x.float(), w, b.float())
     assert (out - ref).norm() / ref.norm() < 0.05
 
@@ -266,8 +267,8 @@ def test_fp8_linear_takes_quantized_activations():
     gen = seed()
     w = Fp8Weight.quantize(weight(64, 96, gen).to(DEVICE))
     x = torch.randn(100, 96, generator=gen).to(DEVICE, BF)
-    act = fp8.rows_q8(x)
-    out = fp8.linear(act, w, None, BF).float()
+    act = fp8.rows_q8(x, options=DEFAULTS)
+    out = fp8.linear(act, w, None, BF, options=DEFAULTS).float()
     ref = act.dequantize() @ w.dequantize().t()
     assert (out - ref).norm() / ref.norm() < (1e-2 if CUDA else 4e-3)  # (CPU: out's bf16 rounding)
 

@@ -34,6 +34,7 @@ from prefixscore.kernels.gemm_config import gemm_config  # noqa: E402
 from prefixscore.kernels.gemm_triton import (  # noqa: E402
     gate_up_silu_small, linear_residual_small, linear_small, qkv_rope_small)
 from prefixscore.kernels.label_head import rms_norm as rms_norm_ref  # noqa: E402
+from prefixscore.kernels.options import DEFAULTS, KernelOptions  # noqa: E402
 from prefixscore.model import fold  # noqa: E402
 
 
@@ -234,7 +235,7 @@ def test_weights_loaded_before_the_wait(pre):
 
 def test_pre_config():
     """PRE: a whole split of <= 32 KB before the wait (no loop after), else <= 16 KB of it, the
-    gated GEMM's up to kernels.GU_PRE_KB, and none for 7B-class weights (slower there:
+    gated GEMM's up to KernelOptions.gu_pre_kb, and none for 7B-class weights (slower there:
     kernels/pdl.py)."""
     from prefixscore.kernels.gemm_config import _finish_config
 
@@ -246,66 +247,61 @@ def test_pre_config():
     assert {name: c["PRE"] for name, c in cfgs.items()} == {"down": 4, "gate_up": 4, "7b_o": 0, "7b_gate_up": 0}
     assert {name: c["SPLIT"] for name, c in cfgs.items()} == {"down": 10, "gate_up": 1, "7b_o": 2, "7b_gate_up": 1}
     assert _finish_config(gemm_config(16, 3584, 3584, 0, bf, dev), 3584, bf, 0, 0)["PRE"] == 2  # ungated
-    from prefixscore import kernels
-
-    kernels.GU_PRE_KB, was = 32, kernels.GU_PRE_KB  # the gate/up budget of the A/B switch
-    try:
-        cfg = gemm_config(16, 4864, 896, 1, bf, dev)
-        assert _finish_config(cfg, 896, bf, 1, 9728 * 896 * 2)["PRE"] == 2
-    finally:
-        kernels.GU_PRE_KB = was
+    cfg = gemm_config(16, 4864, 896, 1, bf, dev)  # the gate/up budget of the A/B switch
+    assert _finish_config(cfg, 896, bf, 1, 9728 * 896 * 2, options=KernelOptions(gu_pre_kb=32))["PRE"] == 2
+    no_early = KernelOptions(early_weights=False)
+    assert _finish_config(cfg, 896, bf, 1, 9728 * 896 * 2, options=no_early)["PRE"] == 0
     from prefixscore.kernels.attention_o_triton import attn_o_config
 
     assert attn_o_config(16, 14, 896, 64, bf, dev)["EARLY"]  # 0.5B Wo: 1.6 MB
     assert not attn_o_config(16, 28, 3584, 128, bf, dev)["EARLY"]  # 7B Wo: 25.7 MB
+    assert not attn_o_config(16, 14, 896, 64, bf, dev, options=no_early)["EARLY"]
+    assert not attn_o_config(16, 14, 896, 64, bf, dev, options=KernelOptions(in_tile=False))["IN_TILE"]
 
 
 def test_trigger_levels(monkeypatch):
-    """pdl.trigger: where each kernel lets the next one launch, by kernels.TRIGGER_AT_WAIT level
-    (2 at its wait, 1 after its main loop) for early-loading weights; 0 for 7B-class weights or
-    with kernels.TRIGGER off. (On the GPU the scorer's test checks every level scores bitwise.)"""
-    from prefixscore import kernels
+    """pdl.trigger: where each kernel lets the next one launch, by KernelOptions.trigger_at_wait
+    level (2 at its wait, 1 after its main loop) for early-loading weights; 0 for 7B-class weights
+    or with options.trigger off. (On the GPU the scorer's test checks every level scores bitwise.)"""
     from prefixscore.kernels import pdl
 
-    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    monkeypatch.setattr(pdl, "enabled", lambda device, options: options.pdl)  # (as on a Hopper GPU)
     small, big = torch.empty(896, 896, dtype=torch.bfloat16), torch.empty(3584, 3584, dtype=torch.bfloat16)
     roles = ("gate_up", "attn_o", "qkv", "linear")
     want = {0: (1, 1, 1, 1), 1: (2, 1, 1, 1), 2: (2, 2, 1, 1), 3: (2, 2, 2, 2)}
+    cuda = torch.device("cuda")
+    assert tuple(pdl.trigger(cuda, small, r, DEFAULTS) for r in roles) == want[DEFAULTS.trigger_at_wait]
     for level, modes in want.items():
-        monkeypatch.setattr(kernels, "TRIGGER_AT_WAIT", level)
-        assert tuple(pdl.trigger(torch.device("cuda"), small, r) for r in roles) == modes
-        assert all(pdl.trigger(torch.device("cuda"), big, r) == 0 for r in roles)
-    monkeypatch.setattr(kernels, "TRIGGER", False)
-    assert pdl.trigger(torch.device("cuda"), small, "gate_up") == 0
+        opts = KernelOptions(trigger_at_wait=level)
+        assert tuple(pdl.trigger(cuda, small, r, opts) for r in roles) == modes
+        assert all(pdl.trigger(cuda, big, r, opts) == 0 for r in roles)
+    for off in (KernelOptions(trigger=False), KernelOptions(pdl=False), KernelOptions(early_weights=False)):
+        assert pdl.trigger(cuda, small, "gate_up", off) == 0, off
 
 
 def test_tune_overrides_by_role(monkeypatch):
-    """kernels.TUNE (bench/ A/B of launch configs) overrides only its role's keys, 0 keeps the
+    """KernelOptions.tune (bench/ A/B of launch configs) overrides only its role's keys, 0 keeps the
     config's value, and an overridden launch still computes the reference."""
-    from prefixscore import kernels
     from prefixscore.kernels import gemm_triton
     from prefixscore.kernels.gemm_config import tuned
 
-    was = dict(kernels.TUNE)
-    try:
-        kernels.TUNE.update({"down.SPLIT": 5, "down.num_warps": 0, "gu.num_warps": 8})
-        assert tuned({"SPLIT": 2, "num_warps": 4}, "down") == {"SPLIT": 5, "num_warps": 4}
-        assert tuned({"SPLIT": 2, "num_warps": 4}, "qkv") == {"SPLIT": 2, "num_warps": 4}
-        kernels.TUNE.clear()
-        kernels.TUNE["down.SPLIT"] = 3
-        gen = torch.Generator().manual_seed(11)
-        x, w, _ = _inputs(4, 64, 192, torch.float32, gen, bias=False)
-        r = torch.randn(4, 64, generator=gen).to(DEVICE)
-        out, _ = linear_residual_small(x, w, None, r, config={"BLOCK_N": 64, "BLOCK_K": 32})
-        _close(out, r + linear_ref(x, w), torch.float32)
-        launched = []  # the override reaches the launch
-        real = gemm_triton._launch
-        monkeypatch.setattr(gemm_triton, "_launch", lambda *a, **kw: launched.append(a[5]) or real(*a, **kw))
-        linear_residual_small(x, w, None, r, config={"BLOCK_N": 64, "BLOCK_K": 32})
-        assert launched and launched[0]["SPLIT"] == 3 and launched[0]["BLOCK_N"] == 64
-    finally:
-        kernels.TUNE.clear()
-        kernels.TUNE.update(was)
+    opts = KernelOptions(tune={"down.SPLIT": 5, "down.num_warps": 0, "gu.num_warps": 8})
+    assert tuned({"SPLIT": 2, "num_warps": 4}, "down", opts) == {"SPLIT": 5, "num_warps": 4}
+    assert tuned({"SPLIT": 2, "num_warps": 4}, "qkv", opts) == {"SPLIT": 2, "num_warps": 4}
+    assert tuned({"SPLIT": 2}, "down") == {"SPLIT": 2}  # the defaults override nothing
+    with pytest.raises(ValueError, match="role.key"):
+        KernelOptions(tune={"SPLIT": 3})
+    opts = KernelOptions(tune={"down.SPLIT": 3})
+    gen = torch.Generator().manual_seed(11)
+    x, w, _ = _inputs(4, 64, 192, torch.float32, gen, bias=False)
+    r = torch.randn(4, 64, generator=gen).to(DEVICE)
+    out, _ = linear_residual_small(x, w, None, r, config={"BLOCK_N": 64, "BLOCK_K": 32}, options=opts)
+    _close(out, r + linear_ref(x, w), torch.float32)
+    launched = []  # the override reaches the launch
+    real = gemm_triton._launch
+    monkeypatch.setattr(gemm_triton, "_launch", lambda *a, **kw: launched.append(a[5]) or real(*a, **kw))
+    linear_residual_small(x, w, None, r, config={"BLOCK_N": 64, "BLOCK_K": 32}, options=opts)
+    assert launched and launched[0]["SPLIT"] == 3 and launched[0]["BLOCK_N"] == 64
 
 
 def test_split_counters_reset():
@@ -335,20 +331,21 @@ def test_dispatch_cpu_falls_back():
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(4, 32, generator=gen)
     w = torch.randn(64, 32, generator=gen)
-    torch.testing.assert_close(gemm.gate_up_silu(x, w), gate_up_silu_ref(x, w))
+    o = dict(options=DEFAULTS)
+    torch.testing.assert_close(gemm.gate_up_silu(x, w, **o), gate_up_silu_ref(x, w))
     r = torch.randn(4, 64, generator=gen)
-    out, ssq = gemm.linear_residual(x, w, None, r)
+    out, ssq = gemm.linear_residual(x, w, None, r, **o)
     assert ssq is None
     torch.testing.assert_close(out, r + linear_ref(x, w))
-    torch.testing.assert_close(gemm.gate_up_silu(gemm.Normed(x, None, 1e-6), w),
+    torch.testing.assert_close(gemm.gate_up_silu(gemm.Normed(x, None, 1e-6), w, **o),
                                gate_up_silu_ref(rms_norm_ref(x, None, 1e-6), w))
     cos, sin = torch.ones(4, 16), torch.zeros(4, 16)
-    q, k, v = gemm.qkv_rope(x, w, None, cos, sin, 2, 1, 16)
+    q, k, v = gemm.qkv_rope(x, w, None, cos, sin, 2, 1, 16, **o)
     for a, r in zip((q, k, v), qkv_rope_ref(x, w, None, cos, sin, 2, 1, 16)):
         torch.testing.assert_close(a, r)
     normed = rms_norm_ref(x, None, 1e-6)
-    q, k, v = gemm.qkv_rope(gemm.Normed(x, None, 1e-6), w, None, cos, sin, 2, 1, 16)
+    q, k, v = gemm.qkv_rope(gemm.Normed(x, None, 1e-6), w, None, cos, sin, 2, 1, 16, **o)
     for a, r in zip((q, k, v), qkv_rope_ref(normed, w, None, cos, sin, 2, 1, 16)):
         torch.testing.assert_close(a, r)
     b, r = torch.randn(64, generator=gen), torch.randn(4, 64, generator=gen)
-    torch.testing.assert_close(gemm.linear_residual(x, w, b, r)[0], r + linear_ref(x, w, b))
+    torch.testing.assert_close(gemm.linear_residual(x, w, b, r, **o)[0], r + linear_ref(x, w, b))

@@ -76,6 +76,7 @@ def test_attention_o_applies_bias():
     """attention_o with an O bias (the fused small-T kernel has none; on CUDA this takes the
     attention + linear_residual path) equals attention_ref @ Wo^T + b + residual."""
     from prefixscore.kernels.attention import attention_o, attention_ref
+    from prefixscore.kernels.options import DEFAULTS
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
@@ -86,7 +87,7 @@ def test_attention_o_applies_bias():
     wo, b, r = torch.randn(N, Hq * D, generator=g) / 8, torch.randn(N, generator=g), torch.randn(T, N, generator=g)
     zeros = torch.zeros(T, dtype=torch.int32)
     args = [x.to(dev) for x in (q, k, v, pk, pv, zeros, zeros, zeros)]
-    out, _ = attention_o(*args, D ** -0.5, wo.to(dev), r.to(dev), bias=b.to(dev))
+    out, _ = attention_o(*args, D ** -0.5, wo.to(dev), r.to(dev), bias=b.to(dev), options=DEFAULTS)
     ref = attention_ref(q, k, v, pk, pv, zeros, zeros, zeros, D ** -0.5).reshape(T, -1) @ wo.t() + b + r
     torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-4)
 

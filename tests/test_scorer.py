@@ -441,19 +441,21 @@ def test_gpu_bf16_matches_hf(tiny_model):
 def test_gpu_pdl_changes_nothing(tiny_model, monkeypatch):
     """Programmatic dependent launch (kernels/pdl.py) only overlaps a kernel's start (and its
     early weight loads) with the kernel ahead: scores through the captured graphs are bitwise
-    those of plain launches."""
-    from prefixscore import kernels
+    those of plain launches. (One engine per setting: an engine's KernelOptions are fixed; a
+    Scorer over a loaded model takes the engine made for it first.)"""
+    from prefixscore.engine import Engine
     from prefixscore.kernels import pdl
 
-    loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
     template, chat = TEMPLATES["query_first"]
     requests = random_requests(48, seed=11)
     out = {}
     for on in (True, False):
-        monkeypatch.setattr(kernels, "PDL", on)
+        loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+        engine = Engine.shared(loaded, pdl=on)
         if torch.cuda.get_device_capability()[0] >= 9:
-            assert pdl.enabled(torch.device("cuda")) == on
+            assert pdl.enabled(torch.device("cuda"), engine.options) == on
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
+        assert sc.engine is engine
         out[on] = [[r.scores for r in res] for res in sc.score_batch(requests)]
     assert out[True] == out[False]
 
@@ -464,18 +466,18 @@ def test_gpu_early_weights_and_trigger(tiny_model, monkeypatch):
     only moves the next launch, so scores are bitwise those without it; the early loads feed one
     dot over PRE K-steps instead of PRE dots, so scores stay within bf16 rounding (0.02) of the
     plain path, with the same decisions."""
-    from prefixscore import kernels
+    from prefixscore.engine import Engine
 
-    loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
     template, chat = TEMPLATES["query_first"]
     requests = random_requests(48, seed=12)
     out = {}
     for early, trig, at_wait in ((True, True, 0), (True, True, 1), (True, True, 2), (True, True, 3),
                                  (True, False, 0), (False, False, 0)):
-        monkeypatch.setattr(kernels, "EARLY_WEIGHTS", early)
-        monkeypatch.setattr(kernels, "TRIGGER", trig)
-        monkeypatch.setattr(kernels, "TRIGGER_AT_WAIT", at_wait)  # which kernels trigger at their wait
+        loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+        # at_wait: which kernels trigger at their wait
+        engine = Engine.shared(loaded, early_weights=early, trigger=trig, trigger_at_wait=at_wait)
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
+        assert sc.engine is engine
         res = [torch.tensor([list(r.scores.values()) for r in res]) for res in sc.score_batch(requests)]
         out[early, trig] = out.get((early, trig)) or res
         for a, b in zip(out[early, trig], res):
@@ -492,18 +494,18 @@ def test_gpu_early_weights_and_trigger(tiny_model, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graph_copies_change_nothing(tiny_model, monkeypatch):
     """The small buckets' graphs copy their input in and their output out themselves
-    (engine.GRAPH_COPIES): scores are bitwise those of copies around the replay, for calls in a
+    (KernelOptions.graph_copies): scores are bitwise those of copies around the replay, for calls in a
     bucket with the copies inside and one without, back to back (a replay must read this call's
     input, not the last one's)."""
     from prefixscore import engine
 
-    loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
     template, chat = TEMPLATES["query_first"]
     requests = random_requests(24, seed=12)
     monkeypatch.setattr(engine, "GRAPH_COPY_MAX_BYTES", 4096)  # bucket 16 inside, the rest not
     out = {}
     for on in (True, False):
-        monkeypatch.setattr(engine, "GRAPH_COPIES", on)
+        loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+        engine.Engine.shared(loaded, graph_copies=on)
         sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
         assert sc.capture_info["capture_s"] > 0 and sc.capture_info["graph_mem_mb"] >= 0
         inline = [v for r in sc.engine.graphs.values() for v in r.inline.values()]

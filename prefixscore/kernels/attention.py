@@ -13,18 +13,17 @@ base_start, base_end, own_start int32 [T]. Hq is a multiple of Hkv (GQA). Return
 prefix_range (optional): (prefix_start, prefix_end) int32 [T]: token t sees only the pinned keys
 prefix_start[t] <= p < prefix_end[t] instead of all P. Several classifiers then run in one flat
 batch over one bank of their prefixes, concatenated (Classifier.many's fused pass); None: all P.
+
+The dispatchers (attention, attention_o) take the engine's KernelOptions (kernels/options.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-
-
-def use_triton() -> bool:
-    from . import USE_TRITON  # read at call time: bench/ flips it for the plain-torch baseline
-
-    return USE_TRITON
+from .fp8 import is_fp8
+from .gemm import SMALL_T_MAX, linear_residual
+from .options import KernelOptions, use_triton
 
 
 def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
@@ -120,42 +119,40 @@ def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
 
 
 def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, wo, residual,
-                seg_offsets=None, layout=None, bias=None, prefix_range=None):
+                seg_offsets=None, layout=None, bias=None, prefix_range=None, *, options: KernelOptions):
     """residual + attention(...) @ wo^T (+ bias) -> (out, ssq) as gemm.linear_residual returns them:
     one Triton kernel for few tokens on CUDA (kernels/attention_o_triton.py), else attention, then
     linear_residual. The fused kernel has no bias input: an O bias (Llama, Qwen3 with
     attention_bias) takes the two-kernel path."""
-    from . import FUSE_ATTN_O
-    from .fp8 import is_fp8
-    from .gemm import SMALL_T_MAX, invariant, linear_residual
-
     T = q.shape[0]
     # Only for small O weights: on the H200 the fused kernel took 6-8 us against 7-8 for the two
     # kernels with Qwen2.5-0.5B's 1.6 MB Wo, but 25-31 against 12-13 us with 7B's 26 MB
     # (bench/results/kernels_attn_o.json): there the O GEMM is a weight stream that the per-program
     # attention only delays.
     # (Not in batch-invariant mode: there attention reduces in the canonical order of
-    # attention_triton's CANON path, then the O GEMM runs its one config, kernels/__init__.py.)
-    if (q.is_cuda and use_triton() and FUSE_ATTN_O and not invariant() and bias is None and 0 < T <= SMALL_T_MAX
+    # attention_triton's CANON path, then the O GEMM runs its one config, kernels/options.py.)
+    if (use_triton(q, options) and options.fuse_attn_o and not options.batch_invariant and bias is None
+            and 0 < T <= SMALL_T_MAX
             and q.dtype == residual.dtype and (wo.dtype == q.dtype or is_fp8(wo) and q.dtype != torch.float32)
             and wo.numel() * wo.element_size() <= 8 << 20):
         from .attention_o_triton import attention_o_residual_small
 
         return attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end,
-                                          own_start, scale, wo, residual, prefix_range=prefix_range)
+                                          own_start, scale, wo, residual, prefix_range=prefix_range,
+                                          options=options)
     o = attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets,
-                  layout, prefix_range)
-    return linear_residual(o.reshape(T, -1), wo, bias, residual)
+                  layout, prefix_range, options=options)
+    return linear_residual(o.reshape(T, -1), wo, bias, residual, options=options)
 
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
-              layout=None, prefix_range=None):
+              layout=None, prefix_range=None, *, options: KernelOptions):
     """Dispatch: the Triton kernel on CUDA, SDPA with a per-batch layout on CPU (or the reference)."""
-    if q.is_cuda and use_triton():
+    if use_triton(q, options):
         from .attention_triton import attention_triton
 
         return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
-                                prefix_range=prefix_range)
+                                prefix_range=prefix_range, options=options)
     if layout is not None:  # (built with the same prefix_range)
         return attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale)
     return attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,

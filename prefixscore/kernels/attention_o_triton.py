@@ -21,11 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _attend, _dot, _num_sms, _prefix_ranges, _prefix_tile, _ranges
+from .attention_triton import _attend, _prefix_ranges, _prefix_tile, _ranges
 from .fp8 import is_fp8
 from .gemm_config import tuned
-from .gemm_triton import _counters
+from .options import DEFAULTS, KernelOptions
 from .pdl import early, launch_kwargs, trigger, wait
+from .triton_util import _counters, _dot, _num_sms
 
 
 @triton.jit
@@ -120,25 +121,25 @@ def _attn_o_kernel(
 _INTERPRETED = type(_attn_o_kernel).__name__ == "InterpretedFunction"
 
 
-def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device, w_elem=None) -> dict:
+def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device, w_elem=None,
+                  options: KernelOptions = DEFAULTS) -> dict:
     """Column tiles x heads. H200 sweep (bench.kernels --only attn_o --sweep, Qwen2.5-0.5B, T = 8
     and 16): 64 columns and one head per program (196 programs) 6.2 / 7.7 us, 32 columns 6.6 / 8.0,
     two heads per program 7.4 / 9.5. Past ~3 programs per SM, wider tiles."""
-    from . import IN_TILE  # read at call time (bench/ A/B)
-
     block_n = 64
     while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * _num_sms(device):
         block_n *= 2
-    pre = early(N * Hq * D * (w_elem or (4 if dtype == torch.float32 else 2)))
+    pre = early(N * Hq * D * (w_elem or (4 if dtype == torch.float32 else 2)), options)
     # 8 warps where Wo loads early (H200, W1 in place: attention + O 7.65 -> 6.78 us, span 524.2 ->
     # 520.4 us, bench/results/gpu_ab_gu_trigger_session9.json; 2 warps: +50 us)
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
                 BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=8 if pre else 4, num_stages=2,
-                EARLY=pre, IN_TILE=bool(IN_TILE))
+                EARLY=pre, IN_TILE=bool(options.in_tile))
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
-                               wo, residual, config=None, prefix_range=None):
+                               wo, residual, config=None, prefix_range=None,
+                               options: KernelOptions = DEFAULTS):
     """residual + attention(q, k, v | prefix, ranges) @ wo^T -> (out [T, N], ssq [tiles, T] fp32),
     as attention_ref + linear_residual. q [T, Hq, D]; k, v [T, Hkv, D]; wo [N, Hq * D]."""
     T, Hq, D = q.shape
@@ -148,9 +149,9 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
     assert Hq % Hkv == 0 and wo.shape[1] == Hq * D and residual.shape == (T, N)
     assert D >= 16 and D & (D - 1) == 0
     wo, wsc = (wo.q, wo.scale) if is_fp8(wo) else (wo, None)
-    cfg = attn_o_config(T, Hq, N, D, q.dtype, q.device, wo.element_size())
+    cfg = attn_o_config(T, Hq, N, D, q.dtype, q.device, wo.element_size(), options)
     cfg.update(config or {})
-    tuned(cfg, "attn_o")
+    tuned(cfg, "attn_o", options)
     assert cfg["BLOCK_T"] >= T and Hq % cfg["HPP"] == 0
     q, k, v, prefix_k, prefix_v = (x if x.stride(-1) == 1 else x.contiguous()
                                    for x in (q, k, v, prefix_k, prefix_v))
@@ -175,8 +176,8 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o"), RANGES=prefix_range is not None,
-        FP8=wsc is not None,
-        **cfg, **launch_kwargs(q.device),
+        UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o", options),
+        RANGES=prefix_range is not None, FP8=wsc is not None,
+        **cfg, **launch_kwargs(q.device, options),
     )
     return out, ssq

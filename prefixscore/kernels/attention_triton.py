@@ -20,21 +20,13 @@ are computed inside the kernel from the plan tensors.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, wait
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if UPCAST:  # interpreter only (see _INTERPRETED); bf16 products are exact in fp32
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+from .triton_util import _dot, _num_sms
 
 
 @triton.jit
@@ -272,13 +264,6 @@ def _prefix_attn_kernel(
 _INTERPRETED = type(_prefix_attn_kernel).__name__ == "InterpretedFunction"
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter: pick the same configs as on an H200
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
     """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
 
@@ -306,7 +291,7 @@ def attn_config(T: int, G: int, Hkv: int, D: int, dtype, device) -> dict:
 
 
 def invariant_attn_config(D: int) -> dict:
-    """Batch-invariant mode (kernels.BATCH_INVARIANT): one config whatever T (the prefix's dots
+    """Batch-invariant mode (KernelOptions.batch_invariant): one config whatever T (the prefix's dots
     then run the same instructions for every row) and the canonical in-batch order (CANON); the
     gathered [16, NI, D] key and value tiles kept to 8K elements."""
     return dict(BLOCK_M=16, BLOCK_N=64 if D <= 128 else 32, BLOCK_NI=max(2, 8192 // (16 * D)),
@@ -318,7 +303,7 @@ def _last_dim_contiguous(x):
 
 
 def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, out=None,
-                     config=None, prefix_range=None):
+                     config=None, prefix_range=None, options: KernelOptions = DEFAULTS):
     """q [T, Hq, D]; k, v [T, Hkv, D]; prefix_k, prefix_v [P, Hkv, D]; int [T] ranges -> [T, Hq, D].
 
     Any stride on dims 0 and 1 is fine (e.g. views into a fused QKV buffer). `config` overrides
@@ -341,9 +326,8 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         prefix_k, prefix_v = k, v
     ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     G = Hq // Hkv
-    from . import BATCH_INVARIANT
-
-    cfg = invariant_attn_config(D) if BATCH_INVARIANT else attn_config(T, G, Hkv, D, q.dtype, q.device)
+    cfg = (invariant_attn_config(D) if options.batch_invariant else
+           attn_config(T, G, Hkv, D, q.dtype, q.device))
     cfg.update(config or {})
     canon = cfg.pop("CANON", False)
     grid = (triton.cdiv(T * G, cfg["BLOCK_M"]), Hkv)
@@ -354,6 +338,6 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         out.stride(0), out.stride(1),
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        RANGES=prefix_range is not None, CANON=canon, **cfg, **launch_kwargs(q.device),
+        RANGES=prefix_range is not None, CANON=canon, **cfg, **launch_kwargs(q.device, options),
     )
     return out

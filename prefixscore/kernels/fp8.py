@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from .options import KernelOptions, use_triton
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -131,16 +133,14 @@ class Fp8Act:
         return (self.q.float() * self.scale).to(dtype)
 
 
-def rows_q8(x: torch.Tensor, mode: str = "plain", eps: float = 0.0) -> Fp8Act:
+def rows_q8(x: torch.Tensor, mode: str = "plain", eps: float = 0.0, *, options: KernelOptions) -> Fp8Act:
     """x quantized per row by the kernel that produces it, on CUDA (kernels/fp8_triton.py):
     mode "plain" x itself; "rms" rms_norm(x) with unit weight (the block's norm, its weight folded
     into the next GEMM); "silu" silu(gate) * up of gate_up [T, 2I]. Elsewhere the references."""
-    from .attention import use_triton
-
-    if x.is_cuda and use_triton():
+    if use_triton(x, options):
         from .fp8_triton import rows_q8_triton
 
-        return Fp8Act(*rows_q8_triton(x, mode, eps))
+        return Fp8Act(*rows_q8_triton(x, mode, eps, options=options))
     return Fp8Act(*quantize_rows(rows_value_ref(x, mode, eps)))
 
 
@@ -155,7 +155,7 @@ def rows_value_ref(x: torch.Tensor, mode: str, eps: float = 0.0) -> torch.Tensor
     return x
 
 
-def linear(x, w: Fp8Weight, bias=None, dtype=None):
+def linear(x, w: Fp8Weight, bias=None, dtype=None, *, options: KernelOptions):
     """x [T, K] (or an Fp8Act) @ w^T (+ bias) -> [T, N] in x's dtype (an Fp8Act: `dtype`), for
     token counts past the skinny kernels: FP8 x FP8 tensor-core GEMM with per-token and per-channel
     scales on CUDA (x quantized here when it is not already); the reference elsewhere (CPU tests:
@@ -167,7 +167,7 @@ def linear(x, w: Fp8Weight, bias=None, dtype=None):
     elif not x.is_cuda:
         return linear_ref(x, w, bias)
     else:
-        act = rows_q8(x)
+        act = rows_q8(x, options=options)
         xq, xs, out_dtype = act.q, act.scale, x.dtype
     # _scaled_mm wants the second operand column-major: w.q^T is, as a view of the row-major q.
     y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=out_dtype)

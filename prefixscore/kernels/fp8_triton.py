@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, wait
 
 MODES = {"plain": 0, "rms": 1, "silu": 2}
@@ -68,7 +69,7 @@ def _rows_q8_kernel(X, Q, S, H, eps, MODE: tl.constexpr, BLOCK: tl.constexpr, GD
 _INTERPRETED = type(_rows_q8_kernel).__name__ == "InterpretedFunction"
 
 
-def rows_q8_triton(x: torch.Tensor, mode: str, eps: float = 0.0):
+def rows_q8_triton(x: torch.Tensor, mode: str, eps: float = 0.0, options: KernelOptions = DEFAULTS):
     """x [T, H] (mode silu: [T, 2H], gate then up) -> (e4m3 [T, H], fp32 scales [T, 1])."""
     x = x.contiguous()
     T = x.shape[0]
@@ -78,5 +79,5 @@ def rows_q8_triton(x: torch.Tensor, mode: str, eps: float = 0.0):
     if T:
         _rows_q8_kernel[(T,)](x, q, s, H, float(eps), MODE=MODES[mode],
                               BLOCK=min(2048, triton.next_power_of_2(H)), num_warps=4,
-                              **launch_kwargs(x.device))
+                              **launch_kwargs(x.device, options))
     return (q.to(torch.float8_e4m3fn) if _INTERPRETED else q), s

@@ -5,7 +5,8 @@
   silu_mul(gate_up)             -> silu(gate) * up
   embed_rope(tokens, positions, embed, cos_table, sin_table) -> x, ssq, cos, sin (a forward's start)
 
-Torch references define the math (and run on CPU); the Triton versions run on CUDA.
+Torch references define the math (and run on CPU); the Triton versions run on CUDA. The
+dispatchers take the engine's KernelOptions (kernels/options.py).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 
 import torch.nn.functional as F
 
-from .attention import use_triton
 from .label_head import rms_norm as _rms_norm_ref
+from .options import KernelOptions, use_triton
 
 
 def _rotate_half(x):
@@ -47,38 +48,38 @@ def silu_mul_ref(gate_up):
 
 
 # ---------------------------------------------------------------- dispatch
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, *, options: KernelOptions):
     """norm(x) * weight, the block's RMSNorm (torch reference: label_head.rms_norm); weight None:
     unit weight (the block's norm weights are folded into the next linear, model.py)."""
-    if x.is_cuda and use_triton():
+    if use_triton(x, options):
         from .fused_triton import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, options=options)
     return _rms_norm_ref(x, weight, eps)
 
 
-def rope_qk(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
-    if qkv.is_cuda and use_triton():
+def rope_qk(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6, *, options: KernelOptions):
+    if use_triton(qkv, options):
         from .fused_triton import rope_qk_triton
 
-        return rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
+        return rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps, options=options)
     return rope_qk_ref(qkv, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
 
 
-def silu_mul(gate_up):
-    if gate_up.is_cuda and use_triton():
+def silu_mul(gate_up, *, options: KernelOptions):
+    if use_triton(gate_up, options):
         from .fused_triton import silu_mul_triton
 
-        return silu_mul_triton(gate_up)
+        return silu_mul_triton(gate_up, options=options)
     return silu_mul_ref(gate_up)
 
 
-def embed_rope(tokens, positions, embed, cos_table, sin_table):
+def embed_rope(tokens, positions, embed, cos_table, sin_table, *, options: KernelOptions):
     """The start of a forward: the token embeddings x [T, H], RoPE's cos and sin rows [T, D] of the
     positions, and on CUDA (one Triton kernel instead of three) x's row sums of squares [1, T] fp32,
     so layer 0's RMSNorm rides in its QKV GEMM like every other layer's (kernels/gemm.Normed)."""
-    if tokens.is_cuda and use_triton():
+    if use_triton(tokens, options):
         from .fused_triton import embed_rope_triton
 
-        return embed_rope_triton(tokens, positions, embed, cos_table, sin_table)
+        return embed_rope_triton(tokens, positions, embed, cos_table, sin_table, options=options)
     return embed_rope_ref(tokens, positions, embed, cos_table, sin_table)

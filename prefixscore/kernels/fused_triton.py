@@ -1,11 +1,13 @@
 """Triton versions of kernels/fused.py (same math; see the references there). One program per token
-row: these are memory-bound and tiny, so the point is one launch instead of several."""
+row: these are memory-bound and tiny, so the point is one launch instead of several. Each entry point
+takes the engine's KernelOptions (kernels/options.py; the defaults for tests and bench)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, wait
 
 
@@ -28,12 +30,13 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, HAS_W: tl.constexpr, BLOCK: 
     tl.store(out_ptr + row * H + offs, y.to(dt), mask=m)
 
 
-def rms_norm_triton(x, weight, eps, out=None):
+def rms_norm_triton(x, weight, eps, out=None, options: KernelOptions = DEFAULTS):
     T, H = x.shape
     x = x.contiguous()
     out = torch.empty_like(x) if out is None else out
     _rms_norm_kernel[(T,)](x, x if weight is None else weight, out, H, eps, HAS_W=weight is not None,
-                           BLOCK=triton.next_power_of_2(H), num_warps=4, **launch_kwargs(x.device))
+                           BLOCK=triton.next_power_of_2(H), num_warps=4,
+                           **launch_kwargs(x.device, options))
     return out
 
 
@@ -79,7 +82,8 @@ def _rope_qk_kernel(qkv_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_ptr, k_ptr, eps
     tl.store(kd + half + d, o2, mask=mk)
 
 
-def rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6):
+def rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6,
+                   options: KernelOptions = DEFAULTS):
     T = qkv.shape[0]
     q = torch.empty(T, Hq, D, device=qkv.device, dtype=qkv.dtype)
     k = torch.empty(T, Hkv, D, device=qkv.device, dtype=qkv.dtype)
@@ -88,7 +92,7 @@ def rope_qk_triton(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6
     NH = triton.next_power_of_2(Hq + Hkv)
     _rope_qk_kernel[(T,)](qkv, cos, sin, q_norm if norm else qkv, k_norm if norm else qkv, q, k, eps,
                           HQ=Hq, HKV=Hkv, D=D, NH=NH, QK_NORM=norm, num_warps=4 if NH * D >= 2048 else 2,
-                          **launch_kwargs(qkv.device))
+                          **launch_kwargs(qkv.device, options))
     return q, k, v
 
 
@@ -107,13 +111,13 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, GDC: tl.constexpr)
     tl.store(out_ptr + row * I + offs, (s * u).to(dt), mask=m)
 
 
-def silu_mul_triton(gate_up):
+def silu_mul_triton(gate_up, options: KernelOptions = DEFAULTS):
     T, I2 = gate_up.shape
     I = I2 // 2
     out = torch.empty(T, I, device=gate_up.device, dtype=gate_up.dtype)
     BLOCK = 1024
     _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](gate_up, out, I, BLOCK=BLOCK, num_warps=4,
-                                                  **launch_kwargs(gate_up.device))
+                                                  **launch_kwargs(gate_up.device, options))
     return out
 
 
@@ -138,7 +142,7 @@ def _embed_rope_kernel(TOK, POS, E, CT, ST, X, SSQ, COS, SIN, H, V, NPOS, D,
     tl.store(SIN + t * D + d, tl.load(ST + pos * D + d, mask=md), mask=md)
 
 
-def embed_rope_triton(tokens, positions, embed, cos_table, sin_table):
+def embed_rope_triton(tokens, positions, embed, cos_table, sin_table, options: KernelOptions = DEFAULTS):
     T = tokens.shape[0]
     (V, H), D = embed.shape, cos_table.shape[1]
     assert embed.is_contiguous() and cos_table.is_contiguous() and sin_table.is_contiguous()
@@ -150,7 +154,7 @@ def embed_rope_triton(tokens, positions, embed, cos_table, sin_table):
                                  sin_table, x, ssq, cos, sin, H, V, cos_table.shape[0], D,
                                  BLOCK=triton.next_power_of_2(H), BLOCK_D=triton.next_power_of_2(D),
                                  num_warps=4,
-                                 **launch_kwargs(embed.device))
+                                 **launch_kwargs(embed.device, options))
     return x, ssq, cos, sin
 
 
@@ -162,11 +166,11 @@ def _copy_bytes_kernel(SRC, DST, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
     tl.store(DST + i, tl.load(SRC + i, mask=i < n), mask=i < n)
 
 
-def copy_bytes(src, dst, n):
+def copy_bytes(src, dst, n, options: KernelOptions = DEFAULTS):
     """dst[:n] = src[:n] (uint8) by a kernel: src or dst may be pinned host memory, which the GPU
     reads and writes in place (zero-copy) -- a kernel node in a CUDA graph where a memcpy node
     costs ~6 us of GPU time (bench.gpu --ab COPIES)."""
     assert src.dtype == dst.dtype == torch.uint8 and src.is_contiguous() and dst.is_contiguous()
     BLOCK = 4096
     gpu = dst.device if dst.is_cuda else src.device
-    _copy_bytes_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **launch_kwargs(gpu))
+    _copy_bytes_kernel[(triton.cdiv(n, BLOCK),)](src, dst, n, BLOCK=BLOCK, **launch_kwargs(gpu, options))

@@ -1,27 +1,26 @@
 """Launch configuration of the skinny GEMMs (kernels/gemm_triton.py): from shapes only, no
 autotuning (it would time kernels during graph capture), each choice with the H200 sweep behind
-it; kernels.TUNE overrides by role for bench/ A/Bs; batch-invariant mode (config_rows) fixes the
-config of every T to the INVARIANT_ROWS one."""
+it; KernelOptions.tune overrides by role for bench/ A/Bs; batch-invariant mode (config_rows) fixes
+the config of every T to the invariant_rows one."""
 from __future__ import annotations
 
 import torch
 import triton
 
-from .attention_triton import _num_sms
+from .options import DEFAULTS, KernelOptions
 from .pdl import early
+from .triton_util import _num_sms
 
 
 def _np2(n):
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def config_rows(T: int) -> int:
-    """The T a launch config is chosen for: T, or in batch-invariant mode (kernels.BATCH_INVARIANT)
-    always INVARIANT_ROWS, whose config then runs over as many row tiles as T needs (TGRID), so
-    a row's arithmetic never depends on how many rows share the launch."""
-    from . import BATCH_INVARIANT, INVARIANT_ROWS  # read at call time
-
-    return INVARIANT_ROWS if BATCH_INVARIANT else T
+def config_rows(T: int, options: KernelOptions = DEFAULTS) -> int:
+    """The T a launch config is chosen for: T, or in batch-invariant mode (options.batch_invariant)
+    always options.invariant_rows, whose config then runs over as many row tiles as T needs
+    (TGRID), so a row's arithmetic never depends on how many rows share the launch."""
+    return options.invariant_rows if options.batch_invariant else T
 
 
 # e4m3 weights of 7B-class layers (every role, gate/up too):
@@ -85,7 +84,7 @@ def _shape_config(T, ncols, K, epi, dtype, device, block_n):
 
 # Weight bytes per program loaded before the PDL wait, held in registers until the wait: a whole
 # split of up to 32 KB (no loop follows), else at most 16 KB ahead of the pipelined loop; the gated
-# GEMM (gate/up, the most bytes per program) takes kernels.GU_PRE_KB in either case. H200, W1 in
+# GEMM (gate/up, the most bytes per program) takes KernelOptions.gu_pre_kb in either case. H200, W1 in
 # place (bench/results/gpu_ab_tune*_session9.json): 0.5B gate/up with 16 / 32 / 64 KB before the
 # wait, span 567.8 / 564.5 / 553.3 us (gate/up 9.60 / 9.54 / 8.83 us), and with the trigger at
 # the wait (pdl.trigger) 32 KB read +38 us against 64; at 64 KB, 4 of its 7 steps, sm_90
@@ -93,22 +92,20 @@ def _shape_config(T, ncols, K, epi, dtype, device, block_n):
 PRE_ALL_BYTES, PRE_BYTES = 32 << 10, 16 << 10
 
 
-def tuned(cfg: dict, role: str) -> dict:
-    """cfg with kernels.TUNE's overrides for this role (bench/ A/B of launch configs in place)."""
-    from . import TUNE
-
-    for key, v in TUNE.items():
+def tuned(cfg: dict, role: str, options: KernelOptions = DEFAULTS) -> dict:
+    """cfg with options.tune's overrides for this role (bench/ A/B of launch configs in place)."""
+    for key, v in options.tune:
         r, _, name = key.partition(".")
         if r == role and v:
             cfg[name] = v
     return cfg
 
 
-def _finish_config(cfg, K, dtype, epi, weight_bytes, w_elem=None):
+def _finish_config(cfg, K, dtype, epi, weight_bytes, w_elem=None, options: KernelOptions = DEFAULTS):
     """Make SPLIT/ITERS consistent (a config override may set SPLIT or BLOCK_K alone), fit smem,
     and pick PRE: the leading K-steps whose weight tiles load before the PDL wait (a power of two:
     they are one tile), all of them for the small layers (PRE_ALL_BYTES, PRE_BYTES), none where
-    pdl.early(weight_bytes) says no."""
+    pdl.early(weight_bytes, options) says no."""
     cfg = dict(cfg)
     kit = triton.cdiv(K, cfg["BLOCK_K"])
     split = max(1, min(int(cfg.get("SPLIT", 1)), kit))
@@ -122,13 +119,11 @@ def _finish_config(cfg, K, dtype, epi, weight_bytes, w_elem=None):
         w_elem = w_elem or (4 if dtype == torch.float32 else 2)  # weight bytes per element
         step = (2 if epi else 1) * cfg["BLOCK_N"] * cfg["BLOCK_K"] * w_elem
         pre = 0
-        if early(weight_bytes) and cfg.get("DOT", True):
-            from . import GU_PRE_KB
-
+        if early(weight_bytes, options) and cfg.get("DOT", True):
             pre = 1 << (iters.bit_length() - 1)  # the largest power of two <= iters
             def budget(p):
                 if epi == 1 and cfg["BLOCK_T"] <= 16:  # (T = 32 at 32 KB already spills)
-                    return GU_PRE_KB << 10
+                    return options.gu_pre_kb << 10
                 return PRE_ALL_BYTES if p == iters else PRE_BYTES
 
             while pre and pre * step > budget(pre):

@@ -34,8 +34,9 @@ overlap this kernel's work (kernels/pdl.py has the measurements).
 The inner product is tl.dot with T padded to BLOCK_T >= 16 (mma; tensor-core throughput is not
 the limit here) or, with DOT=False, an FMA broadcast-reduce for tiny T (BLOCK_T >= 1).
 
-CUDA-graph safe: grid and launch parameters come from shapes only; no host syncs. The per-tile
-counters live in a small cached int32 buffer per (device, stream) that every kernel leaves zeroed.
+CUDA-graph safe: grid and launch parameters come from shapes (and the engine's KernelOptions)
+only; no host syncs. The per-tile counters live in a small cached int32 buffer per (device,
+stream) that every kernel leaves zeroed (triton_util._counters).
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ import triton.language as tl
 
 from .fp8 import is_fp8
 from .gemm_config import _finish_config, config_rows, gemm_config, tuned
+from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, trigger, wait
+from .triton_util import _counters
 
 
 @triton.jit
@@ -287,34 +290,14 @@ def _skinny_kernel(
 # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton#11584): upcast there.
 _INTERPRETED = type(_skinny_kernel).__name__ == "InterpretedFunction"
 
-_COUNTERS: dict = {}
-_RETIRED: list = []  # counter buffers replaced by larger ones (CUDA graphs may point at them)
-_MAX_TILES = 1 << 16
 
-
-def _counters(device, n: int = 0):
-    """At least n zeroed int32 arrival counters, one buffer per (device, stream); kernels leave
-    them zeroed.
-
-    Created on first use (warm up before capturing a graph; if the first use is inside a capture
-    the zero-fill is captured too, which is harmless); grown for a batch-invariant launch over
-    more row tiles than it holds, the old buffer kept alive for the graphs that point at it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:  # graphs captured with the smaller one still use it: keep it alive
-            _RETIRED.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(max(_MAX_TILES, n), dtype=torch.int32, device=device)
-    return buf
-
-
-def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None):
+def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=None,
+            options: KernelOptions = DEFAULTS):
     """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
     w, wsc = (w.q, w.scale) if is_fp8(w) else (w, None)
-    cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size(), w.element_size())
+    cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size(), w.element_size(), options)
     ntt = triton.cdiv(T, cfg["BLOCK_T"])  # row tiles: 1 unless batch-invariant (config_rows)
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
     grid = (tiles, cfg["SPLIT"], ntt)
@@ -352,8 +335,8 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, FP8=wsc is not None, TGRID=ntt > 1,
-        TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi]),
-        **cfg, **launch_kwargs(x.device),
+        TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi], options),
+        **cfg, **launch_kwargs(x.device, options),
     )
 
 
@@ -369,42 +352,44 @@ def _prep(x, w, bias):
 
 # ---------------------------------------------------------------- entry points
 
-def linear_small(x, w, bias=None, out=None, config=None):
+# Every entry point takes the engine's KernelOptions (options.py; the defaults for tests and bench).
+def linear_small(x, w, bias=None, out=None, config=None, options: KernelOptions = DEFAULTS):
     """x [T, K] @ w[N, K]^T (+ bias) -> [T, N], T <= 64. `out` may have any row stride."""
-    return _plain_or_gated(x, w, bias, out, config, epi=0)
+    return _plain_or_gated(x, w, bias, out, config, options, epi=0)
 
 
-def linear_residual_small(x, w, bias, residual, config=None):
+def linear_residual_small(x, w, bias, residual, config=None, options: KernelOptions = DEFAULTS):
     """residual + x @ w^T (+ bias) -> (out [T, N], ssq [column tiles, T] fp32): ssq holds each
     row's sum of squares of out over one column tile, for the next GEMM's `norm` prologue."""
-    return _plain_or_gated(x, w, bias, None, config, epi=0, residual=residual)
+    return _plain_or_gated(x, w, bias, None, config, options, epi=0, residual=residual)
 
 
-def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None, norm=None):
+def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None, norm=None,
+                       options: KernelOptions = DEFAULTS):
     """silu(x @ Wg^T (+bg)) * (x @ Wu^T (+bu)) -> [T, I] with w_gu = [Wg; Wu] of shape [2I, K].
     norm=(eps, ssq): x is the residual stream, multiplied as rms_norm(x) (unit weight: fold the
     norm's weight into w_gu); ssq from linear_residual_small."""
     assert w_gu.shape[0] % 2 == 0
-    return _plain_or_gated(x, w_gu, bias, out, config, epi=1, norm=norm)
+    return _plain_or_gated(x, w_gu, bias, out, config, options, epi=1, norm=norm)
 
 
-def _plain_or_gated(x, w, bias, out, config, epi, norm=None, residual=None):
+def _plain_or_gated(x, w, bias, out, config, options, epi, norm=None, residual=None):
     x, w, bias = _prep(x, w, bias)
     T, K = x.shape
     cols = w.shape[0] // (2 if epi == 1 else 1)  # output columns: N, or I for [Wg; Wu]
     if out is None:
         out = torch.empty((T, cols), dtype=x.dtype, device=x.device)
     assert out.shape == (T, cols) and out.stride(-1) == 1
-    cfg = gemm_config(config_rows(T), cols, K, epi, x.dtype, x.device, fp8=is_fp8(w))
+    cfg = gemm_config(config_rows(T, options), cols, K, epi, x.dtype, x.device, fp8=is_fp8(w))
     cfg.update(config or {})
-    tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear")
+    tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear", options)
     resid = None
     if residual is not None:
         tiles = triton.cdiv(cols, cfg["BLOCK_N"])
         resid = (residual.contiguous(), torch.empty((tiles, T), dtype=torch.float32, device=x.device))
         assert out.is_contiguous() and resid[0].shape == out.shape
     if T > 0:
-        _launch(x, w, bias, epi, cols, cfg, out=out, norm=_norm_args(norm), resid=resid)
+        _launch(x, w, bias, epi, cols, cfg, out=out, norm=_norm_args(norm), resid=resid, options=options)
     return out if resid is None else (out, resid[1])
 
 
@@ -416,7 +401,7 @@ def _norm_args(norm):
 
 
 def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6,
-                   config=None, norm=None):
+                   config=None, norm=None, options: KernelOptions = DEFAULTS):
     """x @ Wqkv^T (+ bias), then (Qwen3 per-head RMSNorm and) RoPE on q and k, as
     fused.rope_qk_ref after a plain linear -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
     norm: as gate_up_silu_small's."""
@@ -433,11 +418,12 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
     cos, sin = cos.contiguous(), sin.contiguous()
     if q_norm is not None:
         q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
-    cfg = gemm_config(config_rows(T), H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2,
+    cfg = gemm_config(config_rows(T, options), H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2,
                       fp8=is_fp8(w_qkv))
     cfg.update(config or {})
-    tuned(cfg, "qkv")
+    tuned(cfg, "qkv", options)
     cfg["BLOCK_N"] = D // 2
     _launch(x, w_qkv, bias, 2, H * (D // 2), cfg,
-            rope=(cos, sin, q_norm, k_norm, q, k, v, Hq, Hkv, D, eps), norm=_norm_args(norm))
+            rope=(cos, sin, q_norm, k_norm, q, k, v, Hq, Hkv, D, eps), norm=_norm_args(norm),
+            options=options)
     return q, k, v

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import use_triton
-
+from .options import KernelOptions, use_triton
 
 
 def rms_norm(x, weight, eps):
@@ -32,13 +31,16 @@ def label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs=Tru
     return logits, best
 
 
-def label_head(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True, out=None):
-    """out: optional (scores, best) tensors to write the result into (a graph's output buffer)."""
-    if hidden.is_cuda and use_triton():
+def label_head(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True, out=None, *,
+               options: KernelOptions):
+    """out: optional (scores, best) tensors to write the result into (a graph's output buffer);
+    options: the engine's KernelOptions (kernels/options.py)."""
+    if use_triton(hidden, options):
         from .label_head_triton import label_head_triton
 
         o = dict(out_scores=out[0], out_best=out[1]) if out is not None else {}
-        return label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs, **o)
+        return label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs, **o,
+                                 options=options)
     scores, best = label_head_ref(hidden, rows, norm_weight, eps, weight, allowed, logprobs)
     if out is None:
         return scores, best

@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _dot, _num_sms
+from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, wait
+from .triton_util import _dot, _num_sms
 
 
 @triton.jit
@@ -101,7 +102,8 @@ def _label_head_kernel(
 _INTERPRETED = type(_label_head_kernel).__name__ == "InterpretedFunction"
 
 
-def head_config(R: int, N: int, H: int, device, elem_bytes: int = 2) -> dict:
+def head_config(R: int, N: int, H: int, device, elem_bytes: int = 2,
+                options: KernelOptions = DEFAULTS) -> dict:
     """Launch config from shapes only (no autotuning: it would time kernels during graph capture).
 
     Every program streams all N x H label weights (from L2 after the first), so with many rows use
@@ -109,14 +111,12 @@ def head_config(R: int, N: int, H: int, device, elem_bytes: int = 2) -> dict:
     (the smallest dot). One program whose label weights fit in 32 KB and rows in 16K elements
     runs ONE: everything in one tile (H200, W1: see BENCHMARKS.md).
     """
-    from . import BATCH_INVARIANT, HEAD_ONE_TILE, INVARIANT_ROWS  # read at call time (bench/ A/B)
-
-    if BATCH_INVARIANT:  # one config whatever R, over row blocks (kernels/__init__.py)
-        R = INVARIANT_ROWS
+    if options.batch_invariant:  # one config whatever R, over row blocks (options.py)
+        R = options.invariant_rows
     block_n = max(16, triton.next_power_of_2(N))
     assert block_n <= 512, "label head supports at most 512 label tokens"
     block_h = triton.next_power_of_2(H)
-    if (HEAD_ONE_TILE and R <= 16 and block_n * block_h * elem_bytes <= 32768
+    if (options.head_one_tile and R <= 16 and block_n * block_h * elem_bytes <= 32768
             and 16 * block_h <= 16384):
         return dict(BLOCK_R=16, BLOCK_N=block_n, BLOCK_K=block_h, ONE=True, num_warps=8,
                     num_stages=1)
@@ -135,7 +135,7 @@ def head_config(R: int, N: int, H: int, device, elem_bytes: int = 2) -> dict:
 
 
 def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=True,
-                      out_scores=None, out_best=None, config=None):
+                      out_scores=None, out_best=None, config=None, options: KernelOptions = DEFAULTS):
     """hidden [T, H]; rows int [R]; norm_weight [H]; weight [N, H]; allowed bool [R, N]
     -> (scores [R, N] fp32, -inf where not allowed; best [R] int64).
 
@@ -159,7 +159,7 @@ def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=
     if allowed.dtype == torch.bool:
         allowed = allowed.view(torch.uint8)  # same bytes; plain integer loads
     rows, norm_weight = rows.contiguous(), norm_weight.contiguous()
-    cfg = head_config(R, N, H, hidden.device, weight.element_size())
+    cfg = head_config(R, N, H, hidden.device, weight.element_size(), options)
     cfg.update(config or {})
     assert not cfg["ONE"] or H <= cfg["BLOCK_K"]  # (several ONE programs: batch-invariant mode)
     _label_head_kernel[(triton.cdiv(R, cfg["BLOCK_R"]),)](
@@ -169,6 +169,6 @@ def label_head_triton(hidden, rows, norm_weight, eps, weight, allowed, logprobs=
         LOGPROBS=bool(logprobs),
         DOT_PREC="ieee" if weight.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED,
-        **cfg, **launch_kwargs(hidden.device),
+        **cfg, **launch_kwargs(hidden.device, options),
     )
     return out_scores, out_best

@@ -46,8 +46,9 @@ rows: W1 0.539 -> 0.480 ms). The second session's "trigger right after the wait"
 because nothing was loaded early then: the next kernel's programs only sat on the SMs.
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
-launch_kwargs(device): GDC False (CPU interpreter, pre-Hopper GPUs, kernels.PDL off) compiles
-none of it in.
+launch_kwargs(device, options): GDC False (CPU interpreter, pre-Hopper GPUs, KernelOptions.pdl
+off) compiles none of it in. The switches here are fields of the engine's KernelOptions
+(kernels/options.py), passed in by each launch.
 """
 from __future__ import annotations
 
@@ -57,33 +58,31 @@ import torch
 import triton
 import triton.language as tl
 
+from .options import KernelOptions
+
 
 @functools.lru_cache(maxsize=None)
 def _hopper(device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def enabled(device) -> bool:
-    from . import PDL  # read at call time: bench/ switches it for the A/B row
-
-    return (PDL and device.type == "cuda" and type(wait).__name__ != "InterpretedFunction"
+def enabled(device, options: KernelOptions) -> bool:
+    return (options.pdl and device.type == "cuda" and type(wait).__name__ != "InterpretedFunction"
             and _hopper(device))
 
 
 EARLY_MAX_BYTES = 18 << 20  # 0.5B gate/up is 17.4 MB; the smallest 7B weight (Wo) 25.7 MB
 
 
-def early(weight_bytes: int) -> bool:
-    """Whether a kernel reading this many weight bytes loads some before its wait (EARLY_WEIGHTS)."""
-    from . import EARLY_WEIGHTS
-
-    return bool(EARLY_WEIGHTS) and weight_bytes <= EARLY_MAX_BYTES
+def early(weight_bytes: int, options: KernelOptions) -> bool:
+    """Whether a kernel reading this many weight bytes loads some before its wait (early_weights)."""
+    return bool(options.early_weights) and weight_bytes <= EARLY_MAX_BYTES
 
 
-def trigger(device, w, role: str) -> int:
+def trigger(device, w, role: str, options: KernelOptions) -> int:
     """TRIG of the kernel reading weight w: 0 it lets the next kernel launch only by ending, 1 once
-    its main loop is done, 2 right after its wait. Only where early() holds (kernels.TRIGGER): the
-    next kernel has early loads to overlap. 2 for the roles kernels.TRIGGER_AT_WAIT names (1
+    its main loop is done, 2 right after its wait. Only where early() holds (options.trigger): the
+    next kernel has early loads to overlap. 2 for the roles options.trigger_at_wait names (1
     gate_up, 2 + attn_o, 3 + the rest: qkv and the plain linears, down among them).
 
     At its wait, every kernel ahead is done, so the next kernel's programs launch into the SM room
@@ -94,16 +93,14 @@ def trigger(device, w, role: str) -> int:
     gpu_ab_gu_trigger_session9.json, gpu_ab_round5_session9.json, gpu_ab_round6_session9.json):
         none 0.539 ms (span 548 us); gate/up 0.518 (524); + attention + O 0.492 (494);
         + QKV and down 0.480 (483; with down split 10 ways, gemm_config: 0.493 / 0.496 at 19)"""
-    from . import TRIGGER, TRIGGER_AT_WAIT
-
-    if not (TRIGGER and enabled(device) and early(w.numel() * w.element_size())):
+    if not (options.trigger and enabled(device, options) and early(w.numel() * w.element_size(), options)):
         return 0
-    return 2 if TRIGGER_AT_WAIT >= {"gate_up": 1, "attn_o": 2}.get(role, 3) else 1
+    return 2 if options.trigger_at_wait >= {"gate_up": 1, "attn_o": 2}.get(role, 3) else 1
 
 
-def launch_kwargs(device) -> dict:
+def launch_kwargs(device, options: KernelOptions) -> dict:
     """GDC for the kernel, launch_pdl for Triton's launcher."""
-    return dict(GDC=True, launch_pdl=True) if enabled(device) else dict(GDC=False)
+    return dict(GDC=True, launch_pdl=True) if enabled(device, options) else dict(GDC=False)
 
 
 @triton.jit
