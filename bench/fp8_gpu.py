@@ -22,8 +22,10 @@ import statistics
 import numpy as np
 import torch
 
-from bench.gpu import (OUT, Synthetic, gpu_times, hf_model, hf_reference, random_suffixes,
-                       real_form_model, stats, wall_times)
+from bench.gpu import real_form_model
+from bench.synthetic import (OUT, Synthetic, gpu_times, hf_model, hf_reference, random_suffixes, stats,
+                             wall_times)
+from prefixscore.kernels.options import KernelOptions
 
 
 def fidelity(hf, variants: dict, n: int) -> dict:
@@ -80,17 +82,12 @@ def invariance(ours, n=500) -> dict:
 
 def block_k_ab(hf) -> dict:
     """W1 GPU replay p50 of the fp8 model with each GEMM role's BLOCK_K at 128 (the bf16 tuning)
-    and 256 (kernels.TUNE, read at capture)."""
-    from prefixscore import kernels
-
+    and 256 (KernelOptions.tune, an engine each)."""
     one, out = random_suffixes(1, seed=9), {}
     for bk in (128, 256, 128):  # (128 again last: drift between captures)
-        kernels.TUNE = {f"{role}.BLOCK_K": bk for role in ("linear", "gu", "down", "qkv")}
-        try:
-            ours = Synthetic(hf, max_tokens=64, fp8=True)
-            out.setdefault(str(bk), []).append(stats(gpu_times(ours.replay_fn(one)))["p50_ms"])
-        finally:
-            kernels.TUNE = {}
+        tune = {f"{role}.BLOCK_K": bk for role in ("linear", "gu", "down", "qkv")}
+        ours = Synthetic(hf, max_tokens=64, fp8=True, options=KernelOptions.from_env(tune=tune))
+        out.setdefault(str(bk), []).append(stats(gpu_times(ours.replay_fn(one)))["p50_ms"])
         del ours
     return out
 

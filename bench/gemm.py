@@ -35,9 +35,9 @@ import triton.testing
 
 from prefixscore.kernels.fused_triton import rope_qk_triton, silu_mul_triton
 from prefixscore.kernels.gemm import gate_up_silu_ref, linear_ref, qkv_rope_ref
-from prefixscore.kernels.attention_triton import _num_sms
 from prefixscore.kernels.gemm_config import gemm_config
 from prefixscore.kernels.gemm_triton import gate_up_silu_small, linear_small, qkv_rope_small
+from prefixscore.kernels.triton_util import _num_sms
 
 DEV = torch.device("cuda")
 DT = torch.bfloat16

@@ -3,10 +3,11 @@
     python -m bench.gpu [--quick] [--skip-7b]      (on a CUDA machine; writes $OUT or bench/results)
     python -m bench.latency [...]      the same, without the W2 batch sweep (--part latency)
     python -m bench.throughput [...]   correctness and the W2 batch sweep only (--part throughput)
-    python -m bench.gpu --ab [SWITCH[=V/V..][,...][;...]] [--profile]   W1 replay with kernels/
-                                       switches in every combination (on/off, or the values given;
-                                       default PDL), twice each; role.key=V/V: a launch-config
-                                       override (kernels.TUNE); ';' separates groups
+    python -m bench.gpu --ab [SWITCH[=V/V..][,...][;...]] [--profile]   W1 replay with kernel
+                                       switches (KernelOptions fields; an engine per arm) in every
+                                       combination (on/off, or the values given; default PDL),
+                                       twice each; role.key=V/V: a launch-config override
+                                       (KernelOptions.tune); ';' separates groups
 
 Synthetic form: random weights of the Qwen2.5-0.5B / -7B shapes (config only), bf16, a 48-token
 prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
@@ -25,85 +26,22 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-import prefixscore.kernels as K
 from prefixscore.batch import plan_classify
-from prefixscore.weights.model_config import ModelConfig
-from prefixscore.engine import Engine
-from prefixscore.labels import LabelTrie
-from prefixscore.weights.loading import from_tensors
+from prefixscore.kernels.options import TUNE_ROLES, KernelOptions
 
-SHAPES = {
-    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-}
-PREFIX, SUFFIX, LABELS = 48, 8, list(range(1000, 1009))
-OUT = Path(os.environ.get("OUT") or "bench/results")
-
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
-def stats(ms):
-    return {"p50_ms": statistics.median(ms), "p99_ms": pct(ms, 99), "n": len(ms)}
-
-
-def gpu_times(fn, iters=300, warmup=20, warm_s=0.3):
-    """Per-iteration GPU time (ms) of fn() with CUDA events, after warmup calls and at least
-    warm_s seconds of calls (added to rule out a GPU clock that drops while idle; it changed no
-    W1 reading: 0.5975 ms before, 0.5987 after, bench/results/timeline*.json)."""
-    t0 = time.perf_counter()
-    n = 0
-    while n < warmup or time.perf_counter() - t0 < warm_s:
-        fn()
-        n += 1
-        if n % 50 == 0:
-            torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in ev]
-
-
-def wall_times(fn, iters=300, warmup=20):
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        out.append(1e3 * (time.perf_counter() - t))
-    return out
-
-
-def hf_model(shape, vocab=None, seed=0):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = dict(SHAPES[shape])
-    if vocab:
-        kw["vocab_size"] = vocab
-    cfg = AutoConfig.for_model("qwen2", max_position_embeddings=4096, rms_norm_eps=1e-6, **kw)
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    with torch.no_grad():  # init on the GPU; std 0.02 like HF, norms around 1
-        for n, p in m.named_parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else (p.uniform_(0.8, 1.2) if "norm" in n else p.normal_(0, 0.02))
-    return m
+# (the synthetic form and the timing helpers are bench/synthetic.py's; other workloads import
+# them from here too)
+from .synthetic import (OUT, PREFIX, SUFFIX, Synthetic, gpu_times, hf_model, hf_reference,  # noqa: F401
+                        random_suffixes, stats, wall_times)
+from .timeline import summarize, timeline
 
 
 def measure_floors():
@@ -117,55 +55,6 @@ def measure_floors():
     flops = 2 * 8192**3 / (ms / 1e3)
     del x, y, a, b
     return {"copy_TBps": bw / 1e12, "matmul_TFLOPs": flops / 1e12}
-
-
-class Synthetic:
-    """Our engine on an in-memory HF model's weights, driven by token ids."""
-
-    def __init__(self, hf, max_tokens=32768, fp8=False):
-        cfg = ModelConfig.from_hf(hf.config)
-        self.loaded = from_tensors(cfg, hf.state_dict(), None, "random", torch.device("cuda"), torch.bfloat16)
-        if fp8:  # e4m3 linear weights, per-row scales (kernels/fp8.py), as dtype="fp8" loads them
-            self.loaded.model.quantize_fp8()
-        self.engine = Engine(self.loaded)
-        self.trie = LabelTrie([str(t) for t in LABELS], [[t] for t in LABELS], None)
-        g = torch.Generator().manual_seed(1)
-        self.prefix_ids = torch.randint(100, 30000, (PREFIX,), generator=g).tolist()
-        self.prefix = self.engine.prefill(self.prefix_ids)
-        self.weight = self.engine.label_weight(self.trie.columns)
-        self.capture = self.engine.capture(self.prefix, self.weight, True, max_tokens)
-        self.runner = self.engine.graphs[(id(self.prefix), id(self.weight), True)]
-        p = sum(x.numel() for n, x in hf.named_parameters() if "embed" not in n and "lm_head" not in n)
-        self.nonemb_params = p
-
-    def classify_ids(self, suffixes):
-        plan = plan_classify(suffixes, [PREFIX] * len(suffixes), self.trie)
-        scores, best = self.engine.run(plan, self.prefix, self.weight, True)
-        return self.trie.assemble(scores, best, len(suffixes))
-
-    def replay_fn(self, suffixes):
-        """Load the plan into the static buffers once; return a function that only replays."""
-        self.classify_ids(suffixes)
-        T = len(suffixes) * SUFFIX
-        if T > self.runner.max_tokens:  # eager beyond the graphs: time the whole engine call
-            return lambda: self.classify_ids(suffixes)
-        g = self.runner.graphs[next(b for b in self.runner.buckets if b >= T)]
-        return g.replay
-
-
-def random_suffixes(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 30000, (n, SUFFIX), generator=g).tolist()
-
-
-@torch.no_grad()
-def hf_reference(hf, prefix_ids, suffixes, batch=100):
-    out = []
-    for i in range(0, len(suffixes), batch):
-        ids = torch.tensor([prefix_ids + s for s in suffixes[i:i + batch]], device="cuda")
-        lg = hf(input_ids=ids, logits_to_keep=1).logits[:, -1, LABELS].float()
-        out.append(torch.log_softmax(lg, -1).cpu())
-    return torch.cat(out)
 
 
 def correctness(hf, ours, n=500):
@@ -245,65 +134,48 @@ def host_profile(fn, n=300):
     return s.getvalue()[-3500:]
 
 
-def w1_graph(ours, weight, tokens=SUFFIX):
-    """The graph a W1 request (one SUFFIX-token suffix; or `tokens` in all) replays, in the runner
-    captured for weight."""
-    runner = ours.engine.graphs[(id(ours.prefix), id(weight), True)]
+def w1_graph(engine, prefix, weight, tokens=SUFFIX):
+    """The graph a W1 request (one SUFFIX-token suffix; or `tokens` in all) replays, in the
+    engine's runner captured for (prefix, weight)."""
+    runner = engine.graphs[(id(prefix), id(weight), True)]
     return runner.graphs[next(b for b in runner.buckets if b >= tokens)]
 
 
 def variant_graph(ours, suffix, keep=None, batch=1, **switches):
-    """W1 replay of the same engine captured with kernels/ switches changed (USE_TRITON=False: torch
-    reference kernels, the plain graph). keep: a list that gets the graph (to profile it later).
-    batch: that many copies of the request in one replay (another token bucket)."""
-    saved_tune = dict(K.TUNE)
-    saved = {k: getattr(K, k) for k in switches if "." not in k}
-    for k, v in switches.items():
-        if "." in k:  # role.key: a launch-config override (kernels.TUNE)
-            K.TUNE[k] = v
-        else:
-            setattr(K, k, v)
-    try:
-        w = ours.weight.clone()  # a distinct key for the engine's graph table
-        ours.engine.capture(ours.prefix, w, True, max(16, batch * SUFFIX))
-        plan = plan_classify([suffix] * batch, [PREFIX] * batch, ours.trie)
-        ours.engine.run(plan, ours.prefix, w, True)
-        g = w1_graph(ours, w, batch * SUFFIX)
-        if keep is not None:
-            keep.append(g)
-        return stats(gpu_times(g.replay))
-    finally:
-        for k, v in saved.items():
-            setattr(K, k, v)
-        K.TUNE.clear()
-        K.TUNE.update(saved_tune)
+    """W1 replay of an engine over the same weights and pinned prefix whose KernelOptions are
+    ours' with `switches` changed (Synthetic.arm; use_triton=False: torch reference kernels, the
+    plain graph), captured anew. keep: a list that gets (graph, its engine) to profile it later
+    (the engine holds the graph's buffers). batch: that many copies of the request in one replay
+    (another token bucket)."""
+    engine = ours.arm(**switches)
+    engine.capture(ours.prefix, ours.weight, True, max(16, batch * SUFFIX))
+    plan = plan_classify([suffix] * batch, [PREFIX] * batch, ours.trie)
+    engine.run(plan, ours.prefix, ours.weight, True)
+    g = w1_graph(engine, ours.prefix, ours.weight, batch * SUFFIX)
+    if keep is not None:
+        keep.append((g, engine))
+    return stats(gpu_times(g.replay))
 
 
 def copies_ab(ours, suffixes, calls=600):
     """The engine call with the H2D/D2H copies inside the bucket's graph (the default) and around it
-    (engine.GRAPH_COPIES off), one call of each in turn (the host's speed drifts within a run:
-    BENCHMARKS.md), and each graph's replay: {mode: {"engine_call": stats, "gpu_replay": stats}}."""
-    import prefixscore.engine as E
-
-    saved = E.GRAPH_COPIES
-    try:
-        E.GRAPH_COPIES = False
-        w = ours.weight.clone()  # a second graph table entry, captured with the copies outside
-        ours.engine.capture(ours.prefix, w, True, 16)
-    finally:
-        E.GRAPH_COPIES = saved
-    modes = {"inside": ours.weight, "outside": w}
+    (KernelOptions.graph_copies off: another engine over the same weights), one call of each in
+    turn (the host's speed drifts within a run: BENCHMARKS.md), and each graph's replay: {mode:
+    {"engine_call": stats, "gpu_replay": stats}}."""
+    outside = ours.arm(graph_copies=False)
+    outside.capture(ours.prefix, ours.weight, True, 16)
+    modes = {"inside": ours.engine, "outside": outside}
     times = {m: [] for m in modes}
     for i in range(calls + 20):
-        for m, weight in modes.items():
+        for m, engine in modes.items():
             t = time.perf_counter()
             plan = plan_classify(suffixes, [PREFIX] * len(suffixes), ours.trie)
-            ours.trie.assemble(*ours.engine.run(plan, ours.prefix, weight, True), len(suffixes))
+            ours.trie.assemble(*engine.run(plan, ours.prefix, ours.weight, True), len(suffixes))
             if i >= 20:  # warm-up calls
                 times[m].append(1e3 * (time.perf_counter() - t))
     out = {}
-    for m, weight in modes.items():
-        g = w1_graph(ours, weight)
+    for m, engine in modes.items():
+        g = w1_graph(engine, ours.prefix, ours.weight)
         out[m] = {"engine_call": stats(times[m]), "gpu_replay": stats(gpu_times(g.replay))}
     return out
 
@@ -354,20 +226,18 @@ def one_request_rows(res, hf, ours):
     res["w1_gpu_replay"] = stats(gpu_times(ours.replay_fn(one)))
     res["w1_engine_call"] = stats(wall_times(lambda: ours.classify_ids(one)))
     res["w1_host_profile"] = host_profile(lambda: ours.classify_ids(one))
-    res["plain_graph"] = variant_graph(ours, one[0], USE_TRITON=False)
+    res["plain_graph"] = variant_graph(ours, one[0], use_triton=False)
     # the same graph with each RMSNorm as its own kernel instead of the next GEMM's prologue
-    res["w1_norms_unfused"] = variant_graph(ours, one[0], FUSE_NORMS=False)
+    res["w1_norms_unfused"] = variant_graph(ours, one[0], fuse_norms=False)
     # ... and with attention and the O GEMM as two kernels
-    res["w1_attn_o_unfused"] = variant_graph(ours, one[0], FUSE_ATTN_O=False)
+    res["w1_attn_o_unfused"] = variant_graph(ours, one[0], fuse_attn_o=False)
     # ... and with plain launches instead of programmatic dependent launch (kernels/pdl.py)
-    res["w1_pdl_off"] = variant_graph(ours, one[0], PDL=False)
-    # the engine call with the copies inside the graph and around it (engine.GRAPH_COPIES)
+    res["w1_pdl_off"] = variant_graph(ours, one[0], pdl=False)
+    # the engine call with the copies inside the graph and around it (KernelOptions.graph_copies)
     res["w1_copies_ab"] = copies_ab(ours, one)
     res.update(hf_peers(hf, ours.prefix_ids))
     # Profiled last: a profiler session leaves CUPTI hooked in, and every host-side row timed after
     # it read slower in the one run that profiled first (engine call 0.98 ms, 0.65 in other runs).
-    from .timeline import summarize, timeline  # kernel by kernel, inside the replay
-
     res["w1_timeline"] = summarize(timeline(ours.replay_fn(one), 20), 20)
     res["profile_w1"] = profile_kernels(ours, one[0])
 
@@ -386,8 +256,9 @@ def sweep(ours, floors, floor_ms, shape, batches):
 
 
 def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False, groups=None, batch=1):
-    """--ab: W1 graph replay of each shape with every combination of kernels/ switch values
-    ((name, values) pairs; a name role.key is a kernels.TUNE launch-config override), each
+    """--ab: W1 graph replay of each shape with every combination of kernel switch values
+    ((name, values) pairs: a KernelOptions field, or role.key, a launch-config override), each
+    arm an engine of its own over one loaded model,
     captured and timed twice (in turn); profile: then each first capture's kernel timeline
     (bench.timeline; profiling slows what is timed after it, so it comes last). groups: several
     such switch lists, each its own set of combinations, on one loaded model; batch: requests per
@@ -407,9 +278,7 @@ def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False, groups=No
         for sw in groups or [switches]:
             rows.update(_ab_group(shape, ours, one, sw, graphs, batch))
         if profile:
-            from .timeline import summarize, timeline
-
-            for key, g in graphs:
+            for key, g, _engine in graphs:  # (the engine keeps the graph's buffers alive)
                 key += " timeline"
                 rows[key] = summarize(timeline(g.replay, 20), 20)
                 print(shape, key, {k: round(v, 2) for k, v in rows[key].items() if isinstance(v, float)},
@@ -440,7 +309,7 @@ def _ab_group(shape, ours, one, switches, graphs, batch):
                 print(f"{shape:5s} {key:40s} failed: {rows[key]['error']}", flush=True)
                 continue
             if keep:
-                graphs.append((key, keep[0]))
+                graphs.append((key, *keep[0]))
             print(f"{shape:5s} {key:40s} p50 {rows[key]['p50_ms']:.4f} p99 {rows[key]['p99_ms']:.4f}",
                   flush=True)
     return rows
@@ -514,12 +383,13 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
-TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear")
+SWITCHES = {f.name for f in dataclasses.fields(KernelOptions) if isinstance(f.default, (bool, int))}
 
 
 def _ab_switches(ap, group):
     """One --ab group: NAME (a bool: off, on) or NAME=v1/v2/... (ints), comma-separated; NAME is a
-    kernels switch or role.key (a kernels.TUNE override, e.g. gu.num_stages=0/4: 0 = the config's)."""
+    KernelOptions field (either case: PDL, fuse_norms) or role.key (a KernelOptions.tune override,
+    e.g. gu.num_stages=0/4: 0 = the config's)."""
     switches = []
     for spec in group.split(","):
         name, _, vals = spec.partition("=")
@@ -527,8 +397,8 @@ def _ab_switches(ap, group):
         if dot:
             if role not in TUNE_ROLES or not key or not vals:
                 ap.error(f"--ab: {name!r}: role.key=V/V.. with role one of {', '.join(TUNE_ROLES)}")
-        elif not isinstance(getattr(K, name, None), (bool, int)):
-            ap.error(f"--ab: no kernels switch {name!r}")
+        elif name.lower() not in SWITCHES:
+            ap.error(f"--ab: no kernel switch {name!r}: one of {', '.join(sorted(SWITCHES))}")
         try:
             values = [int(v) for v in vals.split("/")] if vals else [False, True]
         except ValueError:
@@ -544,10 +414,10 @@ def main(argv=None):
     ap.add_argument("--part", choices=("all", "latency", "throughput"), default="all",
                     help="latency: W1/W4 rows, peers, profile; throughput: the W2 batch sweep")
     ap.add_argument("--ab", nargs="?", const="PDL", default=None, metavar="SWITCH[=V/V..][,...][;...]",
-                    help="only the W1 A/B rows: kernels/ switches (PDL, FUSE_NORMS, EARLY_WEIGHTS, "
-                         "...) or launch-config overrides (gu.num_stages=0/4) in every combination; "
-                         "';' separates groups run one after another on one model; or COPIES: the "
-                         "engine call with the graph copies inside and around")
+                    help="only the W1 A/B rows: KernelOptions fields (PDL, FUSE_NORMS, EARLY_WEIGHTS, "
+                         "..., either case) or launch-config overrides (gu.num_stages=0/4) in every "
+                         "combination, an engine per arm; ';' separates groups run one after another "
+                         "on one model; or COPIES: the engine call with the graph copies inside and around")
     ap.add_argument("--profile", action="store_true", help="with --ab: each variant's kernel timeline")
     ap.add_argument("--ab-shapes", nargs="*", default=None, help="with --ab: these shapes (default "
                     "0.5B and, without --skip-7b, 7B)")

@@ -9,8 +9,8 @@ largest difference. Pinned variants run the alone case with the launch config of
 0.5B's QKV (1152 x 896), down (896 x 4864) and gate/up (9728 x 896), bf16 and e4m3 weights. Then
 attention (and attention + O) of one request alone and among others.
 
-Then the whole forward with batch-invariant mode off and on (kernels.BATCH_INVARIANT; on with 16-
-and 64-row tiles, kernels.INVARIANT_ROWS), the 0.5B shape, same weights: 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (differing score
+Then the whole forward with batch-invariant mode off and on (KernelOptions.batch_invariant, an
+engine each; on with 16- and 64-row tiles, invariant_rows), the 0.5B shape, same weights: 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (differing score
 rows; target 0), W1's GPU time and the batch sweep's requests/s (W2 = 4,096; target: on costs <=
 10% of off's W2 rate, else it stays a switch).
 
@@ -23,10 +23,13 @@ import json
 import torch
 import torch.nn.functional as F
 
-from bench.gpu import OUT
+from bench.synthetic import OUT
 from prefixscore.kernels import fp8 as F8
 from prefixscore.kernels.gemm_config import _finish_config, gemm_config
 from prefixscore.kernels.gemm_triton import linear_small
+from prefixscore.kernels.options import DEFAULTS, KernelOptions
+
+# The op cases run the default kernels (batch-invariant mode off: what varies with the batch).
 
 PROBE = 16
 SHAPES = {"qkv": (1152, 896), "down": (896, 4864), "gate_up": (9728, 896)}
@@ -64,7 +67,7 @@ def skinny_cases(w, probe, N, K, w_elem) -> dict:
 def large_cases(w, probe, K) -> dict:
     """The large-T path (F.linear / FP8 x FP8) against itself at T = 16 and against the skinny
     kernel alone."""
-    lin = (lambda x: F8.linear(x, w)) if F8.is_fp8(w) else (lambda x: F.linear(x, w))
+    lin = (lambda x: F8.linear(x, w, options=DEFAULTS)) if F8.is_fp8(w) else (lambda x: F.linear(x, w))
     alone_large = lin(probe)
     alone_skinny = linear_small(probe, w)
     out = {"large_alone_vs_skinny_alone": diff(alone_large, alone_skinny)}
@@ -105,7 +108,7 @@ def attention_cases() -> dict:
         r = torch.zeros(T, N, device="cuda", dtype=torch.bfloat16)
         a = attention_triton(q, k, v, pk, pv, plan.base_start, plan.base_end, plan.own_start, D ** -0.5)
         o = attention_o(q, k, v, pk, pv, plan.base_start, plan.base_end, plan.own_start, D ** -0.5, wo,
-                        r)[0] if T <= 64 else None
+                        r, options=DEFAULTS)[0] if T <= 64 else None
         return a[at:at + 16], (None if o is None else o[at:at + 16])
 
     alone_a, alone_o = run(probe, 0)
@@ -120,24 +123,21 @@ def attention_cases() -> dict:
 
 def end_to_end() -> dict:
     """Batch-invariant mode off and on over the same 0.5B weights (bench.fp8_gpu's measures); on
-    with the 16-row configs (the default) and with 64-row ones (kernels.INVARIANT_ROWS: a row tile
-    of 64 reads the weights a quarter as often at large T, and batch 1 pays for the wider tile)."""
+    with the 16-row configs (the default) and with 64-row ones (KernelOptions.invariant_rows: a row
+    tile of 64 reads the weights a quarter as often at large T, and batch 1 pays for the wider
+    tile). An engine per mode, its options fixed at its making."""
     from bench.fp8_gpu import invariance, sweep
-    from bench.gpu import Synthetic, gpu_times, hf_model, random_suffixes, stats
-    from prefixscore import kernels
+    from bench.synthetic import Synthetic, gpu_times, hf_model, random_suffixes, stats
 
     hf, out = hf_model("0.5B"), {}
     one = random_suffixes(1, seed=9)
     for name, mode, rows in (("off", False, 16), ("on", True, 16), ("on64", True, 64)):
-        kernels.BATCH_INVARIANT, kernels.INVARIANT_ROWS = mode, rows  # read at capture and launch
-        try:
-            ours = Synthetic(hf, max_tokens=8192)
-            r = out[name] = {"w1_gpu": stats(gpu_times(ours.replay_fn(one)))}
-            r["sweep"] = sweep(ours, [1, 16, 64, 256, 1024, 4096])
-            r["invariance"] = invariance(ours)
-            print("batch-invariant", name, json.dumps(r), flush=True)
-        finally:
-            kernels.BATCH_INVARIANT, kernels.INVARIANT_ROWS = False, 16
+        opts = KernelOptions(batch_invariant=mode, invariant_rows=rows)
+        ours = Synthetic(hf, max_tokens=8192, options=opts)
+        r = out[name] = {"w1_gpu": stats(gpu_times(ours.replay_fn(one)))}
+        r["sweep"] = sweep(ours, [1, 16, 64, 256, 1024, 4096])
+        r["invariance"] = invariance(ours)
+        print("batch-invariant", name, json.dumps(r), flush=True)
         del ours
         torch.cuda.empty_cache()
     print(f"\n{'mode':<5} {'W1 gpu p50':>10} {'W2 req/s':>9} {'W2 cost':>8} {'differing 64/1024/4096':>24}")

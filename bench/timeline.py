@@ -2,11 +2,11 @@
 
     python -m bench.timeline [--replays 20]
 
-Profiles CUDA graph replays of the W1 forward (bench.gpu's synthetic form, batch 1) with the torch
-profiler (CUPTI records the kernels inside a graph) and reports, per kernel kind: count per
-replay, median duration, and the median gap from the previous kernel's end to its start (negative:
-it started before the previous one ended, as PDL allows). Also the replay's span against the sum
-of kernel durations. Writes $OUT/timeline.json.
+Profiles CUDA graph replays of the W1 forward (bench/synthetic.py's synthetic form, batch 1) with
+the torch profiler (CUPTI records the kernels inside a graph) and reports, per kernel kind: count
+per replay, median duration, and the median gap from the previous kernel's end to its start
+(negative: it started before the previous one ended, as PDL allows). Also the replay's span
+against the sum of kernel durations. Writes $OUT/timeline.json.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from .gpu import OUT, Synthetic, gpu_times, hf_model, random_suffixes, stats
+from .synthetic import OUT, Synthetic, gpu_times, hf_model, random_suffixes, stats
 
 
 def kind(name: str) -> str:
