@@ -51,7 +51,7 @@ from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
-from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, check_token_ids, label_key
+from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, label_key
 from .spans import Span, SpanLayout, plan_items
 from .spec import ModelSpec
 
@@ -265,9 +265,6 @@ class Scorer:
                       f"apply_softmax=false) need single-token labels, and {l!r} is {len(p)} tokens; "
                       f"use mode 'softmax' (apply_softmax=true) or label_token_ids")
 
-    def _check_token_ids(self, ids, what: str, err=InputError) -> list[int]:
-        return check_token_ids(ids, what, self.config.vocab_size, err)
-
     # ------------------------------------------------------------ public API
 
     def score(self, query: str, items) -> list[ItemResult]:
@@ -331,9 +328,6 @@ class Scorer:
 
     # The checks and tokenization live in ScoreInput (score_input.py), which a server's front end
     # runs too: these keep the Scorer's own names for them.
-    def _check_items(self, items, text: bool) -> list:
-        return self.input.check_items(items, text)
-
     def _check_text(self, query, items) -> list:
         """The checks of a text request that need no tokenizer call -> items as a list."""
         return self.input.check_text(query, items)
@@ -346,9 +340,6 @@ class Scorer:
 
     def prepare_ids(self, query_ids, items_ids, item_first: bool = False) -> Prepared:
         return self.input.prepare_ids(query_ids, items_ids, item_first)
-
-    def _checked(self, prep: Prepared) -> Prepared:
-        return self.input.checked(prep)
 
     def _groups(self, prep: Prepared, branch: int, one_per_span: bool) -> list[Span]:
         """Split one request into spans. `branch`: label-branch tokens per item; one_per_span when

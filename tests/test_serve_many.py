@@ -231,9 +231,9 @@ def test_classifier_flags(tmp_path):
                                                                ("Dress", "Jeans"), None, None)
     assert (b.name, b.template, b.labels, b.chat, b.mode) == ("gender", "Men, women, or kids? {query}",
                                                                ("shoes, boots", "bags|totes"), False, "logits")
-    assert a.kwargs(e.chat, e.mode) == dict(template=a.template, labels=["Dress", "Jeans"], chat=True,
+    assert a.kwargs(e.spec.chat, e.spec.mode) == dict(template=a.template, labels=("Dress", "Jeans"), chat=True,
                                             mode="logprobs", head=None)
-    assert e.adapter is None and e.template is None and e.labels is None  # no seed adapter default
+    assert e.spec.adapter is None and e.spec.template is None and e.spec.labels is None  # no seed adapter default
     _, e = configs("--classifier", "name=x,labels=a, b|c")  # a comma inside a label
     assert e.classifiers[0].labels == ("a, b", "c")
     assert configs()[1].classifiers == ()

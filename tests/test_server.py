@@ -335,8 +335,8 @@ def test_config_file_under_the_command_line(tmp_path, monkeypatch):
     assert cli.main(["serve", "--config", str(cfg), "--port", "8000", "--chat"]) == 2
     front, engine = seen[0]
     assert (front.port, front.max_queue, front.api_key) == (8000, 77, "-abc")
-    assert (engine.labels, engine.template) == (("-1", "+1"), "--{query}")
-    assert engine.chat is True and engine.truncate is True
+    assert (engine.spec.labels, engine.spec.template) == (("-1", "+1"), "--{query}")
+    assert engine.spec.chat is True and engine.spec.truncate is True
 
 
 def test_bad_config(clf):
