@@ -320,7 +320,7 @@ def test_allow_special_tokens(model, monkeypatch, tmp_path):
 
     class Stub:
         def __init__(self, *a, **kw):
-            seen.append(kw["allow_special_tokens"])
+            seen.append(kw["spec"].allow_special_tokens)  # (both take a ModelSpec)
             raise ConfigError("stub")
 
     monkeypatch.setattr(classifier_mod, "Classifier", Stub)

@@ -12,6 +12,7 @@ from .common import err, quiet
 from ..errors import ConfigError, InputError, error_at
 from ..overlap import run_ahead
 from ..scorer import LAYOUTS, MODES, Scorer
+from ..spec import ModelSpec
 
 # score_request's keys that the command does not take per line: refused rather than ignored
 REQUEST_ONLY_KEYS = ("labels", "label_token_ids", "apply_softmax", "item_first")
@@ -59,10 +60,11 @@ def cmd_score(a) -> int:
         raise InputError("no requests: pass --input FILE (JSONL) or pipe JSONL on stdin")
     rows = _read_requests(src)
     t0 = time.perf_counter()
-    sc = Scorer(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype, chat=a.chat,
-                mode=a.mode, layout=a.layout, max_items=a.max_items, max_batch_tokens=a.batch_tokens,
-                allow_special_tokens=a.allow_special_tokens, adapter=a.adapter,
-                batch_invariant=getattr(a, "batch_invariant", None) or None)
+    spec = ModelSpec(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype,
+                     chat=a.chat, mode=a.mode, max_batch_tokens=a.batch_tokens,
+                     allow_special_tokens=a.allow_special_tokens, adapter=a.adapter,
+                     batch_invariant=getattr(a, "batch_invariant", None) or None)
+    sc = Scorer(spec=spec, layout=a.layout, max_items=a.max_items)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {sc.loaded.name} on {sc.engine.device} "
          f"({str(sc.engine.dtype).removeprefix('torch.')}), prefix {sc.prefix_len} tokens cached, "
          f"labels {', '.join(sc.labels)}, mode {sc.mode}")
