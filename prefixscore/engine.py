@@ -22,6 +22,7 @@ import torch
 from .batch import Plan
 from .errors import ConfigError
 from .kernels import label_head
+from .kernels.label_head import rms_norm
 from .kernels.options import KernelOptions
 from .weights.loading import LoadedModel
 from .model import Context
@@ -174,6 +175,19 @@ class Engine:
         torch.cuda.synchronize()
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets,
                 "graph_mem_mb": (torch.cuda.memory_reserved() - mem0) / 2**20}  # pools + buffers
+
+    def vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
+        """Each label token's probability under the whole vocabulary: the full output head, but
+        only at the read-out rows (one row per item): the Scorer's mode vocab_probs."""
+        h, plan = self.hidden(plan, kv)
+        norm = self.model.norm
+        x = rms_norm(h[plan.rows], norm.weight, norm.eps)
+        cols = torch.tensor(tokens, device=x.device)
+        out = []
+        for c in range(0, x.shape[0], 1024):  # bounds the [rows, vocab] fp32 block
+            logits = (x[c:c + 1024] @ self.lm_head.t()).float()
+            out.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
+        return torch.cat(out).cpu()
 
 
 class GraphRunner:

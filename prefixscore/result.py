@@ -13,3 +13,13 @@ class Result:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class ItemResult:
+    item: str | list[int]  # the item as given (text, or token ids)
+    label: str  # the decision: label-constrained greedy choice (argmax in logits / vocab_probs)
+    scores: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -9,21 +9,8 @@ up to where the item starts) are computed once per span, and each item only adds
             own causal range     base = query part, own range = the item; positions restart after
                                  the query part for every item, exactly as if scored alone
 
-That is one flat pass over plain `Plan` fields, so Engine.run and its CUDA graphs (any Plan is
-padded to a token bucket) run it unchanged. Layouts (`layout=`):
-
-    packed  the query part once, then every item of the request, in one span
-    alone   every item its own span with its own copy of the query part (no base range)
-    auto    (default) items per span by estimated cost: new-token FLOPs + the in-batch attention
-            the kernel scans. On the GPU the kernel scans an item's base range and own range
-            separately, so items do not pay for each other and auto packs whole requests; the CPU
-            reference attention is dense per span, so there auto settles on a few items per span.
-
-Why not a second pass with per-request prefix KV ("in-batch prefix caching")? In this flat design a
-span's base range already *is* a per-request prefix computed in the same pass, so a second pass
-would only add a launch and a KV copy. Its one real advantage, that items do not scan past each
-other's keys, is in the attention kernel (it scans the base range, then the own range; see
-`spans.SpanLayout.scan`), where it helps packed spans and label-trie branches alike.
+That is one flat pass over plain `Plan` fields, so Engine.run and its CUDA graphs run it unchanged;
+spans.py says how items are laid out in spans (`layout=`) and why.
 
 Exactness: each item's whole prompt is tokenized as one text, and the query part is only the tokens
 that are a prefix of that item's tokens; an item that disagrees (a merge across the slot boundary)
@@ -38,21 +25,20 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .batch import Plan
 from .engine import Engine
 from .errors import ConfigError, InputError, error_at
-from .kernels.label_head import rms_norm
 from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
-from .prompt import Prompt, check_prefix_fits, check_template, common_prefix_len, sentinel
+from .prompt import Prompt, check_prefix_fits, check_template, sentinel
 from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, label_key
-from .spans import Span, SpanLayout, plan_items
+from .result import ItemResult
+from .spans import Span, SpanLayout, plan_items, request_spans
 from .spec import ModelSpec
 
 DEFAULT_TEMPLATE = ("Decide whether the item is relevant to the query. Answer yes or no.\n"
@@ -69,16 +55,6 @@ LAYOUTS = ("auto", "packed", "alone")
 # Label sets named by requests (labels / label_token_ids) keep their head rows in an LRU of this
 # many: a client that varies them per request must not grow memory without bound.
 REQUEST_HEADS = 8
-
-
-@dataclass
-class ItemResult:
-    item: str | list[int]  # the item as given (text, or token ids)
-    label: str  # the decision: label-constrained greedy choice (argmax in logits / vocab_probs)
-    scores: dict[str, float]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass
@@ -342,30 +318,8 @@ class Scorer:
         return self.input.prepare_ids(query_ids, items_ids, item_first)
 
     def _groups(self, prep: Prepared, branch: int, one_per_span: bool) -> list[Span]:
-        """Split one request into spans. `branch`: label-branch tokens per item; one_per_span when
-        the labels branch more than once (a branch then takes its item's whole span as base)."""
-        P, full = self.prefix_len, prep.full
-        by_start: dict[int, list[int]] = {}
-        for i, ids in enumerate(full):  # an item that disagrees with the pinned prefix: no cache
-            start = P if P and len(ids) > P and ids[:P] == self.prefix_ids else 0
-            by_start.setdefault(start, []).append(i)
-        groups = []
-        for start, idx in by_start.items():
-            kv = self.prefix_kv if start else self.engine.no_prefix
-            ref = prep.shared[start:]
-            # Per item, how many of its tokens equal the query part's (at least one token of its
-            # own stays, for the read-out). Share the length that saves the most tokens; an item
-            # whose tokens merge deeper across the slot boundary is computed alone.
-            q = [min(common_prefix_len(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
-            L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
-            aligned = [i for i, n in zip(idx, q) if n >= L]
-            groups += [Span(start, kv, [], [full[i][start:]], [i]) for i, n in zip(idx, q) if n < L]
-            sizes = [len(full[i]) - start - L + branch for i in aligned]
-            m = 1 if one_per_span else self.spans.items_per_span(L, sizes)
-            for chunk in self.spans.fill(L, sizes, m):
-                groups.append(Span(start, kv, ref[:L], [full[aligned[j]][start + L:] for j in chunk],
-                                     [aligned[j] for j in chunk]))
-        return groups
+        return request_spans(self.spans, prep, self.prefix_ids, self.prefix_kv, self.engine.no_prefix,
+                             branch, one_per_span)
 
     # ------------------------------------------------------------ spans -> passes -> scores
 
@@ -420,7 +374,7 @@ class Scorer:
         plan = plan_items(groups, head.trie, branches)
         kv, trie = groups[0].kv, head.trie
         if mode == "vocab_probs":
-            probs = self._vocab_probs(plan, kv, [p[0] for p in trie.paths])
+            probs = self.engine.vocab_probs(plan, kv, [p[0] for p in trie.paths])
             return lambda: (probs.tolist(), probs.argmax(-1).tolist())
         pending = self.engine.launch(plan, kv, head.weight, mode != "logits")  # a graph if captured
 
@@ -436,19 +390,6 @@ class Scorer:
             return label_scores.tolist(), np.asarray(decision).tolist()
 
         return collect
-
-    def _vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
-        """Each label token's probability under the whole vocabulary: the full output head, but
-        only at the read-out rows (one row per item)."""
-        h, plan = self.engine.hidden(plan, kv)
-        norm = self.engine.model.norm
-        x = rms_norm(h[plan.rows], norm.weight, norm.eps)
-        cols = torch.tensor(tokens, device=x.device)
-        out = []
-        for c in range(0, x.shape[0], 1024):  # bounds the [rows, vocab] fp32 block
-            logits = (x[c:c + 1024] @ self.loaded.lm_head.t()).float()
-            out.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
-        return torch.cat(out).cpu()
 
     # ------------------------------------------------------------ a score request in two halves
 

@@ -5,6 +5,21 @@ spans make passes.
   SpanLayout  items per span by estimated cost (layout auto / packed / alone), the span and pass
               token budgets, spans grouped into passes
   plan_items  the flat Plan of some spans (what Engine.run takes)
+
+A request is one flat pass over plain `Plan` fields (any Plan is padded to a token bucket). Layouts (`layout=`):
+
+    packed  the query part once, then every item of the request, in one span
+    alone   every item its own span with its own copy of the query part (no base range)
+    auto    (default) items per span by estimated cost: new-token FLOPs + the in-batch attention
+            the kernel scans. On the GPU the kernel scans an item's base range and own range
+            separately, so items do not pay for each other and auto packs whole requests; the CPU
+            reference attention is dense per span, so there auto settles on a few items per span.
+
+Why not a second pass with per-request prefix KV ("in-batch prefix caching")? In this flat design a
+span's base range already *is* a per-request prefix computed in the same pass, so a second pass
+would only add a launch and a KV copy. Its one real advantage, that items do not scan past each
+other's keys, is in the attention kernel (it scans the base range, then the own range; see
+`spans.SpanLayout.scan`), where it helps packed spans and label-trie branches alike.
 """
 from __future__ import annotations
 
@@ -17,6 +32,7 @@ import torch
 from .batch import Plan
 from .weights.model_config import ModelConfig
 from .labels import LabelTrie
+from .prompt import common_prefix_len
 
 # Cost of one (query row, in-batch key) pair scanned by attention relative to its FLOPs in a GEMM:
 # masked tiles, online softmax and small dots run well below the matmul rate.
@@ -171,3 +187,31 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
         allowed=torch.from_numpy(np.tile(trie.allowed.numpy(), (n_items, 1))),
         batch=n_items,
     )
+
+
+def request_spans(layout: SpanLayout, prep, prefix_ids: list[int], prefix_kv, no_prefix, branch: int,
+                  one_per_span: bool) -> list[Span]:
+    """Split one request (a score_input.Prepared) into spans. `branch`: label-branch tokens per item; one_per_span when
+    the labels branch more than once (a branch then takes its item's whole span as base)."""
+    P, full = len(prefix_ids), prep.full
+    by_start: dict[int, list[int]] = {}
+    for i, ids in enumerate(full):  # an item that disagrees with the pinned prefix: no cache
+        start = P if P and len(ids) > P and ids[:P] == prefix_ids else 0
+        by_start.setdefault(start, []).append(i)
+    groups = []
+    for start, idx in by_start.items():
+        kv = prefix_kv if start else no_prefix
+        ref = prep.shared[start:]
+        # Per item, how many of its tokens equal the query part's (at least one token of its
+        # own stays, for the read-out). Share the length that saves the most tokens; an item
+        # whose tokens merge deeper across the slot boundary is computed alone.
+        q = [min(common_prefix_len(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
+        L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
+        aligned = [i for i, n in zip(idx, q) if n >= L]
+        groups += [Span(start, kv, [], [full[i][start:]], [i]) for i, n in zip(idx, q) if n < L]
+        sizes = [len(full[i]) - start - L + branch for i in aligned]
+        m = 1 if one_per_span else layout.items_per_span(L, sizes)
+        for chunk in layout.fill(L, sizes, m):
+            groups.append(Span(start, kv, ref[:L], [full[aligned[j]][start + L:] for j in chunk],
+                                 [aligned[j] for j in chunk]))
+    return groups

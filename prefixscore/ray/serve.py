@@ -221,6 +221,8 @@ def parse(key: str, value):
     if not isinstance(value, str) or key in ("labels", "score_labels"):
         return value
     fields = {f.name: f for f in dataclasses.fields(EngineConfig) + dataclasses.fields(FrontendConfig)}
+    spec_fields = {f.name: f for f in dataclasses.fields(ModelSpec)}
+    fields.update({k: spec_fields[v] for k, v in SPEC_KEYS.items()})  # typed as the spec's own
     kind = str(fields[key].type) if key in fields else {
         "num_replicas": "int", "min_replicas": "int", "max_replicas": "int",
         "target_ongoing_requests": "float", "max_ongoing_requests": "int", "num_gpus": "float",
