@@ -506,7 +506,7 @@ def test_serve_reads_the_environment_too(monkeypatch, tmp_path):
     monkeypatch.setenv("PREFIXSCORE_BATCH_TOKENS", "512")
     assert cli.main(["serve", "--config", str(cfg), "--no-adapter"]) == 2
     front, engine = seen[-1]
-    assert (front.port, front.max_queue, front.api_key, engine.batch_tokens) == (9001, 77, "k3y", 512)
+    assert (front.port, front.max_queue, front.api_key, engine.spec.max_batch_tokens) == (9001, 77, "k3y", 512)
     assert cli.main(["serve", "--config", str(cfg), "--no-adapter", "--port", "8000"]) == 2
     assert seen[-1][0].port == 8000
 
