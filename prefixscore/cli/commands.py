@@ -62,7 +62,7 @@ def _classify_files(a) -> int:
     keep = _keep_columns(a.keep_columns)
     if a.ray:
         from ..ray import data  # without Ray: one ConfigError line naming the extra
-        from ..ray.classify_files import classify_files
+        from ..ray.file_jobs import classify_files
 
         data.quiet_logs()
         seed_adapter_default(a)

@@ -2,7 +2,7 @@
 
 - data.py: Ray Data batch classification: a pool of actors, one Classifier each;
   `classify_dataset(ds)` adds a label, the scores and an error column to any Ray Dataset.
-- files.py: `classify_files(inputs, output)` is `prefixscore classify --ray`: one output file per
+- file_jobs.py: `classify_files(inputs, output)` is `prefixscore classify --ray`: one output file per
   input file, the rows the in-process command writes.
 - serve.py: Ray Serve: `app(model, template, labels, ...)` is the online server as a Serve
   application (a replica per GPU, each the single-process server); `serve run
@@ -21,7 +21,7 @@ def __getattr__(name):
 
         return classify_dataset
     if name == "classify_files":
-        from .classify_files import classify_files
+        from .file_jobs import classify_files
 
         return classify_files
     if name in ("app", "app_builder"):  # ray.serve only when asked for: Ray Data does without it
