@@ -1,5 +1,5 @@
 """Ray Data beside the in-process command on the same rows (issue 21 item 5): rows/s of
-`prefixscore classify --ray` (prefixscore.ray.classify_files, one actor) and of the in-process run
+`prefixscore classify --ray` (prefixscore.ray.file_jobs, one actor) and of the in-process run
 (the CLI's ClassifyJob over one Classifier), each reading, classifying and writing one synthetic
 Parquet log. Target: Ray Data on one GPU >= 80% of the in-process rate.
 
@@ -67,7 +67,7 @@ def run_both(a, log: Path, work: Path, kw: dict) -> tuple[list[float], list[dict
              runtime_env={"env_vars": {"OMP_NUM_THREADS": str(a.threads)}})
     try:
         from prefixscore.ray import data
-        from prefixscore.ray.classify_files import classify_files
+        from prefixscore.ray.file_jobs import classify_files
 
         data.quiet_logs()
         local, runs = [], []
