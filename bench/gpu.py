@@ -264,8 +264,7 @@ def ab_rows(shapes, switches=(("PDL", (False, True)),), profile=False, groups=No
     such switch lists, each its own set of combinations, on one loaded model; batch: requests per
     replay (1: W1; 4: the 32-token bucket). The first capture
     of a process has read 0.01-0.02 ms below every later one, variants and their repeats alike
-    (BENCHMARKS.md, eighth session), so an unchanged capture goes first and is reported apart.
-    (Its run on commit de26ce3 also had PDL variants since removed: kernels/pdl.py.)"""
+    on the H200, so an unchanged capture goes first and is reported apart."""
     out = {}
     for shape in shapes:
         hf = hf_model(shape)

@@ -29,7 +29,7 @@ from .model import Context
 
 # Short requests get their own small buckets: the graph of a bucket does its padding tokens' work
 # too, and on the H200 one Qwen2.5-0.5B-shape request took 0.564 / 0.570 / 0.579 / 0.585 / 0.597 ms
-# in buckets of 1 / 2 / 4 / 8 / 16 tokens (BENCHMARKS.md, fifth session).
+# in buckets of 1 / 2 / 4 / 8 / 16 tokens.
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # Past 8192 tokens a batch keeps the GPU busy for milliseconds, so launches hide behind it and a
 # graph would only add padding (W3: 15,050 tokens padded to 16,384 was 9% waste): run eagerly.

@@ -1,12 +1,13 @@
-import csv
+"""Fixtures the tests share (the bundled model, its tokenizer, tiny random models, one thread), the
+quick tier's marks, and the session settings every test runs under (Triton's interpreter without a
+GPU, the torch thread count). Plain helpers are in helpers.py."""
 import faulthandler
 import os
-import random
-import string
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import make_tiny_model
 
 
 @pytest.hookimpl(trylast=True)
@@ -25,15 +26,6 @@ if not torch.cuda.is_available():
 
 # PREFIXSCORE_TEST_THREADS=1 keeps parallel test runs from fighting over 2 cores (OpenMP spins).
 torch.set_num_threads(int(os.environ.get("PREFIXSCORE_TEST_THREADS", min(2, os.cpu_count() or 1))))
-
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
-# A copy of ../shared/data/intent_dev.csv (12 KB), so a clone runs its tests wherever it lies.
-DEV_CSV = Path(__file__).resolve().parent / "data" / "intent_dev.csv"
-
-
-def dev_queries():
-    with open(DEV_CSV, newline="", encoding="utf-8") as f:
-        return [row["query"] for row in csv.DictReader(f)]
 
 
 @pytest.fixture(scope="session")
@@ -64,41 +56,6 @@ def smol_tokenizer(request):
     return request.getfixturevalue("bundled").tokenizer
 
 
-def tiny_hf_config(arch: str, **kw):
-    from transformers import AutoConfig
-
-    base = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                pad_token_id=0)
-    if arch == "qwen3":
-        base["head_dim"] = 32  # Qwen3 sets head_dim explicitly (≠ hidden / heads)
-    if arch == "llama":
-        base["tie_word_embeddings"] = True
-    base.update(kw)
-    return AutoConfig.for_model(arch, **base)
-
-
-def make_tiny_model(path, arch, tokenizer, seed=0, **kw):
-    """A random tiny model of `arch` saved as a HF folder (safetensors) with the SmolLM2 tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = tiny_hf_config(arch, **kw)
-    cfg.eos_token_id = tokenizer.eos_token_id
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # larger weights than the default init so logits are well separated
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.15)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.1)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
-
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, smol_tokenizer):
@@ -111,57 +68,6 @@ def tiny_model(tmp_path_factory, smol_tokenizer):
 
     return get
 
-
-class Lowering:
-    """A tokenizer that edits text in Python before its Rust backend sees it (lower-cases it): its
-    backend disagrees with its own call, so prompt.py must keep the call."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __call__(self, text, **kw):
-        return self.inner([t.lower() for t in text] if isinstance(text, list) else text.lower(), **kw)
-
-
-def random_queries(n, seed):
-    rng = random.Random(seed)
-    words = ["dress", "jeans", "shirt", "trench", "coat", "skirt", "tee", "hoodie", "knit", "women",
-             "men", "blue", "red", "oversized", "vintage", "连衣裙", "牛仔裤", "卫衣", "毛衣", "风衣",
-             "2024新款", "size", "xl", "cotton", "😀", "black", "summer", "¿", "camisa", "ジーンズ"]
-    out = []
-    for _ in range(n):
-        k = rng.randint(1, 6)
-        q = " ".join(rng.choice(words) for _ in range(k))
-        if rng.random() < 0.2:
-            q = "".join(rng.choice(string.printable[:94]) for _ in range(rng.randint(1, 30)))
-        if rng.random() < 0.1:
-            q = "  " + q
-        out.append(q)
-    return out
-
-
-def fix_interpreter_loop_bounds():
-    """triton#9171: with numpy >= 2.4 the interpreter's scalars are (1,)-shaped arrays whose
-    int() raises, so every runtime loop bound (`range(0, P, BLOCK)`) fails. Fixed upstream after
-    Triton 3.6; patch the one lambda here (test-only, harmless where already fixed)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    orig = getattr(interpreter, "_patch_lang_tensor", None)
-    if orig is None or getattr(orig, "_index_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched._index_fixed = True
-    interpreter._patch_lang_tensor = patched
 
 
 @pytest.fixture(scope="module")
@@ -177,11 +83,11 @@ def one_thread():
 
 # The quick tier (`python -m pytest -q -m "not slow"`, under 3 minutes on 2 cores) leaves out these
 # modules whole: each takes 30 s to 3 min here, starting servers or Ray in subprocesses, fine-tuning,
-# comparing with Hugging Face over several architectures, or streaming big files. Tests elsewhere
-# mark themselves slow one by one. CI runs everything.
+# comparing with Hugging Face over several architectures, streaming big files, or compiling every
+# kernel for sm_90. Tests elsewhere mark themselves slow one by one. CI runs everything.
 SLOW_MODULES = {"test_finetune", "test_parity_hf", "test_serve_procs", "test_data_parallel",
                 "test_ray_data", "test_ray_serve", "test_cli", "test_startup", "test_stream",
-                "test_fp8_checkpoints", "test_overlap", "test_server"}
+                "test_fp8_checkpoints", "test_overlap", "test_server", "test_kernels_compile"}
 
 
 def pytest_collection_modifyitems(config, items):

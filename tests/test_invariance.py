@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from conftest import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
 
 fix_interpreter_loop_bounds()
 
@@ -47,7 +47,8 @@ INV = KernelOptions(batch_invariant=True)
 
 
 def seed():
-    s = random.randrange(1 << 30)
+    """A fresh seed per test, printed (a failure shows it); PREFIXSCORE_TEST_SEED replays one."""
+    s = int(os.environ.get("PREFIXSCORE_TEST_SEED") or random.randrange(1 << 30))
     print("seed", s)
     return torch.Generator().manual_seed(s)
 
@@ -126,8 +127,23 @@ def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows):
         refs = ([gate_up_silu_ref(h, w, b)] if epi == "gated+norm"
                 else qkv_rope_ref(h, wq, bq, cos, sin, Hq, Hkv, D))
         tol = TOL[dtype] * (1 if CUDA or dtype == F32 else 2)  # (see test_kernels_gemm's norm test)
-        for got, ref in zip(whole, refs):
-            torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+        # The reference rounds h and the linear's output to the dtype where the kernel keeps fp32,
+        # so each output may be off by a few roundings of its terms' magnitudes, not of its own
+        # (which cancellation can make small): S = |h| @ |w|^T + |b| carried through the epilogue.
+        # silu(g) * u: |d| <= 1.1 |dg| |u| + |g| |du| (+ the output's rounding) <= 3.1 Sg Su.
+        # RoPE mixes each element with its other half: S * |cos| + swap(S) * |sin|.
+        S = h.float().abs() @ w.float().abs().T + b.float().abs()
+        if epi == "gated+norm":
+            Sg, Su = S.chunk(2, dim=-1)
+            scales = [3.1 * Sg * Su]
+        else:
+            S = S[:, :(Hq + 2 * Hkv) * D].view(T, Hq + 2 * Hkv, D)
+            swap = torch.cat([S[..., D // 2:], S[..., :D // 2]], -1)
+            roped = S * cos.float().abs()[:, None] + swap * sin.float().abs()[:, None]
+            scales = [roped[:, :Hq], roped[:, Hq:Hq + Hkv], S[:, Hq + Hkv:]]
+        for got, ref, scale in zip(whole, refs, scales):
+            err = (got.float() - ref.float()).abs()
+            assert (err <= tol * (1 + scale)).all(), (err / (1 + scale)).max()
 
 
 def test_fp8_gemm_rows_do_not_depend_on_the_batch():

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from conftest import random_queries
+from tests.helpers import random_queries
 from prefixscore import ConfigError, InputError
 from prefixscore import classifier as classifier_mod
 from prefixscore import overlap

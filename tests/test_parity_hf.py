@@ -3,8 +3,8 @@ on the full prompt: identical decisions (vs constrained `generate`) and scores w
 import pytest
 import torch
 
-from conftest import ARCHS, dev_queries, random_queries
-from hf_reference import hf_generate, hf_scores
+from tests.helpers import ARCHS, dev_queries, random_queries
+from tests.hf_reference import hf_generate, hf_scores
 from prefixscore import Classifier
 
 TOL = 1e-4  # fp32: scores are log-probs; flat attention vs HF's full-prompt attention
@@ -65,7 +65,7 @@ LONG_QUERIES = ["levis 501 " * 30, "oversized hoodie " * 15, "红色连衣裙 " 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_o_proj_bias_matches_hf(arch, tmp_path, smol_tokenizer):
     """attention_bias=True gives o_proj a bias too (Llama, Qwen3), once silently dropped."""
-    from conftest import make_tiny_model
+    from tests.helpers import make_tiny_model
 
     path = make_tiny_model(tmp_path, arch, smol_tokenizer, attention_bias=True)
     clf = Classifier(str(path), device="cpu", dtype="float32")
@@ -106,7 +106,7 @@ ROPE = {
 def test_scaled_rope_matches_hf(rope, tmp_path, smol_tokenizer):
     """Scaled RoPE types load (they once crashed on the meta device) and match HF on short prompts
     and prompts past original_max_position_embeddings."""
-    from conftest import make_tiny_model
+    from tests.helpers import make_tiny_model
 
     path = make_tiny_model(tmp_path, "llama", smol_tokenizer, rope_parameters=ROPE[rope])
     clf = Classifier(str(path), device="cpu", dtype="float32")
@@ -118,7 +118,7 @@ def test_scaled_rope_matches_hf(rope, tmp_path, smol_tokenizer):
 def test_longrope_capped_at_original_length(tmp_path, smol_tokenizer):
     """HF switches longrope to long_factor for every position once a sequence passes
     original_max_position_embeddings; we stop there and match HF below it."""
-    from conftest import make_tiny_model
+    from tests.helpers import make_tiny_model
     from prefixscore.errors import InputError
 
     rp = dict(rope_type="longrope", long_factor=[4.0] * 8, short_factor=[1.5] * 8, factor=2.0,
@@ -153,7 +153,7 @@ def test_tied_config_with_distinct_lm_head_matches_hf(tmp_path, tiny_model):
 def test_bf16_long_prompt_as_close_as_hf_bf16(tmp_path, smol_tokenizer):
     """bf16 on a 2000+ token prompt: RoPE's inverse frequencies stay fp32 (as HF keeps them), so our
     bf16 scores are as close to HF fp32 as HF's own bf16 (rounded to bf16 they were off by ~3)."""
-    from conftest import make_tiny_model
+    from tests.helpers import make_tiny_model
 
     path = make_tiny_model(tmp_path, "llama", smol_tokenizer, max_position_embeddings=4096,
                            hidden_size=128, num_attention_heads=2, num_key_value_heads=1,

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from conftest import Lowering, random_queries
-from hf_reference import hf_scores
+from tests.helpers import Lowering, random_queries
+from tests.hf_reference import hf_scores
 from prefixscore import Classifier, ConfigError, InputError
 from prefixscore.labels import LabelTrie, check_labels
 from prefixscore.prompt import Prompt

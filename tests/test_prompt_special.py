@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import Lowering, dev_queries, random_queries
+from tests.helpers import Lowering, dev_queries, random_queries
 from prefixscore import InputError
 from prefixscore.prompt import SEED_TEMPLATE, Prompt
 

@@ -7,8 +7,8 @@ import string
 import pytest
 import torch
 
-from conftest import ARCHS, random_queries
-from hf_reference import _children, _left_pad, hf_generate
+from tests.helpers import ARCHS, random_queries
+from tests.hf_reference import _children, _left_pad, hf_generate
 from prefixscore import ConfigError, InputError
 from prefixscore.weights.loading import LoadedModel, load
 from prefixscore.scorer import Scorer
@@ -287,7 +287,7 @@ def test_request_label_sets_bounded(models, tmp_path, smol_tokenizer):
     """Label sets named by requests live in a small LRU (memory stays bounded however requests vary
     them); the scorer's own stays, and so do its graphs' weights. Ids of a padded vocabulary (rows
     past the tokenizer's last token, as in Qwen) are named by their number."""
-    from conftest import make_tiny_model
+    from tests.helpers import make_tiny_model
 
     from prefixscore import scorer as scorer_mod
 

@@ -107,7 +107,7 @@ def span_layout(base_start, base_end, own_start, seg_offsets, P, prefix_range=No
 
 def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
     """CPU path: the same function as attention_ref through torch's fused SDPA (a few ops per layer
-    instead of ~25; the parity tests against HF cover it, tests/test_attention_cpu.py pins it to
+    instead of ~25; the parity tests against HF cover it, tests/kernels/test_attention_cpu.py pins it to
     the reference)."""
     idx, valid, mask = layout
     S = idx.shape[0]
@@ -127,7 +127,7 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
     T = q.shape[0]
     # Only for small O weights: on the H200 the fused kernel took 6-8 us against 7-8 for the two
     # kernels with Qwen2.5-0.5B's 1.6 MB Wo, but 25-31 against 12-13 us with 7B's 26 MB
-    # (bench/results/kernels_attn_o.json): there the O GEMM is a weight stream that the per-program
+    # (bench.kernels): there the O GEMM is a weight stream that the per-program
     # attention only delays.
     # (Not in batch-invariant mode: there attention reduces in the canonical order of
     # attention_triton's CANON path, then the O GEMM runs its one config, kernels/options.py.)

@@ -10,8 +10,8 @@ in head order (deterministic) and runs the RESID epilogue of gemm_triton (residu
 sum of squares for the next RMSNorm). Every column tile recomputes its heads' attention; at these
 sizes that costs less than a launch. The program holds the whole batch (T <= BLOCK_T), so with
 IN_TILE its in-batch keys are one masked tile loaded together with q, not range loops whose loads
-wait on the ranges (H200, W1: attention + O 6.91 -> 6.56 us, the replay's span 580 -> 569 us;
-bench/results/gpu_ab_defer_intile_session8.json).
+wait on the ranges (H200, W1 through bench.gpu --ab: attention + O 6.91 -> 6.56 us, the replay's
+span 580 -> 569 us).
 
 Same math as attention_ref, then linear_residual; CUDA-graph safe like the kernels it fuses.
 """
@@ -131,7 +131,7 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device, w_elem=None,
         block_n *= 2
     pre = early(N * Hq * D * (w_elem or (4 if dtype == torch.float32 else 2)), options)
     # 8 warps where Wo loads early (H200, W1 in place: attention + O 7.65 -> 6.78 us, span 524.2 ->
-    # 520.4 us, bench/results/gpu_ab_gu_trigger_session9.json; 2 warps: +50 us)
+    # 520.4 us, bench.gpu --ab; 2 warps: +50 us)
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
                 BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=8 if pre else 4, num_stages=2,
                 EARLY=pre, IN_TILE=bool(options.in_tile))

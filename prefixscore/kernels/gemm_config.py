@@ -26,7 +26,7 @@ def config_rows(T: int, options: KernelOptions = DEFAULTS) -> int:
 # e4m3 weights of 7B-class layers (every role, gate/up too):
 # at bf16's configs a program streams half the bytes per tile and the weight read stalls (7B W4
 # 4.13 ms against bf16's 3.69); more programs in flight fix most of it. H200, W4 in place over every
-# skinny role (bench/fp8_tune_gpu.py, bench/results/fp8_tune_gpu_s15a.json): SPLIT 4 3.317 ms,
+# skinny role (a sweep of each setting alone): SPLIT 4 3.317 ms,
 # BLOCK_K 256 3.421, 6 stages 3.520; swapped MMA operands 5.24, BLOCK_N 64 4.70, 8 warps 4.56.
 FP8_WIDE = {"SPLIT": 4}
 
@@ -74,7 +74,7 @@ def _shape_config(T, ncols, K, epi, dtype, device, block_n):
     # gate/up at SPLIT 1 7.6 us vs 8.4 at SPLIT 2). Split-K partials cost 2 * SPLIT * BLOCK_T * N * 4
     # bytes of (L2) traffic: keep that under twice the weight bytes (N * K * 2) at large T.
     # (0.5B down, W1 in place: 19 splits beat 10 by 10 us while down launched as gate/up ended; with
-    # every kernel triggering at its wait, 10 beat 19 by 15 us: bench/results/gpu_ab_*_session9.json.)
+    # every kernel triggering at its wait, 10 beat 19 by 15 us: bench.gpu --ab.)
     split = 1 if tiles >= sms else max(1, min(kit, triton.cdiv(2 * sms, tiles), max(2, K // (2 * bt))))
     iters = triton.cdiv(kit, split)
     split = triton.cdiv(kit, iters)
@@ -85,7 +85,7 @@ def _shape_config(T, ncols, K, epi, dtype, device, block_n):
 # Weight bytes per program loaded before the PDL wait, held in registers until the wait: a whole
 # split of up to 32 KB (no loop follows), else at most 16 KB ahead of the pipelined loop; the gated
 # GEMM (gate/up, the most bytes per program) takes KernelOptions.gu_pre_kb in either case. H200, W1 in
-# place (bench/results/gpu_ab_tune*_session9.json): 0.5B gate/up with 16 / 32 / 64 KB before the
+# place (bench.gpu --ab): 0.5B gate/up with 16 / 32 / 64 KB before the
 # wait, span 567.8 / 564.5 / 553.3 us (gate/up 9.60 / 9.54 / 8.83 us), and with the trigger at
 # the wait (pdl.trigger) 32 KB read +38 us against 64; at 64 KB, 4 of its 7 steps, sm_90
 # ptxas gives 222 registers and no spills (two programs per SM).

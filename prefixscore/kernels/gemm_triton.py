@@ -130,7 +130,7 @@ def _skinny_kernel(
     if NORM:  # rstd of each row from the producer's per-tile sums of squares, added in tile order:
         # tl.sum over a [tiles, T] load adds in an order that follows the tensor's layout, which
         # Triton picks apart for T % 16 == 0, and one request then scored up to 0.012 apart in
-        # buckets 8 and 16 (BENCHMARKS.md, sixth session). NT independent loads, all in flight.
+        # buckets 8 and 16 on the H200. NT independent loads, all in flight.
         ssq = tl.zeros([BLOCK_T], tl.float32)
         for tile in tl.static_range(NT):
             ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0)

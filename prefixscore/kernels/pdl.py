@@ -8,42 +8,28 @@ and its writes visible), so it reads and writes exactly what a serial launch wou
 kernel ahead triggers (gdc_launch_dependents: trigger() below, 0.5B-class layers), its successor
 launches then; otherwise the predecessor's exit lets it run.
 
-Measured on the H200 (bench.gpu --ab: W1 graph replay, each variant captured and timed twice in
-one run; bench/results/gpu_ab_pdl_*.json), ms:
+What was measured (H200, `python -m bench.gpu --ab ...`: W1 graph replay, each variant captured and
+timed in one run; --ab reads ~0.06 ms above the full bench's W1 row for the same graph, so compare
+its rows only with each other; the raw JSON of each A/B is in git history under bench/results), ms:
                                               0.5B          7B
   plain launches                              0.636-0.672   3.758-3.772
-  PDL, wait only (this)                       0.612-0.614   3.683-3.702
-  + trigger right after the wait              0.671         3.906   (next kernel's CTAs sit early)
+  PDL, wait only                              0.612-0.614   3.683-3.702
+  + trigger right after the wait              0.671         3.906   (next kernel's CTAs sit idle)
   + trigger once the main loop is done        0.617-0.619   3.670-3.681
-  + weight rows L2-prefetched before the wait,
-    one prefetch per 128-byte line            0.729         5.340
-    one cp.async.bulk.prefetch per row        0.730         4.960-4.989
-    the same with the late trigger            0.619-0.621   4.878-4.895
-  the *next* kernel's weights prefetched by the kernel ahead (sixth session, its own harness:
-    0.617 without): at its start 0.686, after its main loop 0.677 (gpu_prefetch_next_session6.json)
-so only the wait was kept then. --ab reads ~0.06 ms above the full bench's W1 row for the same graph
-in the same device call (0.613 vs 0.556: gpu_ab_pdl_bulk.json, gpu_quick_pdl_final.json), so
-compare its rows only with each other. (Not the GPU clock after a capture: a 0.3 s warm-up before
-timing changed nothing, and on the next session's machine both harnesses read ~0.595 ms.)
-
-Seventh session (bench.gpu --ab EARLY_WEIGHTS,TRIGGER, two device calls; bench/results/
-gpu_ab_early_trigger_*session7*.json): the skinny GEMMs load their first weight tiles (all of them
-where a split holds <= 32 KB), and attention + O its Wo tile and the pinned prefix's first K/V tile,
-*into registers* before the wait (early()); and each of those kernels triggers its successor once
-its main loop has read its weights (trigger()), so the successor's early loads overlap this
-kernel's split-K reduction and stores:
-                                              0.5B          7B
-  neither (the sixth session's)               0.582 (0.615) 3.679-3.732
+  + weight rows L2-prefetched before the wait 0.729-0.730   4.96-5.34
+  + the next kernel's weights prefetched by the kernel ahead: 0.677-0.686 (0.617 without)
+Then early loads (early() below): the skinny GEMMs load their first weight tiles (all of them
+where a split holds <= 32 KB), and attention + O its Wo tile and the pinned prefix's first K/V
+tile, *into registers* before the wait, and each such kernel triggers its successor so that the
+successor's early loads overlap this kernel's tail:
+  wait only                                   0.582         3.679-3.732
   trigger only                                0.586-0.588   3.702-3.703
-  early loads only                            0.658-0.660   3.900-3.921   (the wait seems to drain them)
-  early loads + trigger (kept for 0.5B-class) 0.572-0.573   3.825-3.839
-(0.615: the baseline's second capture in both calls.) At 7B both lose, so they apply only to
-kernels whose weight is at most EARLY_MAX_BYTES (every 0.5B layer; no 7B layer), and 7B runs as
-before.
-
-Ninth session: with early loads, the trigger pays most right after the wait (trigger() has the
-rows: W1 0.539 -> 0.480 ms). The second session's "trigger right after the wait" above lost
-because nothing was loaded early then: the next kernel's programs only sat on the SMs.
+  early loads only                            0.658-0.660   3.900-3.921   (the wait drains them)
+  early loads + trigger after the main loop   0.572-0.573   3.825-3.839
+  early loads + trigger right after the wait  0.480         -             (trigger() has the rows)
+Trigger-at-wait lost in the first table because nothing was loaded early: the next kernel's
+programs only sat on the SMs. At 7B early loads lose, so they apply only to kernels whose weight
+is at most EARLY_MAX_BYTES (every 0.5B layer; no 7B layer), and 7B runs with the wait only.
 
 Every Triton kernel takes GDC (constexpr), does `if GDC: wait()` first, and is launched with
 launch_kwargs(device, options): GDC False (CPU interpreter, pre-Hopper GPUs, KernelOptions.pdl
@@ -89,8 +75,7 @@ def trigger(device, w, role: str, options: KernelOptions) -> int:
     this one's leave and start their early loads while it runs. Gate/up has no split-K tail, and
     with 152 programs on 132 SMs its last loop to end is about its last program to end: triggered
     after the loop, down launched as gate/up ended (W1 timeline gap -0.03 us, the other kernels
-    -1.4 to -2.6). H200, W1 graph replay in place, scores bitwise the same (bench/results/
-    gpu_ab_gu_trigger_session9.json, gpu_ab_round5_session9.json, gpu_ab_round6_session9.json):
+    -1.4 to -2.6). H200, W1 graph replay in place (bench.gpu --ab), scores bitwise the same:
         none 0.539 ms (span 548 us); gate/up 0.518 (524); + attention + O 0.492 (494);
         + QKV and down 0.480 (483; with down split 10 ways, gemm_config: 0.493 / 0.496 at 19)"""
     if not (options.trigger and enabled(device, options) and early(w.numel() * w.element_size(), options)):

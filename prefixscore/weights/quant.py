@@ -16,7 +16,7 @@ Two formats, both named by config.json's `quantization_config`:
   scale_inv[n // bn, k // bk] (vLLM vllm/model_executor/layers/quantization/utils/fp8_utils.py:
   create_fp8_scale_parameter sizes the grid with ceil division, requant_weight_ue8m0_inplace
   dequantizes with repeat_interleave + crop; transformers integrations/finegrained_fp8.py
-  Fp8Dequantize, the same index map for whole blocks, checked in tests/test_fp8_checkpoints.py).
+  Fp8Dequantize, the same index map for whole blocks, checked in tests/weights/test_fp8_checkpoints.py).
   Without weight_block_size (AutoFP8 / vLLM per-tensor checkpoints) `X.weight_scale` is one value.
 
 Dequantization is exact in the sense of one fp32 rounding of weight.float() * scale.float(); the

@@ -11,7 +11,7 @@ After editing prefixscore.proto:
 
     python -c "from prefixscore.serve.proto import regenerate; regenerate()"
 
-tests/test_grpc.py checks that the committed descriptor matches the .proto.
+tests/serve/test_grpc.py checks that the committed descriptor matches the .proto.
 """
 from __future__ import annotations
 

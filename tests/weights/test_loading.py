@@ -58,7 +58,7 @@ def test_swish_is_silu(folder):
 
 @pytest.mark.parametrize("rope_type", ["proportional", "no_such_rope"])
 def test_unknown_rope_type_refused(rope_type):
-    from conftest import tiny_hf_config
+    from tests.helpers import tiny_hf_config
 
     cfg = tiny_hf_config("llama", rope_parameters=dict(rope_type=rope_type, rope_theta=1e4))
     with pytest.raises(ModelLoadError, match=f"rope_type '{rope_type}'"):
@@ -117,7 +117,7 @@ def test_hf_state_dict_loads():
     """from_tensors on a HF model's state_dict (bench/): tied lm_head.weight is the embeddings."""
     from transformers import AutoModelForCausalLM
 
-    from conftest import tiny_hf_config
+    from tests.helpers import tiny_hf_config
 
     for arch in ("llama", "qwen3"):
         cfg = tiny_hf_config(arch, attention_bias=True)

@@ -11,7 +11,7 @@ from prefixscore.prompt import Prompt
 from prefixscore.serve import create_app
 from prefixscore.serve import protocol as P
 from prefixscore.serve.engine_loop import EngineLoop
-from test_server import LIMITS, clf, running, scorer  # noqa: F401 (clf, scorer: fixtures)
+from tests.serve.helpers import LIMITS, running
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from conftest import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
 
 fix_interpreter_loop_bounds()
 
@@ -206,7 +206,7 @@ def test_quantized_model_equals_dequantized_weights(tiny_model):
 def test_attention_o_fp8(cfg):
     """Attention fused with an e4m3 O projection and the residual add: the scale of each output
     column applied once, after the sum over heads (with and without the head split-K)."""
-    from test_kernels_triton import make_random_plan
+    from tests.kernels.test_kernels_triton import make_random_plan
 
     from prefixscore.kernels.attention import attention_ref
     from prefixscore.kernels.attention_o_triton import attention_o_residual_small

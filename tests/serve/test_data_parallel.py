@@ -11,7 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest import random_queries
+from tests.helpers import random_queries
+from tests.serve.procs import check, one_error, post_all, serve, serve_cmd
 from prefixscore.serve import protocol as P
 from prefixscore.serve.client import BaseClient, EngineDead
 from prefixscore.serve.dp_client import DataParallelClient, least_loaded
@@ -114,9 +115,6 @@ def test_router_sends_each_pass_to_the_least_loaded_engine():
 
 # ---------------------------------------------------------------- the server (processes)
 
-# the same servers and fixtures (a tiny Llama, its in-process Classifier) as test_serve_procs
-from test_serve_procs import check, clf, model, post_all, serve  # noqa: E402,F401
-from test_startup import one_error, serve as serve_cmd, unreadable_model  # noqa: E402,F401
 
 
 def all_engines_ready(base, timeout=90):

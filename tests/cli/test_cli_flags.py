@@ -647,7 +647,7 @@ def _eval_rows(seed):
     CJK among them, random gold labels."""
     import random
 
-    from conftest import random_queries
+    from tests.helpers import random_queries
 
     rng = random.Random(seed)
     queries = random_queries(40, seed)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_model, random_queries
+from tests.helpers import make_tiny_model, random_queries
 from prefixscore import Classifier
 from prefixscore.errors import ModelLoadError
 from prefixscore.weights.loading import check, load
@@ -187,7 +187,7 @@ def test_block_grid_is_ragged(checkpoint):
 def test_scores_match_hf_on_dequantized_weights(fmt, checkpoint):
     from transformers import AutoModelForCausalLM
 
-    from test_parity_hf import check_parity
+    from tests.test_parity_hf import check_parity
 
     # seed: weights whose decisions vary over these queries (some random heads pick one label)
     fp8_dir, ref_dir, _ = checkpoint(fmt, lm_head=fmt == "fp8-block128", seed=2)

@@ -25,7 +25,7 @@ from prefixscore.classifier import Classifier  # noqa: E402
 from prefixscore.errors import ConfigError  # noqa: E402
 from prefixscore.scorer import Scorer  # noqa: E402
 
-from conftest import random_queries  # noqa: E402
+from tests.helpers import random_queries  # noqa: E402
 
 LABELS = ["Dress", "Jeans", "Other"]
 TEMPLATE = "Is this query about a dress, jeans or other?\nquery: {query}\nanswer:"

@@ -203,6 +203,7 @@ def test_index_names_the_weights(tiny, tmp_path):
         load(folder)
 
 
+@pytest.mark.slow  # slow: the command in a subprocess (~6 s)
 def test_cli_hub_name(tiny, tmp_path):
     """`prefixscore classify --model org/name` offline; an uncached name is one line, exit 2."""
     home = tmp_path / "hf"

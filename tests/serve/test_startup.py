@@ -5,7 +5,6 @@ A mistake is one line on stderr and exit status 2, in both layouts (--workers 1:
 "Before the model loads" is checked, not timed: the model folder's weights file is a FIFO that
 no one writes, so anything that reads the weights blocks, and the run outlives its timeout."""
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -14,28 +13,9 @@ import time
 import httpx
 import pytest
 
+from tests.serve.procs import one_error, serve_cmd
+
 pytest.importorskip("zmq")
-
-
-@pytest.fixture(scope="module")
-def unreadable_model(tiny_model, tmp_path_factory):
-    """The tiny model's config and tokenizer, with a FIFO for weights: reading them hangs."""
-    folder = tmp_path_factory.mktemp("fifo") / "model"
-    shutil.copytree(tiny_model("llama"), folder)
-    (folder / "model.safetensors").unlink()
-    os.mkfifo(folder / "model.safetensors")
-    return str(folder)
-
-
-def serve(*args, timeout=60, env=None):
-    return subprocess.run([sys.executable, "-m", "prefixscore.cli", "serve", "--device", "cpu", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env=(env or os.environ) | {"OMP_NUM_THREADS": "1"})
-
-
-def one_error(p, text):
-    lines = [l for l in p.stderr.splitlines() if l.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and text in lines[0], p.stderr[-2000:]
 
 
 @pytest.fixture
@@ -49,14 +29,14 @@ def busy_port():
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_busy_port_before_the_model(unreadable_model, busy_port, workers):
     t = time.perf_counter()
-    p = serve("--model", unreadable_model, "--port", str(busy_port), "--workers", workers)
+    p = serve_cmd("--model", unreadable_model, "--port", str(busy_port), "--workers", workers)
     one_error(p, f"cannot listen on 127.0.0.1:{busy_port}: Address already in use")
     assert time.perf_counter() - t < 60
 
 
 def test_busy_grpc_port_before_the_model(unreadable_model, busy_port):
     pytest.importorskip("grpc")
-    p = serve("--model", unreadable_model, "--port", "0", "--grpc-port", str(busy_port), "--workers", "2")
+    p = serve_cmd("--model", unreadable_model, "--port", "0", "--grpc-port", str(busy_port), "--workers", "2")
     one_error(p, f"cannot listen for gRPC on 127.0.0.1:{busy_port}")
 
 
@@ -64,9 +44,9 @@ def test_busy_port_before_a_hub_download(busy_port, tmp_path):
     """The port first, then the model: a hub name is resolved (downloaded) only once the ports are
     held, so a busy port does not wait for a download."""
     env = os.environ | {"HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    p = serve("--model", "acme/absent", "--port", str(busy_port), "--workers", "1", env=env)
+    p = serve_cmd("--model", "acme/absent", "--port", str(busy_port), "--workers", "1", env=env)
     one_error(p, f"cannot listen on 127.0.0.1:{busy_port}")
-    p = serve("--model", "acme/absent", "--port", "0", "--workers", "2", env=env)
+    p = serve_cmd("--model", "acme/absent", "--port", "0", "--workers", "2", env=env)
     one_error(p, "HF_HUB_OFFLINE")
 
 
@@ -91,21 +71,21 @@ def test_busy_port_before_a_hub_download(busy_port, tmp_path):
 def test_flags_and_files_before_the_model(unreadable_model, flags, text):
     """Mistakes the engine process would otherwise meet only after loading (or while: the head and
     adapter files), each one line and exit 2 from the launcher."""
-    p = serve("--model", unreadable_model, "--port", "0", "--workers", "2", *flags)
+    p = serve_cmd("--model", unreadable_model, "--port", "0", "--workers", "2", *flags)
     one_error(p, text)
 
 
 def test_bad_model_folder_before_the_engine_starts(tmp_path):
     """A folder that is not a model is reported by the launcher, not by an engine process's
     traceback."""
-    p = serve("--model", str(tmp_path), "--port", "0", "--workers", "2")
+    p = serve_cmd("--model", str(tmp_path), "--port", "0", "--workers", "2")
     one_error(p, "no config.json")
 
 
 def test_serve_a_hub_name(tiny_model, tmp_path):
     """--workers 2 with a hub name: the launcher resolves it offline from the cache, the engine
     loads the snapshot, and the server calls the model by its hub name."""
-    from test_hub import COMMIT, add_snapshot
+    from tests.weights.test_hub import COMMIT, add_snapshot
 
     add_snapshot(tmp_path / "hub", "acme/tiny", COMMIT, tiny_model("llama"))
     with socket.socket() as s:

@@ -3,7 +3,6 @@ the uvicorn protocol and shutdown `prefixscore serve` runs): idle sockets and hu
 limits, deadlines and clients that leave, a backlog at SIGTERM, an engine thread that dies, forged
 chat turns, blank or doubled credentials. Tiny random model, CPU."""
 import asyncio
-import json
 import os
 import socket
 import subprocess
@@ -19,8 +18,8 @@ from prefixscore import Classifier, ConfigError
 from prefixscore.scorer import Scorer
 from prefixscore.serve import create_app
 from prefixscore.serve.config import api_key_from
-from test_server import SCORE_TEMPLATE, Wrapped, check, metric, ready
-from test_server import running as serving
+from tests.serve.helpers import SCORE_TEMPLATE, Wrapped, check, metric, ready
+from tests.serve.helpers import running as serving
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from prefixscore import Classifier
 from prefixscore.errors import ConfigError, PrefixScoreError
 from prefixscore.serve import create_app
-from test_server import LIMITS, post_all, running
+from tests.serve.helpers import LIMITS, post_all, running
 
 CATEGORY = dict(template="Which category is this query about? Answer with one label.\nquery: {query}",
                 labels=["Dress", "Jeans", "Hoodie", "T-shirt", "Trench Coat"])
@@ -294,6 +294,7 @@ def test_config_table_errors(tmp_path):
 
 # ---------------------------------------------------------------- the multi-process layout
 
+@pytest.mark.slow  # slow: a launcher, front ends and an engine in subprocesses (~10 s)
 def test_workers_serve_the_config_files_classifiers(path, separate, tmp_path):
     """--workers 2 (front-end processes over ZeroMQ, an engine process) with the classifiers of a
     config file: the front ends build each classifier's prompt from the engine's Ready, answers
@@ -344,7 +345,7 @@ def test_grpc_classify_names_a_classifier(many):
     import asyncio
 
     import grpc
-    from test_grpc import failure, serving
+    from tests.serve.test_grpc import failure, serving
 
     from prefixscore.serve.proto import prefixscore_pb2 as pb
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hf_reference import hf_generate, hf_scores
+from tests.hf_reference import hf_generate, hf_scores
 from prefixscore import Classifier
 from prefixscore.errors import ConfigError, InputError, ModelLoadError
 from prefixscore.weights.loading import base_hash, load

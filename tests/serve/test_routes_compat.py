@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 import prefixscore
 from prefixscore.serve import create_app
-from test_server import JSON, LIMITS, clf, running, scorer  # noqa: F401 (clf, scorer: fixtures)
+from tests.serve.helpers import JSON, LIMITS, running
 
 QUERIES = ["beige trench coat women", "levis 501", "红色连衣裙"]
 

@@ -1,6 +1,6 @@
 """Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU.
 
-    python tests/aot_compile.py          (TRITON_INTERPRET unset; run by test_kernels_compile.py)
+    python tests/kernels/aot_compile.py         (TRITON_INTERPRET unset; run by test_kernels_compile.py)
 
 The interpreter runs the kernels' math on CPU but never compiles them, so a kernel it accepts can
 still fail to compile on the GPU. This builds each kernel with the launch configs the production
@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
 
 from prefixscore.kernels import attention_o_triton as AO  # noqa: E402

@@ -22,7 +22,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-from conftest import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
 
 fix_interpreter_loop_bounds()
 

@@ -17,7 +17,7 @@ import tracemalloc
 
 import pytest
 
-from conftest import random_queries
+from tests.helpers import random_queries
 from prefixscore.cli import commands as cli
 from prefixscore.classifier import Classifier
 from prefixscore.rows.resume import chunk_ends

@@ -26,7 +26,7 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 TS = [1, 3, 8, 16, 33, 64]
 
 
-from conftest import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
 
 fix_interpreter_loop_bounds()
 
