@@ -13,8 +13,7 @@ from .errors import ConfigError, InputError, numbered
 from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
-from .result import Result
-from .spec import ModelSpec
+from .values import ModelSpec, Result
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
 MODES = ("logprobs", "logits")

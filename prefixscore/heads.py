@@ -207,7 +207,7 @@ def head_scores(clf, head: HeadWeights, batch, logprobs: bool = True):
 def classify_with_head(clf, head: HeadWeights, queries: list[str], logprobs: bool = True):
     """Results for queries through `head` (what Classifier(..., head=...) returns), in batches that
     follow the classifier's token budget."""
-    from .result import Result
+    from .values import Result
 
     encoded = clf.encode_many(queries)
     out = [None] * len(encoded)

@@ -168,7 +168,7 @@ class Classifiers(dict):
         return self.classify_batch([query], names)[0]
 
     def classify_batch(self, queries, names=None) -> list[dict]:
-        from .result import Result
+        from .values import Result
         from .errors import ConfigError, InputError
 
         if isinstance(queries, str):

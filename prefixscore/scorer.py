@@ -37,9 +37,8 @@ from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, sentinel
 from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, label_key
-from .result import ItemResult
 from .spans import Span, SpanLayout, plan_items, request_spans
-from .spec import ModelSpec
+from .values import ItemResult, ModelSpec
 
 DEFAULT_TEMPLATE = ("Decide whether the item is relevant to the query. Answer yes or no.\n"
                     "Query: {query}\nItem: {item}")

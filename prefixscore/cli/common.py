@@ -15,7 +15,7 @@ import time
 
 from ..errors import ConfigError
 from ..rows.io import labels_option, template_option
-from ..spec import ModelSpec
+from ..values import ModelSpec
 
 
 def model_args(p: argparse.ArgumentParser) -> None:

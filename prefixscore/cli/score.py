@@ -12,7 +12,7 @@ from .common import err, quiet
 from ..errors import ConfigError, InputError, error_at
 from ..overlap import run_ahead
 from ..scorer import LAYOUTS, MODES, Scorer
-from ..spec import ModelSpec
+from ..values import ModelSpec
 
 # score_request's keys that the command does not take per line: refused rather than ignored
 REQUEST_ONLY_KEYS = ("labels", "label_token_ids", "apply_softmax", "item_first")

@@ -107,7 +107,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     from ..rows.io import labels_option, template_option
     from ..prompt import check_template
     from ..serve.classifiers import seed_prompt_warnings, specs
-    from ..spec import ModelSpec
+    from ..values import ModelSpec
 
     declared = specs(a)  # before the seed adapter's default: declared classifiers run the raw model
     if not declared:

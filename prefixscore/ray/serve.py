@@ -37,7 +37,7 @@ import sys
 
 from ..errors import ConfigError
 from ..serve.config import EngineConfig, FrontendConfig
-from ..spec import ModelSpec
+from ..values import ModelSpec
 
 try:
     import ray

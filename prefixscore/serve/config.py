@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from ..spec import ModelSpec
+from ..values import ModelSpec
 
 if TYPE_CHECKING:
     from .classifiers import ClassifierSpec

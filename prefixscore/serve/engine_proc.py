@@ -19,7 +19,7 @@ import sys
 import time
 
 from . import protocol as P
-from ..spec import ModelSpec
+from ..values import ModelSpec
 from .config import EngineConfig
 from .engine_loop import STOP, EngineLoop
 

@@ -66,7 +66,7 @@ def uvicorn_server(app, fcfg: FrontendConfig, frontend):
     """A uvicorn Server whose shutdown drains through the Frontend first."""
     import uvicorn
 
-    from .http import protocol_class
+    from .connections import protocol_class
 
     class DrainingServer(uvicorn.Server):
         """uvicorn + the gRPC front end on the same event loop and Frontend (--grpc-port)."""

@@ -1,12 +1,18 @@
-"""ModelSpec: what to load and how to prompt it, as one frozen value. Every entry point takes it:
-Classifier and Scorer (their keyword arguments build one), the command line (its model and prompt
-flags, cli/common.model_spec), the server (EngineConfig.spec, handed to the engine process at
-spawn) and Ray; so the options are spelled out here once, and checked here once."""
+"""The library's plain values, a leaf that every layer may import: ModelSpec (what to load and how to
+prompt it) going in, Result and ItemResult (what a classification or a scored item answers) coming
+out.
+
+ModelSpec is one frozen value every entry point takes: Classifier and Scorer (their keyword
+arguments build one), the command line (its model and prompt flags, cli/common.model_spec), the
+server (EngineConfig.spec, handed to the engine process at spawn) and Ray; so the options are
+spelled out here once, and checked here once. Result and ItemResult live here so that the
+classifier, the label heads and the fused many-classifier path can all build them without
+importing one another."""
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from .errors import ConfigError
 
@@ -51,3 +57,23 @@ class ModelSpec:
     @property
     def label_list(self) -> list[str] | None:
         return None if self.labels is None else list(self.labels)
+
+
+@dataclass
+class Result:
+    query: str
+    label: str
+    scores: dict[str, float]  # log-probabilities (mode "logprobs") or raw first-token logits
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ItemResult:
+    item: str | list[int]  # the item as given (text, or token ids)
+    label: str  # the decision: label-constrained greedy choice (argmax in logits / vocab_probs)
+    scores: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
