@@ -7,7 +7,7 @@ import ipaddress
 import sys
 
 from ..serve.classifiers import parse_tables
-from ..serve.config import EngineConfig, FrontendConfig, api_key_from, default_workers
+from ..serve.config import EngineConfig, FrontendConfig, ScheduleOptions, api_key_from, default_workers
 
 
 def add_command(subparsers, model_args) -> None:
@@ -45,6 +45,22 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--max-queue-ms", type=float, default=2000.0,
                    help="a query the engine has not started within this is dropped unrun and answered "
                         "503 with Retry-After (default 2000)")
+    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request's deadline when it sets none (HTTP: X-Request-Timeout: SECONDS; "
+                        "gRPC: its own deadline): answered 504 then, never computed after it "
+                        "(default: none)")
+    s = p.add_argument_group("latency target")
+    s.add_argument("--target-p99-ms", type=float, default=None,
+                   help="the p99 latency to hold: engine passes of about a quarter of it (classify "
+                        "rows, and multi-item requests a run of items at a time), and depth control "
+                        "on /v1/score and /rerank (default: none)")
+    s.add_argument("--pass-ms", type=float, default=None,
+                   help="engine pass length (default: a quarter of --target-p99-ms, else 25)")
+    s.add_argument("--depth-min", type=int, default=50,
+                   help="depth control: items a real-time score request gets scored at least (50)")
+    s.add_argument("--depth-max", type=int, default=250, help="and at most (250)")
+    s.add_argument("--depth-gains", default="0.8,0.2,0.05", metavar="KP,KI,KD",
+                   help="depth control's PID gains (default 0.8,0.2,0.05)")
     g.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="how long a batch may wait for more requests (default 0: run when the engine is free)")
     g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")
@@ -137,13 +153,15 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
             batch_invariant=getattr(a, "batch_invariant", None) or None),
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
-        served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared)
+        served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared,
+        schedule=ScheduleOptions(a.target_p99_ms, a.pass_ms, a.depth_min, a.depth_max,
+                                 _gains(a.depth_gains)))
     workers = default_workers() if a.workers is None else a.workers
     front = FrontendConfig(
         host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, data_parallel=dp,
         api_key=api_key_from(a.api_key),
         max_queue=a.max_queue, max_queue_tokens=a.max_queue_tokens, max_queue_ms=a.max_queue_ms,
-        max_body_bytes=a.max_body_bytes,
+        request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes,
         max_queries=a.max_queries, max_tokens=a.max_tokens, max_score_tokens=a.max_score_tokens,
         max_label_ids=a.max_label_ids, cache_size=a.cache_size, cache_ttl=a.cache_ttl,
         max_connections=a.max_connections, header_timeout=a.header_timeout,
@@ -151,6 +169,18 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
         log_level=_log_level(a), access_log=a.access_log)
     return front, engine
+
+
+def _gains(text: str) -> tuple[float, float, float]:
+    from ..errors import ConfigError
+
+    try:
+        gains = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        gains = ()
+    if len(gains) != 3:
+        raise ConfigError(f"--depth-gains takes three numbers KP,KI,KD, got {text!r}")
+    return gains
 
 
 def check_before_loading(a, score_labels, classifiers=()) -> None:

@@ -3,7 +3,8 @@
     protocol.py     the wire between front ends and an engine (msgspec structs)
     config.py       FrontendConfig, EngineConfig: built once from flags + TOML, checked there
     classifiers.py  several classifiers over one model: --classifier / [classifiers.NAME], memory
-    engine_loop.py  the engine loop: everything queued -> one flat batch -> answers
+    engine_loop.py  the engine loop: queued requests -> passes of bounded cost -> answers
+    scheduler.py    its lanes (real-time, batch), pass budgets, deadlines between passes
     engine_proc.py  the engine process: the model, the loop, a ZeroMQ ROUTER socket
     client.py       front end -> engine: InprocClient (a thread) and ZmqClient (a process)
     dp_client.py    --data-parallel: one ZmqClient per engine, each pass to the least loaded
@@ -11,7 +12,8 @@
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
     fanout.py       one request to several classifiers ("classifiers": [...]) and its answer
     answers.py      Answer, the result cache, probabilities; api_error.py: ApiError
-    http.py         the FastAPI app, its ASGI guard and the bounded uvicorn protocol
+    http.py         the FastAPI app and its ASGI guard (auth, body, X-Request-Timeout)
+    connections.py  the bounded uvicorn protocol: header limits, connections at the limit
     compat.py       routes in other servers' shapes: vLLM /classify, TEI /predict, /rerank, /v1/models
     metrics.py      Prometheus series, summed over processes
     launch.py       --workers 1 (one process) or launcher + front ends + engine process
@@ -26,12 +28,13 @@ from __future__ import annotations
 
 def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_window_ms: float = 0.0,
                engine_spin_ms: float = 0.0, engine_cpu: int | None = None,
-               model_name: str | None = None, **limits):
+               model_name: str | None = None, schedule=None, **limits):
     """An ASGI app serving `classifier` (and `scorer` for /v1/score) in this process: the engine
     loop on a thread, as `prefixscore serve --workers 1` runs it. classifier: a Classifier, served
     under model_name (default: the model's file or folder name), or {name: Classifier} over one
-    model (Classifier.many), the first the default. limits: FrontendConfig fields (max_queue,
-    max_queries, max_tokens, api_key, cache_size, ...)."""
+    model (Classifier.many), the first the default. schedule: a config.ScheduleOptions (latency
+    target, pass length, depth control). limits: FrontendConfig fields (max_queue, max_queries,
+    max_tokens, api_key, cache_size, request_timeout, ...)."""
     import os
 
     from .client import InprocClient
@@ -48,7 +51,7 @@ def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_w
                                                       "prefixscore")))
     client = InprocClient(classifier, scorer, window=batch_window_ms / 1e3,
                           spin=engine_spin_ms / 1e3, metrics=metrics, restart=restart_engine,
-                          model=model, engine_cpu=engine_cpu)
+                          model=model, engine_cpu=engine_cpu, schedule=schedule)
     fe = Frontend(cfg, client, metrics, lambda info: [c.prompt for c in clfs])
     app = http_app(fe, on_startup=client.start, on_shutdown=client.stop)
     app.state.client = client

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,6 +35,7 @@ class ClassifyJob:
     """One front-end request: its queries' rows, answered together (one message each way)."""
     future: asyncio.Future
     n: int
+    t0: float = 0.0  # when it was sent (time.monotonic())
     status: list = None
     best: list = None
     scores: np.ndarray = None
@@ -53,6 +55,8 @@ class BaseClient:
         self.outbox: list = []  # messages built in this event-loop pass
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queued = 0  # the engine's queue depth in its last answer
+        self.last_out = 0.0  # when the engine last answered (time.monotonic())
+        self.depth: tuple[int, float] | None = None  # depth control's (depth, p99 ms), last seen
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
         self.metrics = None  # set by the front end: engine deaths are counted
         self.became_ready: asyncio.Event | None = None
@@ -78,35 +82,51 @@ class BaseClient:
         """What /healthz adds about the engines (several: dp_client); one says nothing more."""
         return {}
 
+    def state(self) -> dict:
+        """The engine's state as this front end sees it: its queue (the engine's last word), the
+        age of the oldest request this front end waits on, and how long the engine has been
+        silent while it waits (a long pass)."""
+        now = time.monotonic()
+        first = next(iter(self.jobs.values()), None)
+        t0 = None if first is None else first[0].t0 if isinstance(first[0], ClassifyJob) else first[1]
+        return {"engine_queue": self.queued, "in_flight": len(self.jobs),
+                "oldest_ms": 0.0 if t0 is None else round(1e3 * (now - t0), 3),
+                "engine_silent_ms": 0.0 if t0 is None else
+                round(1e3 * (now - max(t0, self.last_out)), 3)}
+
     # -- submitting (event loop)
     def classify(self, ids: list[list[int]], starts: list[int], deadline: float,
-                 classifiers: list[int] | None = None) -> asyncio.Future:
+                 classifiers: list[int] | None = None, priority: int = 0) -> asyncio.Future:
         """classifiers[i]: the classifier (its index in ReadyOut.classifiers) of row i; None: the
-        default for every row."""
+        default for every row. deadline: not started by then, the engine drops it unrun."""
         if self.error is not None:
             raise EngineDead(self.error)
-        job = ClassifyJob(self.loop.create_future(), len(ids))
+        job = ClassifyJob(self.loop.create_future(), len(ids), time.monotonic())
         rids = [next(self.rids) for _ in ids]
         for row, rid in enumerate(rids):
             self.jobs[rid] = (job, row)
         data, offsets = P.pack_ids(ids)
         self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * len(ids),
-                                  classifiers or []))
+                                  classifiers or [], [priority] * len(ids) if priority else []))
         return job.future
 
     def score(self, full: list[list[int]], shared: list[int], deadline: float,
               labels: list[str] | None = None, label_token_ids: list[int] | None = None,
-              apply_softmax: bool = False) -> asyncio.Future:
+              apply_softmax: bool = False, finish_by: float = 0.0, priority: int = 0) -> asyncio.Future:
         """One tokenized score request (ScoreInput.parse's): per item its whole prompt's ids, and
-        the ids before the item slot; the label set as the request named it (None: the scorer's)."""
+        the ids before the item slot; the label set as the request named it (None: the scorer's).
+        deadline: not started by then, dropped unrun; finish_by: the client's deadline (0: none),
+        its passes stop there."""
         if self.error is not None:
             raise EngineDead(self.error)
         fut = self.loop.create_future()
         rid = next(self.rids)
-        self.jobs[rid] = (fut, None)
+        now = time.monotonic()
+        self.jobs[rid] = (fut, now)
         data, offsets = P.pack_ids(full)
         self._queue(P.ScoreReq(self.id, rid, data, offsets, np.asarray(shared, np.int32).tobytes(),
-                               labels, label_token_ids, apply_softmax, deadline))
+                               labels, label_token_ids, apply_softmax, deadline, finish_by, priority,
+                               now))
         return fut
 
     def abort(self, futures: list) -> None:
@@ -131,6 +151,7 @@ class BaseClient:
 
     # -- answers (event loop)
     def _on_out(self, out) -> None:
+        self.last_out = time.monotonic()
         if isinstance(out, P.ClassifyOut):
             self.queued = out.queued
             if out.forward_s > 0:
@@ -153,6 +174,8 @@ class BaseClient:
                 if job.n_done == job.n and not job.future.done():
                     job.future.set_result(job)
         elif isinstance(out, P.ScoreOut):
+            if out.status == P.OK and out.p99_ms:
+                self.depth = (out.depth, out.p99_ms)
             entry = self.jobs.pop(out.rid, None)
             if entry is not None and not entry[0].done():
                 entry[0].set_result(out)
@@ -197,7 +220,8 @@ class BaseClient:
 def _merge(msgs: list) -> P.ClassifyReq:
     rids, starts, deadlines, offsets, datas, base = [], [], [], [0], [], 0
     mixed = any(m.classifiers for m in msgs)  # else every row is the default's: nothing to send
-    classifiers = []
+    ranked = any(m.priorities for m in msgs)  # else every row is real-time
+    classifiers, priorities = [], []
     for m in msgs:
         rids += m.rids
         starts += m.starts
@@ -207,8 +231,10 @@ def _merge(msgs: list) -> P.ClassifyReq:
         datas.append(m.ids)
         if mixed:
             classifiers += m.classifiers or [0] * len(m.rids)
+        if ranked:
+            priorities += m.priorities or [0] * len(m.rids)
     return P.ClassifyReq(msgs[0].client, rids, b"".join(datas), offsets, starts, deadlines,
-                         classifiers)
+                         classifiers, priorities)
 
 
 class InprocClient(BaseClient):
@@ -218,10 +244,12 @@ class InprocClient(BaseClient):
     thread takes over the same classifier."""
 
     def __init__(self, clf, scorer=None, window: float = 0.0, spin: float = 0.0, metrics=None,
-                 restart: bool = False, model: str = "", engine_cpu: int | None = None):
+                 restart: bool = False, model: str = "", engine_cpu: int | None = None,
+                 schedule=None):
         super().__init__(0)
         self.clf, self.scorer, self.restart, self.model = clf, scorer, restart, model
-        self.engine = EngineLoop(clf, scorer, window=window, spin=spin, metrics=metrics)
+        self.engine = EngineLoop(clf, scorer, window=window, spin=spin, metrics=metrics,
+                                 schedule=schedule)
         self.engine_cpu = engine_cpu
         self.thread: threading.Thread | None = None
         self.restarts = 0

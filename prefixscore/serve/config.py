@@ -13,6 +13,41 @@ if TYPE_CHECKING:
     from .classifiers import ClassifierSpec
 
 MAX_WINDOW_MS = 10_000.0  # a longer batch window would outlast any client's timeout
+MAX_TIMEOUT_S = 3600.0  # a request's deadline (--request-timeout, X-Request-Timeout) at most this
+
+
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """How the engine loop holds a latency target (--target-p99-ms and the flags beside it).
+
+    Every engine pass is kept near pass_ms (default: a quarter of the target, else 25 ms): classify
+    rows up to that many tokens' worth, and multi-item requests a run of items at a time, so no
+    request holds the engine for long. With a target, /v1/score's real-time requests score only as
+    many items as depth control allows (depth.py: a PID controller on their measured p99)."""
+    target_p99_ms: float | None = None
+    pass_ms: float | None = None
+    depth_min: int = 50
+    depth_max: int = 250
+    depth_gains: tuple[float, float, float] = (0.8, 0.2, 0.05)  # Kp, Ki, Kd
+
+    def __post_init__(self):
+        for name in ("target_p99_ms", "pass_ms"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < float("inf"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number of "
+                                  f"milliseconds, got {v}")
+        if not 1 <= self.depth_min <= self.depth_max:
+            raise ConfigError(f"--depth-min ({self.depth_min}) and --depth-max ({self.depth_max}) "
+                              f"must satisfy 1 <= min <= max")
+        if len(self.depth_gains) != 3 or any(not 0 <= g < float("inf") for g in self.depth_gains):
+            raise ConfigError(f"--depth-gains takes three numbers >= 0 (Kp,Ki,Kd), got "
+                              f"{self.depth_gains}")
+
+    @property
+    def pass_s(self) -> float:
+        """The engine pass's time bound, in seconds."""
+        ms = self.pass_ms or (self.target_p99_ms / 4 if self.target_p99_ms else 25.0)
+        return ms / 1e3
 
 
 @dataclass(frozen=True)
@@ -29,6 +64,7 @@ class EngineConfig:
     served_model_name: str | None = None
     # Several classifiers over the one model (--classifier); () serves one, named like the model.
     classifiers: tuple[ClassifierSpec, ...] = ()
+    schedule: ScheduleOptions = ScheduleOptions()
 
     def __post_init__(self):
         check_window(self.batch_window_ms)
@@ -51,6 +87,7 @@ class FrontendConfig:
     max_queue: int = 1024  # queries admitted and not yet answered, per front end
     max_queue_tokens: int = 65536  # and their tokens (a request over it alone is still admitted)
     max_queue_ms: float = 2000.0  # a query not started by then is answered 503, not run
+    request_timeout: float | None = None  # a request's deadline (504) when it sets none itself
     max_body_bytes: int = 1 << 20
     max_queries: int = 256
     max_tokens: int = 512  # per query, after the cached prefix
@@ -86,6 +123,9 @@ class FrontendConfig:
             v = getattr(self, name)
             if not 0 < v < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
+        if self.request_timeout is not None and not 0 < self.request_timeout <= MAX_TIMEOUT_S:
+            raise ConfigError(f"--request-timeout must be seconds in (0, {MAX_TIMEOUT_S:g}], got "
+                              f"{self.request_timeout}")
         if not 0 <= self.cache_ttl < float("inf"):  # inf would be "no TTL", which 0 already says
             raise ConfigError(f"--cache-ttl must be seconds >= 0 (0: none), got {self.cache_ttl}")
         if self.api_key is not None:

@@ -1,13 +1,18 @@
 """The engine loop: one per engine (GPU), ignorant of sockets.
 
-It takes everything its front ends queued since the last pass (HTTP, gRPC, any number of worker
-processes), drops what expired or was aborted, runs every classify request in one
-`classify_encoded` call (flat batches, CUDA graphs), answers each front end with one message, then
-runs queued multi-item scoring requests (token ids: the front end checked and tokenized them,
-Scorer.score_call runs them; only a request's label set is tokenized here, once per set). The same loop runs on a thread of the server process
-(`--workers 1`, client.InprocClient) or as the main loop of an engine process (engine_proc.py); a
-`source` gives it messages and a reply function per message. It calls `Classifier.decide_encoded`
-(label indices and score rows, no Result objects): the tests' seam for a slow or failing engine.
+Each turn it takes what its front ends sent (HTTP, gRPC, any number of worker processes) into the
+lanes of scheduler.py, answers what expired or was aborted, and runs one pass: classify rows
+through one `classify_encoded` call (flat batches, CUDA graphs), or a run of one multi-item
+request's items (token ids: the front end checked and tokenized them, Scorer.score_call runs them;
+only a request's label set is tokenized here, once per set). Passes are kept to about
+ScheduleOptions.pass_s of work, real-time work before batch work, so a long request cannot hold
+the engine and deadlines are looked at between passes. With a latency target, depth control
+(depth.py) decides how many items of a real-time score request are scored.
+
+The same loop runs on a thread of the server process (`--workers 1`, client.InprocClient) or as
+the main loop of an engine process (engine_proc.py); a `source` gives it messages and a reply
+function per message. It calls `Classifier.decide_encoded` (label indices and score rows, no
+Result objects): the tests' seam for a slow or failing engine.
 
 Several classifiers over one model (`--classifier`, Classifier.many): each request names one by
 its index in ReadyOut.classifiers; a batch's requests are grouped by classifier and the groups go
@@ -30,6 +35,8 @@ from ..many import GRAPH_TOKENS, decide_many, fusable, fused_tokens
 from ..prompt import Encoded
 from ..score_input import Prepared, ScoreCall
 from . import protocol as P
+from .config import ScheduleOptions
+from .scheduler import Lanes, PassBudget, Row, ScoreJob, lane
 
 log = logging.getLogger("prefixscore.engine")
 STOP = object()
@@ -74,7 +81,7 @@ class QueueSource:
 
 class EngineLoop:
     def __init__(self, clf, scorer=None, source=None, window: float = 0.0, spin: float = 0.0,
-                 metrics=None):
+                 metrics=None, schedule: ScheduleOptions | None = None):
         """clf: a Classifier (served under the model's name), or {name: Classifier} over one
         loaded model (Classifier.many), the default first."""
         self.names, self.clfs = (list(clf), list(clf.values())) if isinstance(clf, dict) else (None, [clf])
@@ -82,9 +89,21 @@ class EngineLoop:
         self.source = source or QueueSource()
         self.metrics = metrics
         self.N = max(len(c.labels) for c in self.clfs)  # score columns of an answer row
-        self.aborted: set[tuple[int, int]] = set()
         # a bank of every classifier: one set of graphs whichever classifiers a batch asks for
         self.fuse = len(self.clfs) > 1 and fusable(self.clfs)
+        self.schedule = schedule = schedule or ScheduleOptions()
+        self.lanes = Lanes()
+        # Without a latency target a classify pass takes every queued row (as many flat batches as
+        # they need: throughput first); with one, rows up to the pass budget.
+        self.classify_budget = PassBudget(schedule.pass_s) if schedule.target_p99_ms else None
+        self.score_budget = PassBudget(schedule.pass_s)
+        self.depth = None
+        if schedule.target_p99_ms:
+            from ..depth import DepthControl, DepthOptions
+
+            kp, ki, kd = schedule.depth_gains
+            self.depth = DepthControl(DepthOptions(schedule.target_p99_ms, schedule.depth_min,
+                                                   schedule.depth_max, kp, ki, kd))
 
     def ready(self, tokenizer_path: str = "", model: str = "") -> P.ReadyOut:
         """model: the served name; with one classifier (no names given) also the classifier's."""
@@ -115,83 +134,124 @@ class EngineLoop:
 
     def run(self) -> None:
         """Serve until STOP. An EngineFault (or anything else) propagates to the owner, after the
-        batch it broke has been answered FAULT."""
+        pass it broke has been answered FAULT."""
         while True:
-            items = self.source.take(self.spin)
-            if self.window and all(m is not STOP for m, _ in items):  # wait for company
-                time.sleep(self.window)
-                items += self.source.take(0.0) if self.source.pending() else []
-            stop = any(m is STOP for m, _ in items)
-            self.serve([(m, r) for m, r in items if m is not STOP])
-            if stop:
+            if len(self.lanes):  # work waits: only look for new messages, never block
+                items = self.source.take(0.0) if self.source.pending() else []
+            else:
+                items = self.source.take(self.spin)
+                if self.window and all(m is not STOP for m, _ in items):  # wait for company
+                    time.sleep(self.window)
+                    items += self.source.take(0.0) if self.source.pending() else []
+            if any(m is STOP for m, _ in items):
+                self.serve([(m, r) for m, r in items if m is not STOP], passes=0)
+                self._drop_all()
                 return
+            self.serve(items)
 
-    def serve(self, items: list) -> None:
-        for m, _ in items:
-            if isinstance(m, P.AbortReq):
-                self.aborted.update((m.client, r) for r in m.rids)
-        classify = [(m, r) for m, r in items if isinstance(m, P.ClassifyReq)]
-        if classify:
-            self._classify(classify)
+    def serve(self, items: list, passes: int = 1) -> None:
+        """Take items into the lanes, answer what expired or was aborted, then run up to `passes`
+        passes (the loop runs one per turn, so it looks for new messages between passes)."""
+        aborted = set()
         for m, reply in items:
-            if isinstance(m, P.ScoreReq):
-                out = self._score(m)
-                reply(out)
-                if out.status == P.FAULT:
-                    raise EngineFault(out.error)
-        self.aborted.clear()  # an abort names only requests queued before it
-
-    def _classify(self, msgs: list) -> None:
+            if isinstance(m, P.AbortReq):
+                aborted.update((m.client, r) for r in m.rids)
+            elif isinstance(m, P.ClassifyReq):
+                self._add_classify(m, reply)
+            elif isinstance(m, P.ScoreReq):
+                self._add_score(m, reply)
+        if aborted:
+            rows, jobs = self.lanes.remove(aborted)
+            self._answer_rows(rows, P.ABORTED)
+            for j in jobs:
+                j.reply(_score_failed(j.msg, P.ABORTED, None))
         now = time.monotonic()
-        todo, where, which = [], [], []  # Encoded, (message index, row), classifier index
-        status, errors = [], []
-        n_clf = len(self.clfs)
-        multi = n_clf > 1
-        for k, (m, _) in enumerate(msgs):
-            ids = P.unpack_ids(m.ids, m.offsets)
-            st, err = [P.OK] * len(m.rids), {}
-            cl = m.classifiers  # empty: every row the default's
-            for i, rid in enumerate(m.rids):
-                if (m.client, rid) in self.aborted:
-                    st[i] = P.ABORTED
-                elif m.deadlines[i] + self.window < now:  # the batch window is not queueing
-                    st[i] = P.EXPIRED
-                elif cl and not 0 <= cl[i] < n_clf:  # a front end of another engine's Ready
-                    st[i], err[rid] = P.BAD_INPUT, f"no classifier {cl[i]} on this engine"
-                else:
-                    todo.append(Encoded({"query": ""}, "", ids[i], m.starts[i]))
-                    where.append((k, i))
-                    if multi:
-                        which.append(cl[i] if cl else 0)
-            status.append(st)
-            errors.append(err)
+        rows, jobs = self.lanes.expired(now - self.window)  # the batch window is not queueing
+        self._answer_rows(rows, P.EXPIRED)
+        for j in jobs:
+            j.reply(_score_failed(j.msg, P.EXPIRED, None))
+        for _ in range(passes):
+            budget = self.classify_budget.tokens if self.classify_budget else 1 << 62
+            nxt = self.lanes.next_pass(budget)
+            if nxt is None:
+                return
+            kind, what = nxt
+            if kind == "classify":
+                self._classify(what)
+            else:
+                self._score_pass(what)
+
+    def _drop_all(self) -> None:
+        """STOP: what is still queued is answered ABORTED (the front ends answered it already)."""
+        for q in self.lanes.rows:
+            self._answer_rows(list(q), P.ABORTED)
+            q.clear()
+        for q in self.lanes.jobs:
+            for j in q:
+                j.reply(_score_failed(j.msg, P.ABORTED, None))
+            q.clear()
+
+    # -- classify
+    def _add_classify(self, m: P.ClassifyReq, reply) -> None:
+        ids = P.unpack_ids(m.ids, m.offsets)
+        n_clf, cl, pr = len(self.clfs), m.classifiers, m.priorities
+        bad = {}
+        for i, rid in enumerate(m.rids):
+            if cl and not 0 <= cl[i] < n_clf:  # a front end of another engine's Ready
+                bad[rid] = f"no classifier {cl[i]} on this engine"
+                continue
+            self.lanes.add_row(Row(m.client, rid, ids[i], m.starts[i], m.deadlines[i],
+                                   cl[i] if cl else 0, reply), pr[i] if pr else 0)
+        if bad:
+            reply(self._out(list(bad), [P.BAD_INPUT] * len(bad), errors=bad))
+
+    def _out(self, rids, status, best=None, scores=None, errors=None, forward=0.0, size=0):
+        n = len(rids)
+        return P.ClassifyOut(rids, status, best or [0] * n,
+                             scores if scores is not None else bytes(4 * self.N * n), errors or {},
+                             forward, size, len(self.lanes))
+
+    def _answer_rows(self, rows: list[Row], status: int) -> None:
+        """Rows answered without running (expired, aborted): one message per front end."""
+        by = {}
+        for r in rows:
+            by.setdefault(id(r.reply), (r.reply, []))[1].append(r.rid)
+        for reply, rids in by.values():
+            reply(self._out(rids, [status] * len(rids)))
+
+    def _classify(self, rows: list[Row]) -> None:
+        todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in rows]
         t0 = time.perf_counter()
         try:
-            if not todo:
-                best_all, scores_all = [], []
-            elif not multi:  # one classifier: straight through, as before there were several
+            if len(self.clfs) == 1:  # one classifier: straight through
                 best_all, scores_all = self.clf.decide_encoded(todo)
             else:
-                best_all, scores_all = self._decide(todo, which)
+                best_all, scores_all = self._decide(todo, [r.classifier for r in rows])
         except Exception as e:
-            for k, (m, reply) in enumerate(msgs):
-                reply(P.ClassifyOut(m.rids, [P.FAULT] * len(m.rids), [0] * len(m.rids),
-                                    bytes(4 * self.N * len(m.rids)),
-                                    {r: f"engine fault: {type(e).__name__}: {e}" for r in m.rids},
-                                    0.0, len(todo), 0))
+            error = f"engine fault: {type(e).__name__}: {e}"
+            by = {}
+            for r in rows:
+                by.setdefault(id(r.reply), (r.reply, []))[1].append(r.rid)
+            for reply, rids in by.values():
+                reply(self._out(rids, [P.FAULT] * len(rids), errors={r: error for r in rids},
+                                size=len(todo)))
             raise EngineFault(f"{type(e).__name__}: {e}") from e
         forward = time.perf_counter() - t0
-        if self.metrics is not None and todo:
+        if self.classify_budget is not None:
+            self.classify_budget.observe(sum(r.tokens for r in rows), forward)
+        if self.metrics is not None:
             self.metrics.engine_batch(len(todo), forward)
-        best = [np.zeros(len(m.rids), dtype=np.int64) for m, _ in msgs]
-        scores = [np.zeros((len(m.rids), self.N), dtype=np.float32) for m, _ in msgs]
-        for (k, i), d, sc in zip(where, best_all, scores_all):
-            best[k][i] = d
-            scores[k][i] = sc
-        queued = self.source.pending()
-        for k, (m, reply) in enumerate(msgs):
-            reply(P.ClassifyOut(m.rids, status[k], best[k].tolist(), scores[k].tobytes(), errors[k],
-                                forward, len(todo), queued))
+        by = {}
+        for r, d, sc in zip(rows, best_all, scores_all):
+            by.setdefault(id(r.reply), (r.reply, [], [], []))
+            _, rids, best, scores = by[id(r.reply)]
+            rids.append(r.rid)
+            best.append(int(d))
+            scores.append(sc)
+        for reply, rids, best, scores in by.values():
+            reply(self._out(rids, [P.OK] * len(rids), best,
+                            np.asarray(scores, dtype=np.float32).reshape(len(rids), self.N).tobytes(),
+                            forward=forward, size=len(todo)))
 
     def _decide(self, todo: list[Encoded], which: list[int]):
         """Label indices and score rows of todo, in its order, on an engine of several
@@ -209,27 +269,65 @@ class EngineLoop:
                 best[j], scores[j] = bj, row
         return best, scores
 
-    def _score(self, m: P.ScoreReq) -> P.ScoreOut:
-        if (m.client, m.rid) in self.aborted:
-            return _score_failed(m, P.ABORTED, None)
-        if m.deadline + self.window < time.monotonic():
-            return _score_failed(m, P.EXPIRED, None)
+    # -- multi-item scoring
+    def _add_score(self, m: P.ScoreReq, reply) -> None:
         if self.scorer is None:
-            return _score_failed(m, P.BAD_INPUT, "no multi-item scorer on this server")
+            return reply(_score_failed(m, P.BAD_INPUT, "no multi-item scorer on this server"))
         try:
             full, shared = P.unpack_score(m, self.scorer.config.vocab_size)
-            # query and items as given stay with the front end (its errors and limits read them):
-            # the answer reads only the scores
-            call = ScoreCall(None, Prepared(full, full, shared), m.labels, m.label_token_ids,
-                             m.apply_softmax)
-            out = self.scorer.score_call(call)
-        except PrefixScoreError as e:  # a label set the scorer refuses, or a ProtocolError
-            return _score_failed(m, P.BAD_INPUT, str(e))
+        except PrefixScoreError as e:  # a ProtocolError
+            return reply(_score_failed(m, P.BAD_INPUT, str(e)))
+        self.lanes.add_job(ScoreJob(m, reply, full, shared))
+
+    def _score(self, m: P.ScoreReq) -> P.ScoreOut:
+        """One whole request, every pass in turn (for tests and tools: the loop interleaves)."""
+        out = []
+        self._add_score(m, out.append)
+        while not out:
+            job = self.lanes.jobs[lane(m.priority)][0]
+            self._score_pass(job)
+        return out[0]
+
+    def _score_pass(self, job: ScoreJob) -> None:
+        """The next run of job's items; the job is answered after its last."""
+        m, sc = job.msg, self.scorer
+        if not job.started:
+            n = len(job.full)
+            job.depth = n if self.depth is None or m.priority > 0 else min(n, self.depth.depth())
+        k = job.next_items(self.score_budget.tokens)
+        items = job.full[job.done:job.done + k]
+        # query and items as given stay with the front end (its errors and limits read them):
+        # the answer reads only the scores
+        call = ScoreCall(None, Prepared(items, items, job.shared), m.labels, m.label_token_ids,
+                         m.apply_softmax)
+        t0 = time.perf_counter()
+        try:
+            out = sc.score_call(call)
+        except PrefixScoreError as e:  # a label set the scorer refuses
+            self.lanes.finish(job)
+            return job.reply(_score_failed(m, P.BAD_INPUT, str(e)))
         except Exception as e:
+            self.lanes.finish(job)
             log.error("engine fault in multi-item scoring", exc_info=e)
-            return _score_failed(m, P.FAULT, f"engine fault: {type(e).__name__}: {e}")
-        return P.ScoreOut(m.rid, P.OK, out["scores"], out["labels"], out["usage"]["prompt_tokens"],
-                          None)
+            job.reply(_score_failed(m, P.FAULT, f"engine fault: {type(e).__name__}: {e}"))
+            raise EngineFault(f"{type(e).__name__}: {e}") from e
+        spent = time.perf_counter() - t0
+        computed = out["usage"]["prompt_tokens"]
+        self.score_budget.observe(computed, spent)
+        if self.metrics is not None:
+            self.metrics.engine_batch(k, spent)
+        job.scores += out["scores"]
+        job.labels, job.done, job.computed = out["labels"], job.done + k, job.computed + computed
+        if job.done < job.depth:
+            return
+        self.lanes.finish(job)
+        p99 = 0.0
+        if self.depth is not None and m.priority <= 0 and m.sent:
+            self.depth.observe(time.monotonic() - m.sent)
+            p99 = self.depth.p99_ms() or 0.0
+        unscored = [[] for _ in range(len(job.full) - job.depth)]
+        job.reply(P.ScoreOut(m.rid, P.OK, job.scores + unscored, job.labels, job.computed, None,
+                             job.depth, p99))
 
 
 def _score_failed(m: P.ScoreReq, status: int, error: str | None) -> P.ScoreOut:

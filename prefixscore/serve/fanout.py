@@ -28,7 +28,8 @@ class ClassifyMany:
     """Frontend's classify_many (a mixin: Frontend's helpers do the rest, as for one classifier)."""
 
     async def classify_many(self, queries: list[str], classifiers: list[str],
-                            model: str | None = None, field: str = "query") -> list[Answer]:
+                            model: str | None = None, field: str = "query",
+                            priority: int = 0) -> list[Answer]:
         """The same queries by several classifiers (their names): an Answer per classifier, in
         their order, sharing one engine request and its timing."""
         t0 = time.perf_counter()
@@ -51,7 +52,7 @@ class ClassifyMany:
             costs.append(sum(len(e.ids) - e.start for e in missed))
         job = None
         if todo:
-            job = await self._engine(todo, sum(costs), rows if any(rows) else None)
+            job = await self._engine(todo, sum(costs), rows if any(rows) else None, priority)
             for k, cost in zip(ks, costs):
                 if cost:
                     self.metrics.classifier_tokens(self.classifiers[k].name).inc(cost)
@@ -85,19 +86,23 @@ class ClassifyMany:
             answers.append(ans)
         return answers
 
-    async def _engine(self, todo: list, cost: int, classifiers: list[int] | None):
+    async def _engine(self, todo: list, cost: int, classifiers: list[int] | None,
+                      priority: int = 0):
         """The engine's answers (a ClassifyJob) to todo's rows, admitted by cost; classifiers: each
         row's classifier (None: the default's). Frontend.classify does the same inline."""
         self._admit(len(todo), cost)
+        deadline = self.deadline()
         try:
+            start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
             fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
-                                       time.monotonic() + self.cfg.max_queue_ms / 1e3, classifiers)
-            job = await self._wait(fut)
+                                       start_by if deadline is None else min(start_by, deadline),
+                                       classifiers, priority)
+            job = await self._wait(fut, deadline)
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
             self._release(len(todo), cost)
-        self._check_status(job)
+        self._check_status(job, deadline)
         return job
 
 
@@ -108,7 +113,7 @@ async def answer(fe, req) -> bytes:
         raise ApiError(422, "give classifier (one) or classifiers (several), not both",
                        param="classifier")
     queries = [req.query] if isinstance(req.query, str) else req.query
-    answers = await fe.classify_many(queries, req.classifiers, req.model)
+    answers = await fe.classify_many(queries, req.classifiers, req.model, priority=req.priority)
     results = []
     for i, q in enumerate(queries):
         per = {}

@@ -6,11 +6,18 @@ Admission: a front end admits at most --max-queue queries in flight (its own, ex
 answers 429 with Retry-After from the engine's measured rate beyond that; a query not started by
 the engine within --max-queue-ms is dropped unrun and answered 503; a request whose client left is
 aborted (dropped if still queued), and counted as 499, not 200.
+
+Deadlines: a request may carry its own (HTTP's X-Request-Timeout, gRPC's deadline; else
+--request-timeout). A timer answers it then (504), whatever the engine is doing, and the engine is
+told to drop it: it never runs once its deadline has passed, and a multi-item request stops at its
+next pass. The start-by time (--max-queue-ms) is the engine's to enforce, between its passes (the
+batch window, an engine setting, does not count as queueing).
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from contextvars import ContextVar
 
 from ..errors import InputError, PrefixScoreError
 from . import protocol as P
@@ -20,6 +27,14 @@ from .catalog import DEFAULT_MODEL, Catalog  # noqa: F401 -- importable from her
 from .client import EngineDead
 from .config import FrontendConfig
 from .fanout import ClassifyMany
+
+# A request's own deadline (time.monotonic()), set by its transport around the call: HTTP's
+# X-Request-Timeout header (http.Guard), gRPC's deadline (grpc_server). None: --request-timeout.
+DEADLINE: ContextVar[float | None] = ContextVar("prefixscore_deadline", default=None)
+
+
+class Late(Exception):
+    """Set on a request's future by its timer: no answer by its deadline or start-by time."""
 
 
 class Frontend(ClassifyMany):
@@ -116,12 +131,22 @@ class Frontend(ClassifyMany):
         self.metrics.queue_depth.dec(n)
 
     # -- classify
+    def deadline(self) -> float | None:
+        """This request's deadline (time.monotonic()): its own, else --request-timeout's."""
+        d = DEADLINE.get()
+        if d is None and self.cfg.request_timeout:
+            d = time.monotonic() + self.cfg.request_timeout
+        return d
+
     async def classify(self, queries: list[str], model: str | None = None,
-                       classifier: str | None = None, field: str = "query") -> Answer:
+                       classifier: str | None = None, field: str = "query",
+                       priority: int = 0) -> Answer:
         """model / classifier: what the request names (Catalog.resolve); field: the request's
-        name for its queries, as errors name them ("input" in vLLM's shape). Several
-        classifiers at once: classify_many (many.py)."""
+        name for its queries, as errors name them ("input" in vLLM's shape); priority: 0
+        real-time, higher batch work (idle engine time only). Several classifiers at once:
+        classify_many (many.py)."""
         t0 = time.perf_counter()
+        deadline = self.deadline()
         self._check_queries(queries, 1, field)
         await self._check_ready()
         k = 0 if model is None and classifier is None else self.catalog.resolve(model, classifier)
@@ -138,16 +163,17 @@ class Frontend(ClassifyMany):
             cost = sum(len(e.ids) - e.start for e in todo)
             self._admit(len(todo), cost)
             try:
+                start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
                 fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
-                                           time.monotonic() + self.cfg.max_queue_ms / 1e3,
-                                           [k] * len(todo) if k else None)
-                job = await self._wait(fut)
+                                           start_by if deadline is None else min(start_by, deadline),
+                                           [k] * len(todo) if k else None, priority)
+                job = await self._wait(fut, deadline)
             except EngineDead as e:
                 raise ApiError(503, str(e), 1) from None
             finally:
                 self._release(len(todo), cost)
             self.metrics.classifier_tokens(info.name).inc(cost)
-            self._check_status(job)
+            self._check_status(job, deadline)
         labels = info.labels
         # rows are as wide as the engine's most labels; a classifier's fill the first columns
         scores = None if job is None else job.scores if job.scores.shape[1] == len(labels) else \
@@ -225,17 +251,29 @@ class Frontend(ClassifyMany):
                                param=field) from None
         return encoded
 
-    async def _wait(self, fut):
-        """The engine's answer; if this request is cancelled (its client left), the engine is
+    async def _wait(self, fut, deadline: float | None = None):
+        """The engine's answer by the request's deadline (else 504, by a timer, whatever the
+        engine is doing); if this request is cancelled (its client left) or late, the engine is
         told to drop it unrun."""
+        timer = None
+        if deadline is not None:
+            timer = self.client.loop.call_later(max(0.0, deadline - time.monotonic()), _late, fut)
         try:
             return await fut
         except asyncio.CancelledError:
             self.client.abort([fut])
             self.metrics.expired.labels("client_left").inc()
             raise
+        except Late:
+            self.client.abort([fut])
+            self.metrics.expired.labels("deadline").inc()
+            raise ApiError(504, "no answer within the request's deadline (X-Request-Timeout, the "
+                                "gRPC deadline or --request-timeout); it was not computed") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
 
-    def _check_status(self, job) -> None:
+    def _check_status(self, job, deadline: float | None = None) -> None:
         bad = [s for s in job.status if s != P.OK]
         if not bad:
             return
@@ -244,10 +282,19 @@ class Frontend(ClassifyMany):
         if P.BAD_INPUT in bad:  # a classifier index the engine lacks (another engine's Ready)
             raise ApiError(503, next(iter(job.errors.values()), "bad engine request"), 1)
         if P.EXPIRED in bad:
-            self.metrics.expired.labels("queue_time").inc(bad.count(P.EXPIRED))
-            raise ApiError(503, f"not started within --max-queue-ms ({self.cfg.max_queue_ms:g} ms): "
-                                f"the server is overloaded; retry later", self.client.wait_s(0))
+            self._expired(bad.count(P.EXPIRED), deadline)
         raise ApiError(503, "request aborted", 1)
+
+    def _expired(self, n: int, deadline: float | None) -> None:
+        """The engine dropped it unrun (or stopped its passes): past the request's own deadline
+        504, else not started within --max-queue-ms 503 + Retry-After."""
+        if deadline is not None and time.monotonic() >= deadline:
+            self.metrics.expired.labels("deadline").inc(n)
+            raise ApiError(504, "no answer within the request's deadline (X-Request-Timeout, the "
+                                "gRPC deadline or --request-timeout); it was not computed")
+        self.metrics.expired.labels("queue_time").inc(n)
+        raise ApiError(503, f"not started within --max-queue-ms ({self.cfg.max_queue_ms:g} ms): "
+                            f"the server is overloaded; retry later", self.client.wait_s(0))
 
     # -- multi-item scoring
     async def score(self, req: dict, field: str = "items", model: str | None = None) -> dict:
@@ -255,8 +302,14 @@ class Frontend(ClassifyMany):
         server's limits, then the scorer's own checks and tokenization (ScoreInput, the library's
         code, over the engine's template: errors word for word the Scorer's), and the engine scores
         the token ids. field: the request's name for its items, as errors name them ("documents"
-        in a rerank request); model: a name to check (404)."""
+        in a rerank request); model: a name to check (404). Ours beside SGLang's fields:
+        `priority` (0 real-time, higher batch work) and `prior` (per item, what an item past the
+        depth control's depth is answered with instead of null); the response adds `depth` (items
+        scored, the first ones) and `scored` (per item)."""
         cfg = self.cfg
+        deadline = self.deadline()
+        req = dict(req)
+        priority, prior = req.pop("priority", 0) or 0, req.pop("prior", None)
         await self._check_ready()
         if model is not None:
             self.resolve(model)
@@ -287,26 +340,40 @@ class Frontend(ClassifyMany):
             raise ApiError(413, f"query and {field} are {n} tokens, over the limit of "
                                 f"{cfg.max_score_tokens} per request (--max-score-tokens)")
         self._score_input(scoring.checked, call.prep)
+        if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
+            raise ApiError(422, f"prior must be a list of one score (or one list of scores per "
+                                f"label) per item: {len(items)}", param="prior")
         self._admit(len(items), n)
         try:
+            start_by = time.monotonic() + cfg.max_queue_ms / 1e3
             out = await self._wait(self.client.score(
-                call.prep.full, call.prep.shared, time.monotonic() + cfg.max_queue_ms / 1e3,
-                call.labels, call.label_token_ids, call.apply_softmax))
+                call.prep.full, call.prep.shared,
+                start_by if deadline is None else min(start_by, deadline), call.labels,
+                call.label_token_ids, call.apply_softmax, deadline or 0.0, priority), deadline)
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
             self._release(len(items), n)
         if out.status == P.OK:
-            self.metrics.score_tokens.inc(n)
-            t = out.prompt_tokens
-            return {"scores": out.scores, "labels": out.labels, "model": self.info.model,
-                    "object": "scoring",
+            self.metrics.score_tokens.inc(out.prompt_tokens)
+            if out.p99_ms:
+                self.metrics.score_depth.set(out.depth)
+                self.metrics.score_p99.set(out.p99_ms)
+            t, L = out.prompt_tokens, len(out.labels)
+            scores = out.scores
+            if out.depth < len(scores):  # past the depth: the caller's prior, else null
+                scores = scores[:out.depth] + [
+                    None if prior is None else
+                    (list(prior[i]) if isinstance(prior[i], list) else [prior[i]] * L)
+                    for i in range(out.depth, len(scores))]
+            return {"scores": scores, "labels": out.labels, "model": self.info.model,
+                    "object": "scoring", "depth": out.depth,
+                    "scored": [i < out.depth for i in range(len(scores))],
                     "usage": {"prompt_tokens": t, "total_tokens": t, "completion_tokens": 0}}
         if out.status == P.BAD_INPUT:  # the request's label set (the engine tokenizes it)
             raise ApiError(422, out.error)
         if out.status == P.EXPIRED:
-            raise ApiError(503, f"not started within --max-queue-ms ({cfg.max_queue_ms:g} ms): the "
-                                f"server is overloaded; retry later", self.client.wait_s(0))
+            self._expired(1, deadline)
         raise ApiError(503, out.error or "engine fault", 1)
 
     @staticmethod
@@ -328,3 +395,8 @@ class Frontend(ClassifyMany):
         """At the end of the drain time: what is still waiting is answered 503 + Retry-After."""
         self.client._fail_all("the server is shutting down and this request did not finish within "
                               "--shutdown-timeout; retry on another instance", fault=False)
+
+
+def _late(fut) -> None:
+    if not fut.done():
+        fut.set_exception(Late())

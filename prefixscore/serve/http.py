@@ -16,7 +16,8 @@ import time
 
 from . import compat, fanout
 from .answers import label_probs
-from .frontend import ApiError, Frontend
+from .config import MAX_TIMEOUT_S
+from .frontend import DEADLINE, ApiError, Frontend
 from .schemas import (ERRORS, ClassifyManyResponse, ClassifyRequest, ClassifyResponse, ScoreRequest,
                       ScoreResponse)
 
@@ -66,9 +67,14 @@ class Guard:
                                        close=True, path=path)
             if scope["method"] not in ("POST", "PUT", "PATCH"):
                 return await self.app(scope, receive, counted)
+            deadline, error = request_deadline(scope["headers"])
+            if error:
+                return await send_json(counted, 400, error, close=True, path=path)
             body, error = await self._read(scope, receive)
             if error:
                 return await send_json(counted, *error, close=True, path=path)
+            if deadline is not None:  # for the Frontend, in this task (the route runs in it)
+                DEADLINE.set(deadline)
             # A client that leaves before its answer: the request is cancelled, which drops its
             # queued engine work (Frontend._wait), and it is counted 499, not computed and 200.
             task, gone = asyncio.current_task(), False
@@ -121,6 +127,21 @@ class Guard:
         except UnicodeDecodeError as e:
             return b"", (400, f"request body is not valid UTF-8 (byte {e.start})")
         return body, None
+
+
+def request_deadline(headers: list) -> tuple[float | None, str | None]:
+    """X-Request-Timeout: SECONDS -> (the deadline as time.monotonic(), None), or an error text."""
+    for name, value in headers:
+        if name == b"x-request-timeout":
+            try:
+                t = float(value.decode("latin-1"))
+            except ValueError:
+                t = -1.0
+            if not 0 < t <= MAX_TIMEOUT_S:
+                return None, (f"X-Request-Timeout must be seconds in (0, {MAX_TIMEOUT_S:g}], got "
+                              f"{value.decode('latin-1')!r}")
+            return time.monotonic() + t, None
+    return None, None
 
 
 class FastClassify:
@@ -222,7 +243,8 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         if req.classifiers is not None:  # several classifiers: fanout.py
             return await fanout.answer(fe, req)
         queries = [req.query] if isinstance(req.query, str) else req.query
-        return classify_body(await fe.classify(queries, req.model, req.classifier))
+        return classify_body(await fe.classify(queries, req.model, req.classifier,
+                                               priority=req.priority))
 
     @app.post("/v1/classify", response_model=ClassifyResponse | ClassifyManyResponse,
               responses=ERRORS, dependencies=deps)

@@ -70,8 +70,17 @@ class Metrics:
         self.cache_misses = Counter("prefixscore_cache_misses", "result cache misses", registry=r)
         self.engine_faults = Counter("prefixscore_engine_faults", "engine deaths seen by a front end",
                                      registry=r)
-        self.expired = Counter("prefixscore_expired", "queries dropped unrun: over --max-queue-ms, "
-                               "or their client left", ["reason"], registry=r)
+        self.expired = Counter("prefixscore_expired", "requests not answered 200 for time: not "
+                               "started within --max-queue-ms (queue_time), past their own "
+                               "deadline (deadline: 504), or their client left (client_left)",
+                               ["reason"], registry=r)
+        # Depth control (--target-p99-ms): the engine's last word as each front end saw it.
+        self.score_depth = Gauge("prefixscore_score_depth", "items a real-time /v1/score request "
+                                 "gets scored now (depth control)", registry=r,
+                                 multiprocess_mode="livemostrecent")
+        self.score_p99 = Gauge("prefixscore_score_p99_ms", "depth control's measured p99 of "
+                               "real-time score requests", registry=r,
+                               multiprocess_mode="livemostrecent")
         if not mp:
             self.cache_ratio = Gauge("prefixscore_cache_hit_ratio", "hits / lookups since start",
                                      registry=r)

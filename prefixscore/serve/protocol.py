@@ -32,7 +32,8 @@ class ClassifyReq(msgspec.Struct, tag=True, array_like=True):
     """Many tokenized classify requests. Request i is ids[offsets[i]:offsets[i+1]] (the whole
     prompt, int32), of which the engine computes ids[offsets[i] + starts[i]:]. deadlines are
     time.monotonic() values (one clock for every process of a host): a request still queued then
-    is answered EXPIRED instead of being run. classifiers[i]: the index (in ReadyOut.classifiers)
+    is answered EXPIRED instead of being run (the earlier of its start-by time, --max-queue-ms, and
+    its own deadline). classifiers[i]: the index (in ReadyOut.classifiers)
     of the classifier that runs request i; empty: all the default (0), so a server of one
     classifier sends nothing per request for it."""
     client: int
@@ -42,6 +43,7 @@ class ClassifyReq(msgspec.Struct, tag=True, array_like=True):
     starts: list[int]
     deadlines: list[float]
     classifiers: list[int] = []
+    priorities: list[int] = []  # per request: 0 real-time, higher batch work; empty: all 0
 
 
 class ScoreReq(msgspec.Struct, tag=True, array_like=True):
@@ -51,7 +53,8 @@ class ScoreReq(msgspec.Struct, tag=True, array_like=True):
     item slot (the query part the items may share; empty for token ids scored item first).
     labels / label_token_ids: the request's label set as it named it (checked), neither for the
     scorer's own: the engine keeps their head rows. apply_softmax: softmax over the labels, else
-    each label token's probability under the whole vocabulary (SGLang's default)."""
+    each label token's probability under the whole vocabulary (SGLang's default). The engine
+    runs it in passes of bounded cost, a run of items each, between other requests' passes."""
     client: int
     rid: int
     ids: bytes
@@ -60,7 +63,10 @@ class ScoreReq(msgspec.Struct, tag=True, array_like=True):
     labels: list[str] | None
     label_token_ids: list[int] | None
     apply_softmax: bool
-    deadline: float
+    deadline: float  # not started by then (--max-queue-ms, or finish_by if earlier): EXPIRED, unrun
+    finish_by: float = 0.0  # the client's deadline: passes stop there (EXPIRED); 0: none
+    priority: int = 0  # 0 real-time (depth control applies), higher: batch work in idle time
+    sent: float = 0.0  # when the front end sent it (time.monotonic()): the latency depth control reads
 
 
 class AbortReq(msgspec.Struct, tag=True, array_like=True):
@@ -129,14 +135,16 @@ class ClassifyOut(msgspec.Struct, tag=True, array_like=True):
 
 class ScoreOut(msgspec.Struct, tag=True, array_like=True):
     """The answer to one ScoreReq: per item a score per label, in the order of labels (the label
-    set's names), and the prompt tokens scored (SGLang's usage); for BAD_INPUT / FAULT, a message
+    set's names), and the prompt tokens computed (SGLang's usage); for BAD_INPUT / FAULT, a message
     in error and nothing else."""
     rid: int
     status: int
-    scores: list[list[float]]
+    scores: list[list[float]]  # per item scored; an item past the depth has an empty row
     labels: list[str]
-    prompt_tokens: int
+    prompt_tokens: int  # the tokens the engine computed for it
     error: str | None
+    depth: int = 0  # items scored: the first `depth`, the rest unscored (depth control)
+    p99_ms: float = 0.0  # depth control's measured p99 of real-time score requests (0: none)
 
 
 REQ = HelloReq | ClassifyReq | ScoreReq | AbortReq

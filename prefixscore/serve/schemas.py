@@ -13,6 +13,13 @@ def model_field():
                                    "the default classifier")
 
 
+def priority_field():
+    return Field(0, ge=0, le=1 << 30, strict=True,
+                 description="0 (default): real-time; higher: batch work, run only in engine time "
+                             "the real-time lane leaves idle and never cut by depth control "
+                             "(vLLM's and SGLang's `priority`: lower is served first)")
+
+
 class ClassifyRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={
         "examples": [{"query": "beige trench coat women"}, {"query": ["levis 501", "红色连衣裙"]},
@@ -26,6 +33,7 @@ class ClassifyRequest(BaseModel):
         None, description="several served classifiers, each answering every query: the answer is "
                           "then a ClassifyManyResponse (per query, a result per classifier). "
                           "Queries x classifiers count against --max-queries")
+    priority: int = priority_field()
 
 
 class ClassifyResult(BaseModel):
@@ -77,6 +85,10 @@ class ScoreRequest(BaseModel):
     apply_softmax: StrictBool = False
     item_first: StrictBool = False
     model: str | None = Field(None, description="accepted for compatibility; never loads a model")
+    priority: int = priority_field()
+    prior: list[float | list[float]] | None = Field(
+        None, description="per item, the score (or per-label scores) to answer an item past the "
+                          "depth with (depth control, --target-p99-ms); default: null")
 
 
 class Usage(BaseModel):
@@ -86,7 +98,11 @@ class Usage(BaseModel):
 
 
 class ScoreResponse(BaseModel):
-    scores: list[list[float]] = Field(description="per item, one score per label, in label order")
+    scores: list[list[float] | None] = Field(
+        description="per item, one score per label, in label order; an item past the depth: the "
+                    "request's prior, else null")
+    depth: int | None = Field(None, description="items scored: the first `depth` (depth control)")
+    scored: list[bool] | None = Field(None, description="per item, whether it was scored")
     labels: list[str] = Field(description="the label order (ours; not in SGLang's response)")
     model: str
     usage: Usage | None = None
