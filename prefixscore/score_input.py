@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError, InputError
 from .labels import check_labels
+from .prompt import common_prefix_len
 
 SLOTS = ("query", "item")
 
@@ -179,14 +180,13 @@ class ScoreInput:
                            len(self.prompt.encode_ids([{"query": "", "item": ""}])[0]))
         return self._blank
 
-    def own_tokens(self, call: ScoreCall) -> int:
-        """About the tokens of the request's query and items (a server's cost limit): exact for
-        token ids; for text, what each prompt holds beyond the template's own tokens (to a token at
-        the joins), the query counted once where the items share it (a query-first template) and
-        with every item where they cannot (item first: the engine computes it with each)."""
-        prep = call.prep
-        if not isinstance(call.query, str):
-            return len(call.query) + sum(len(it) for it in prep.items)
-        before, whole = self.template_tokens()
-        shared = len(prep.shared)
-        return max(0, shared - before) + sum(max(0, len(f) - shared - (whole - before)) for f in prep.full)
+    @staticmethod
+    def new_tokens(prep: Prepared, prefix_ids: list[int]) -> int:
+        """The tokens an engine computes for prep with its items in one span (a server's cost
+        limit, --max-score-tokens, and what usage.prompt_tokens reports on a GPU): past the pinned
+        prefix, the part before the item slot once, then each item's own tokens. The CPU's smaller
+        spans compute the shared part once per span, and usage says so."""
+        shared = prep.shared
+        P = common_prefix_len(prefix_ids, shared if shared else prep.full[0] if prep.full else [])
+        own = max(len(shared), P)
+        return max(0, len(shared) - P) + sum(max(0, len(f) - own) for f in prep.full)

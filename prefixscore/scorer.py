@@ -295,16 +295,14 @@ class Scorer:
         token's probability under the full next-token distribution. Text query/items fill the
         template, whose slot order is the order (item_first, if given, must agree with it);
         token-id query/items are scored as given, query + item or item + query. Labels default to
-        the scorer's own.
-        """
+        the scorer's own. usage.prompt_tokens: the tokens computed (after the pinned prefix)."""
         return self.score_call(self.input.parse(req))
 
     # ------------------------------------------------------------ requests -> token spans
 
     # The checks and tokenization live in ScoreInput (score_input.py), which a server's front end
     # runs too: these keep the Scorer's own names for them.
-    def _check_text(self, query, items) -> list:
-        """The checks of a text request that need no tokenizer call -> items as a list."""
+    def _check_text(self, query, items) -> list:  # the checks that need no tokenizer call
         return self.input.check_text(query, items)
 
     def prepare(self, query: str, items) -> Prepared:
@@ -323,10 +321,12 @@ class Scorer:
     # ------------------------------------------------------------ spans -> passes -> scores
 
     def run(self, prepared, mode: str | None = None, head: _Head | None = None,
-            progress=None) -> list[list[ItemResult]]:
+            progress=None, computed: list | None = None) -> list[list[ItemResult]]:
         """Score prepared requests (see prepare / prepare_ids) in as few flat passes as fit.
         `prepared` is any iterable (score_batch's is tokenized ahead on a worker thread): a pass is
-        launched as soon as the span after it does not fit, and planned while the one before runs."""
+        launched as soon as the span after it does not fit, and planned while the one before runs.
+        computed: a list that gets, per request, the prompt tokens its spans compute (after the
+        pinned prefix; a query part once per span)."""
         mode, head = mode or self.mode, head or self.head
         branches = head.trie.branch_paths() if mode in ("logprobs", "softmax") else []
         branch = sum(len(p) for p in branches)
@@ -338,7 +338,10 @@ class Scorer:
                 requests.append(prep)
                 scores.extend([None] * len(prep.full))
                 decisions.extend([None] * len(prep.full))
-                for g in self._groups(prep, branch, len(branches) > 1):
+                spans = self._groups(prep, branch, len(branches) > 1)
+                if computed is not None:
+                    computed.append(sum(len(g.shared) + sum(map(len, g.tails)) for g in spans))
+                for g in spans:
                     g.slots = [n + s for s in g.slots]
                     yield g
 
@@ -409,8 +412,9 @@ class Scorer:
             head = self._head(call.labels, call.label_token_ids, InputError, single=True)
         mode = "softmax" if call.apply_softmax else "vocab_probs"
         self._check_mode(mode, head, InputError)
-        results = self.run([call.prep], mode, head)[0]
-        n = sum(len(f) for f in call.prep.full)
+        computed = []
+        results = self.run([call.prep], mode, head, computed=computed)[0]
+        n = computed[0]  # the tokens computed: the pinned prefix is not, the query part once a span
         return {"scores": [[r.scores[l] for l in head.labels] for r in results],
                 "labels": head.labels, "model": self.loaded.name, "object": "scoring",
                 "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}

@@ -335,10 +335,11 @@ class Frontend(ClassifyMany):
         # own limit, which a request far too long for either breaks first.
         scoring = self.scoring
         call = self._score_input(scoring.parse, req, fits=False)
-        n = scoring.own_tokens(call)
+        n = scoring.new_tokens(call.prep, self.info.scorer.prefix_ids)
         if n > cfg.max_score_tokens:
-            raise ApiError(413, f"query and {field} are {n} tokens, over the limit of "
-                                f"{cfg.max_score_tokens} per request (--max-score-tokens)")
+            raise ApiError(413, f"query and {field} are {n} tokens to compute (after the cached "
+                                f"prefix), over the limit of {cfg.max_score_tokens} per request "
+                                f"(--max-score-tokens)")
         self._score_input(scoring.checked, call.prep)
         if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
             raise ApiError(422, f"prior must be a list of one score (or one list of scores per "

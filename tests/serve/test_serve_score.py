@@ -118,7 +118,8 @@ def test_engine_refuses_malformed_score_req(clf, scorer):
     want = scorer.score_request({"query": [11, 12], "items": [[20], [30]],
                                  "label_token_ids": [5, 9], "apply_softmax": True})
     assert ok.status == P.OK and ok.scores == want["scores"] and ok.labels == want["labels"]
-    assert ok.prompt_tokens == want["usage"]["prompt_tokens"] == 6
+    # the tokens computed: the query part once in the span, then each item's own
+    assert ok.prompt_tokens == want["usage"]["prompt_tokens"] == 4
     V = scorer.config.vocab_size
     bad = [score_req([[11, V]]), score_req([[11]], [-1]), score_req([]),
            P.ScoreReq(0, 1, b"\0\0\0", [0, 1], b"", None, None, False, 1e18),

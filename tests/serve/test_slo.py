@@ -1,0 +1,234 @@
+"""Holding a latency target (issue 31): deadlines that bite, passes of bounded cost, priority lanes.
+
+The engine's queues (serve/scheduler.py) are tested alone; the engine loop with a real Scorer and
+Classifier (tiny random Llama) through its seam (EngineLoop.serve, one pass at a time); deadlines
+and request fields through the in-process server (uvicorn in a thread) with an engine whose
+passes a test holds (helpers.Wrapped)."""
+import asyncio
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from prefixscore.serve import create_app
+from prefixscore.serve import protocol as P
+from prefixscore.serve.config import ScheduleOptions
+from prefixscore.serve.engine_loop import EngineLoop
+from prefixscore.serve.scheduler import BATCH, REALTIME, Lanes, PassBudget, Row, ScoreJob
+from tests.serve.helpers import LIMITS, Wrapped, metric, running
+
+
+def row(rid, tokens=4, deadline=1e18, client=0):
+    return Row(client, rid, list(range(tokens)), 0, deadline, 0, None)
+
+
+def job(rid, n_items=3, item_len=5, priority=0, deadline=1e18, finish_by=0.0):
+    m = P.ScoreReq(0, rid, b"", [0], b"", None, None, False, deadline, finish_by, priority, 0.0)
+    return ScoreJob(m, None, [[1, 2] + [3] * item_len for _ in range(n_items)], [1, 2])
+
+
+# ---------------------------------------------------------------- the queues alone
+
+def test_realtime_before_batch_and_turns_within_a_lane():
+    lanes = Lanes()
+    lanes.add_row(row(1), 1)  # batch
+    lanes.add_job(job(2, priority=1))
+    lanes.add_row(row(3), 0)
+    lanes.add_row(row(4), 0)
+    rt_job = job(5)
+    lanes.add_job(rt_job)
+    kind, rows = lanes.next_pass(budget=100)
+    assert kind == "classify" and [r.rid for r in rows] == [3, 4]  # every real-time row that fits
+    kind, what = lanes.next_pass(100)
+    assert kind == "score" and what is rt_job  # then the real-time score job, before batch work
+    rt_job.depth, rt_job.done = 3, 3
+    lanes.finish(rt_job)
+    kind, rows = lanes.next_pass(100)
+    assert kind == "classify" and [r.rid for r in rows] == [1]  # batch work once the lane is empty
+    kind, what = lanes.next_pass(100)
+    assert kind == "score" and what.msg.rid == 2
+
+
+def test_classify_pass_cut_to_the_budget_but_never_empty():
+    lanes = Lanes()
+    for rid in range(5):
+        lanes.add_row(row(rid, tokens=10), 0)
+    assert [r.rid for r in lanes.next_pass(25)[1]] == [0, 1]
+    assert [r.rid for r in lanes.next_pass(5)[1]] == [2]  # one row over the budget still runs
+    assert len(lanes) == 2
+
+
+def test_score_job_takes_items_by_budget():
+    j = job(1, n_items=10, item_len=5)
+    j.depth = 10
+    assert j.next_items(2 + 5 * 3) == 3  # the shared part once, then each item's own tokens
+    assert j.next_items(1) == 1
+    j.done = 8
+    assert j.next_items(10 ** 6) == 2  # never past the depth
+
+
+def test_expiry_and_aborts_take_work_out():
+    lanes = Lanes()
+    lanes.add_row(row(1, deadline=5.0), 0)
+    lanes.add_row(row(2, deadline=25.0), 0)
+    queued, running_late, running_ok = job(3, deadline=5.0), job(4, finish_by=20.0), job(5, deadline=5.0)
+    running_late.depth = running_ok.depth = 3  # started: its start-by time no longer counts
+    for j in (queued, running_late, running_ok):
+        lanes.add_job(j)
+    rows, jobs = lanes.expired(now=10.0)
+    assert [r.rid for r in rows] == [1] and jobs == [queued]
+    rows, jobs = lanes.expired(now=30.0)
+    assert [r.rid for r in rows] == [2] and jobs == [running_late]
+    rows, jobs = lanes.remove({(0, 5)})
+    assert rows == [] and jobs == [running_ok] and len(lanes) == 0
+
+
+def test_pass_budget_converges_to_the_pass_time():
+    """A pass costs c + tokens / rate: the budget settles where that is the pass time."""
+    c, rate, target = 0.002, 100_000.0, 0.010
+    b = PassBudget(target, first=64)
+    for _ in range(40):
+        b.observe(b.tokens, c + b.tokens / rate)
+    assert abs(b.tokens - rate * (target - c)) < 0.05 * rate * (target - c)
+    b.observe(10, 1.0)  # a slow pass pulls it down at once
+    assert b.tokens < rate * (target - c) * 0.6
+
+
+# ---------------------------------------------------------------- the engine loop's passes
+
+def score_req(full, shared, rid=1, priority=0, **kw):
+    data, offsets = P.pack_ids(full)
+    fields = dict(labels=None, label_token_ids=[5, 9], apply_softmax=True, deadline=1e18,
+                  priority=priority, sent=time.monotonic())
+    fields.update(kw)
+    return P.ScoreReq(0, rid, data, offsets, np.asarray(shared, np.int32).tobytes(), **fields)
+
+
+def classify_req(clf, queries, rids, priority=0):
+    enc = [clf.encode(q) for q in queries]
+    data, offsets = P.pack_ids([e.ids for e in enc])
+    return P.ClassifyReq(0, rids, data, offsets, [e.start for e in enc], [1e18] * len(enc), [],
+                         [priority] * len(enc) if priority else [])
+
+
+def test_score_in_passes_equals_one_call_and_lets_classify_in(clf, scorer):
+    """A multi-item request run a few items per pass answers what one Scorer call answers, and a
+    classify request that arrives meanwhile is answered after at most one of its passes."""
+    rng = np.random.default_rng(0)
+    shared = [int(t) for t in rng.integers(10, 1000, 6)]
+    items = [[int(t) for t in rng.integers(10, 1000, rng.integers(3, 9))] for _ in range(12)]
+    want = scorer.score_request({"query": shared, "items": items, "label_token_ids": [5, 9],
+                                 "apply_softmax": True})
+    loop = EngineLoop(clf, scorer, schedule=ScheduleOptions(pass_ms=1.0))
+    loop.score_budget.tokens = 2 + 2 * 8  # two or three items a pass
+    answers = []
+    reply = answers.append
+    loop.serve([(score_req([shared + it for it in items], shared), reply)])  # a first pass
+    assert answers == []  # still running
+    loop.serve([(classify_req(clf, ["red dress"], [7]), reply)])
+    assert isinstance(answers[0], P.ClassifyOut) and answers[0].rids == [7]  # the next pass
+    for _ in range(20):
+        loop.serve([])
+    out = answers[-1]
+    assert isinstance(out, P.ScoreOut) and out.status == P.OK and out.depth == 12
+    assert np.allclose(out.scores, want["scores"], atol=1e-5)
+    assert out.prompt_tokens > want["usage"]["prompt_tokens"]  # the query part once per pass
+
+
+def test_batch_priority_waits_for_the_realtime_lane(clf):
+    loop = EngineLoop(clf)
+    answers = []
+    loop.serve([(classify_req(clf, ["batch one", "batch two"], [1, 2], priority=3), answers.append),
+                (classify_req(clf, ["urgent"], [3]), answers.append)], passes=0)
+    loop.serve([])
+    loop.serve([])
+    assert [a.rids for a in answers] == [[3], [1, 2]]
+
+
+def test_deadline_past_mid_request_stops_its_passes(clf, scorer):
+    loop = EngineLoop(clf, scorer)
+    loop.score_budget.tokens = 1  # one item a pass
+    answers = []
+    full = [[11, 12, 20 + i] for i in range(6)]
+    loop.serve([(score_req(full, [11, 12], finish_by=time.monotonic() + 0.2), answers.append)])
+    assert answers == []
+    time.sleep(0.25)
+    loop.serve([])
+    assert len(answers) == 1 and answers[0].status == P.EXPIRED
+
+
+# ---------------------------------------------------------------- through the server
+
+def test_deadline_answered_on_time_and_never_computed(clf):
+    """X-Request-Timeout while the engine is held by a long pass: the request is answered 504 at
+    its deadline, not when the engine is next free, and is never computed."""
+    wrapped = Wrapped(clf)
+    app = create_app(wrapped, **LIMITS)
+    with running(app) as (base, _):
+        wrapped.gate = threading.Event()
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                holder = asyncio.create_task(c.post("/v1/classify", json={"query": "holder"}))
+                while wrapped.held == 0:
+                    await asyncio.sleep(0.01)
+                t0 = time.monotonic()
+                late = await c.post("/v1/classify", json={"query": "in a hurry"},
+                                    headers={"X-Request-Timeout": "0.3"})
+                waited = time.monotonic() - t0
+                wrapped.gate.set()
+                return await holder, late, waited
+
+        batches = len(wrapped.batches)
+        holder, late, waited = asyncio.run(go())
+        assert holder.status_code == 200
+        assert late.status_code == 504 and "deadline" in late.json()["detail"], late.text
+        assert 0.3 <= waited < 2.0  # its own deadline, not the held engine's (released later)
+        time.sleep(0.3)
+        assert wrapped.batches[batches:] == [1]  # only the holder ran
+        text = httpx.get(base + "/metrics").text
+        assert metric(text, 'prefixscore_expired_total{reason="deadline"}') == 1
+
+
+def test_request_timeout_default(clf):
+    wrapped = Wrapped(clf, delay=0.5)
+    app = create_app(wrapped, request_timeout=0.2, **LIMITS)
+    with running(app) as (base, _):
+        r = httpx.post(base + "/v1/classify", json={"query": "slow"}, timeout=10)
+        assert r.status_code == 504
+        r = httpx.post(base + "/v1/classify", json={"query": "slow"}, timeout=10,
+                       headers={"X-Request-Timeout": "5"})  # its own wins
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "1e9"])
+def test_bad_deadline_named(clf, value):
+    app = create_app(clf, **LIMITS)
+    with running(app) as (base, _):
+        r = httpx.post(base + "/v1/classify", json={"query": "x"}, headers={"X-Request-Timeout": value})
+        assert r.status_code == 400 and "X-Request-Timeout" in r.json()["detail"], r.text
+
+
+@pytest.mark.parametrize("body", [{"query": "x", "priority": -1}, {"query": "x", "priority": "1"},
+                                  {"query": "x", "priority": 1.5}])
+def test_bad_priority_named(clf, scorer, body):
+    app = create_app(clf, scorer, **LIMITS)
+    with running(app) as (base, _):
+        r = httpx.post(base + "/v1/classify", json=body)
+        assert r.status_code == 422 and "priority" in r.text, r.text
+        r = httpx.post(base + "/v1/score", json={**body, "items": ["a"]})
+        assert r.status_code == 422 and "priority" in r.text, r.text
+        r = httpx.post(base + "/v1/score", json={"query": "x", "items": ["a", "b"], "prior": [0.5]})
+        assert r.status_code == 422 and "prior" in r.text, r.text
+
+
+def test_batch_priority_served(clf, scorer):
+    app = create_app(clf, scorer, **LIMITS)
+    with running(app) as (base, _):
+        r = httpx.post(base + "/v1/classify", json={"query": ["a", "b"], "priority": 2})
+        want = httpx.post(base + "/v1/classify", json={"query": ["a", "b"]})
+        assert r.status_code == 200 and r.json()["results"] == want.json()["results"]
+        r = httpx.post(base + "/v1/score", json={"query": "coat", "items": ["a", "b"], "priority": 1})
+        assert r.status_code == 200 and r.json()["depth"] == 2 and r.json()["scored"] == [True, True]
