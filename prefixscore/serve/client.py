@@ -56,7 +56,6 @@ class BaseClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queued = 0  # the engine's queue depth in its last answer
         self.last_out = 0.0  # when the engine last answered (time.monotonic())
-        self.depth: tuple[int, float] | None = None  # depth control's (depth, p99 ms), last seen
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
         self.metrics = None  # set by the front end: engine deaths are counted
         self.became_ready: asyncio.Event | None = None
@@ -82,17 +81,14 @@ class BaseClient:
         """What /healthz adds about the engines (several: dp_client); one says nothing more."""
         return {}
 
-    def state(self) -> dict:
-        """The engine's state as this front end sees it: its queue (the engine's last word), the
-        age of the oldest request this front end waits on, and how long the engine has been
-        silent while it waits (a long pass)."""
-        now = time.monotonic()
-        first = next(iter(self.jobs.values()), None)
-        t0 = None if first is None else first[0].t0 if isinstance(first[0], ClassifyJob) else first[1]
-        return {"engine_queue": self.queued, "in_flight": len(self.jobs),
-                "oldest_ms": 0.0 if t0 is None else round(1e3 * (now - t0), 3),
-                "engine_silent_ms": 0.0 if t0 is None else
-                round(1e3 * (now - max(t0, self.last_out)), 3)}
+    def waiting(self) -> tuple[float | None, float]:
+        """(when the oldest request this front end waits on was sent, when the engine last
+        answered), time.monotonic(); None: nothing waits. /healthz reads the oldest request's age
+        and how long the engine has been silent while requests wait (a long pass)."""
+        first = next(iter(self.jobs.values()), None)  # dicts keep order: the oldest first
+        if first is None:
+            return None, self.last_out
+        return (first[0].t0 if isinstance(first[0], ClassifyJob) else first[1]), self.last_out
 
     # -- submitting (event loop)
     def classify(self, ids: list[list[int]], starts: list[int], deadline: float,
@@ -174,8 +170,6 @@ class BaseClient:
                 if job.n_done == job.n and not job.future.done():
                     job.future.set_result(job)
         elif isinstance(out, P.ScoreOut):
-            if out.status == P.OK and out.p99_ms:
-                self.depth = (out.depth, out.p99_ms)
             entry = self.jobs.pop(out.rid, None)
             if entry is not None and not entry[0].done():
                 entry[0].set_result(out)

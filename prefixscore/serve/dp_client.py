@@ -117,6 +117,11 @@ class DataParallelClient(BaseClient):
         """Rows in flight from this front end, per engine (None: not ready)."""
         return [len(e.jobs) if self._error(i) is None else None for i, e in enumerate(self.engines)]
 
+    def waiting(self) -> tuple[float | None, float]:
+        """The oldest request waiting on any engine, and the latest answer of any (BaseClient's)."""
+        sent = [t for t, _ in (e.waiting() for e in self.engines) if t is not None]
+        return (min(sent) if sent else None), max(e.last_out for e in self.engines)
+
     def health(self) -> dict:
         """/healthz: every engine, ready or not (and why not); `engine` is the first ready one."""
         engines = []

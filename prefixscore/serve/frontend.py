@@ -95,8 +95,14 @@ class Frontend(ClassifyMany):
             return 503, {"status": "starting"}
         self.sync()
         i, default = self.info, self.classifiers[0]
+        sent, answered = c.waiting()
+        now = time.monotonic()
+        # The engine's real state: a long pass shows as requests waiting while it says nothing.
+        oldest = 0.0 if sent is None else 1e3 * (now - sent)
+        silent = 0.0 if sent is None else 1e3 * (now - max(sent, answered))
         return 200, {"status": "ok", "model": i.model, "labels": default.labels, "mode": default.mode,
                      "scorer": i.scorer is not None, "queue_depth": self.inflight + c.queued,
+                     "oldest_queued_ms": round(oldest, 3), "engine_busy_ms": round(silent, 3),
                      "engine": {"pid": i.pid, "device": i.device},
                      "classifiers": self.catalog.health_cards(), **c.health()}
 

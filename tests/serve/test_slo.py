@@ -232,3 +232,29 @@ def test_batch_priority_served(clf, scorer):
         assert r.status_code == 200 and r.json()["results"] == want.json()["results"]
         r = httpx.post(base + "/v1/score", json={"query": "coat", "items": ["a", "b"], "priority": 1})
         assert r.status_code == 200 and r.json()["depth"] == 2 and r.json()["scored"] == [True, True]
+
+
+def test_health_shows_a_long_pass(clf):
+    """/healthz while the engine is held by a pass: queue depth, the oldest request's age and how
+    long the engine has been silent (it used to say depth 0 throughout)."""
+    wrapped = Wrapped(clf)
+    app = create_app(wrapped, **LIMITS)
+    with running(app) as (base, _):
+        h = httpx.get(base + "/healthz").json()
+        assert h["queue_depth"] == 0 and h["oldest_queued_ms"] == 0 and h["engine_busy_ms"] == 0
+        wrapped.gate = threading.Event()
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                held = asyncio.create_task(c.post("/v1/classify", json={"query": "held"}))
+                while wrapped.held == 0:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)
+                h = (await c.get("/healthz")).json()
+                wrapped.gate.set()
+                return h, await held
+
+        h, held = asyncio.run(go())
+        assert held.status_code == 200
+        assert h["status"] == "ok" and h["queue_depth"] >= 1
+        assert h["oldest_queued_ms"] >= 200 and h["engine_busy_ms"] >= 200
