@@ -153,6 +153,7 @@ class Frontend(ClassifyMany):
         classify_many (many.py)."""
         t0 = time.perf_counter()
         deadline = self.deadline()
+        check_priority(priority)
         self._check_queries(queries, 1, field)
         await self._check_ready()
         k = 0 if model is None and classifier is None else self.catalog.resolve(model, classifier)
@@ -316,6 +317,7 @@ class Frontend(ClassifyMany):
         deadline = self.deadline()
         req = dict(req)
         priority, prior = req.pop("priority", 0) or 0, req.pop("prior", None)
+        check_priority(priority)
         await self._check_ready()
         if model is not None:
             self.resolve(model)
@@ -407,3 +409,10 @@ class Frontend(ClassifyMany):
 def _late(fut) -> None:
     if not fut.done():
         fut.set_exception(Late())
+
+
+def check_priority(priority) -> None:
+    """0 real-time, higher batch work (HTTP's schema checks it too; gRPC's int32 can be negative)."""
+    if type(priority) is not int or priority < 0:
+        raise ApiError(422, f"priority must be an integer >= 0 (0: real-time), got {priority!r}",
+                       param="priority")

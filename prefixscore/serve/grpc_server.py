@@ -19,6 +19,7 @@ Also /grpc.health.v1.Health/Check (no API key, as /healthz): SERVING once the en
 from __future__ import annotations
 
 import logging
+import time
 import socket
 
 from ..errors import ConfigError
@@ -28,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover
     raise ConfigError("--grpc-port needs grpcio and protobuf: pip install 'prefixscore[grpc]'") from None
 
-from .frontend import ApiError, Frontend
+from .frontend import DEADLINE, ApiError, Frontend
 from .http import UNAUTHORIZED, authorized
 from .proto import prefixscore_pb2 as pb
 
@@ -48,6 +49,7 @@ CODES = {
     429: C.RESOURCE_EXHAUSTED,
     501: C.UNIMPLEMENTED,
     503: C.UNAVAILABLE,
+    504: C.DEADLINE_EXCEEDED,
 }
 
 
@@ -79,6 +81,10 @@ def score_dict(m) -> dict:
     for name in ("apply_softmax", "item_first", "model"):
         if m.HasField(name):
             req[name] = getattr(m, name)
+    if m.priority:
+        req["priority"] = m.priority
+    if m.prior:
+        req["prior"] = list(m.prior)
     return req
 
 
@@ -87,7 +93,8 @@ def handlers(fe: Frontend):
 
     async def classify(m):
         ans = await fe.classify(list(m.queries), m.model if m.HasField("model") else None,
-                                m.classifier if m.HasField("classifier") else None)
+                                m.classifier if m.HasField("classifier") else None,
+                                priority=m.priority)
         labels = ans.labels
         index = {label: i for i, label in enumerate(labels)}
         R = pb.ClassifyResult
@@ -104,8 +111,8 @@ def handlers(fe: Frontend):
         out = await fe.score(score_dict(m))
         usage = out.get("usage")
         return pb.ScoreResponse(
-            scores=[pb.ItemScores(values=s) for s in out["scores"]], labels=out["labels"],
-            model=fe.info.model,
+            scores=[pb.ItemScores(values=s or ()) for s in out["scores"]], labels=out["labels"],
+            model=fe.info.model, depth=out.get("depth", 0), scored=out.get("scored", ()),
             usage=None if usage is None else pb.Usage(
                 prompt_tokens=usage.get("prompt_tokens", 0),
                 completion_tokens=usage.get("completion_tokens", 0),
@@ -138,6 +145,9 @@ def unary(fe: Frontend, endpoint: str, handle, auth: bool):
             if api_key is not None and not authorized(bearer(context), api_key):
                 error = ApiError(401, UNAUTHORIZED)
             else:
+                remaining = context.time_remaining()
+                if remaining is not None:  # the call's deadline is the request's (frontend.DEADLINE)
+                    DEADLINE.set(time.monotonic() + remaining)
                 try:
                     reply = await handle(request)
                 except ApiError as e:

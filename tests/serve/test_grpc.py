@@ -376,13 +376,15 @@ def test_queue_full_is_resource_exhausted(clf):
 
 
 def test_deadline_cancels_engine_work(clf):
-    """A call whose deadline passes is cancelled on the server: the awaited Frontend call with it
-    (its queued engine work is dropped unrun) and it is counted 499."""
+    """A call whose deadline passes is answered DEADLINE_EXCEEDED by the server's own timer (the
+    call's deadline is the request's: 504, expired "deadline"), or cancelled as the client gives up
+    (499, "client_left"), whichever comes first; either way its queued engine work is dropped
+    unrun."""
     gated = Gated(clf)
 
     async def go():
         async with serving(gated) as s:
-            expired = s.fe.metrics.expired.labels("client_left")
+            expired = [s.fe.metrics.expired.labels(r) for r in ("client_left", "deadline")]
             gated.hold = True
             first = asyncio.ensure_future(s.classify(pb.ClassifyRequest(queries=["red dress"])))
             assert await asyncio.to_thread(gated.entered.wait, 30)
@@ -390,18 +392,22 @@ def test_deadline_cancels_engine_work(clf):
             code, _, _ = await failure(s.classify(pb.ClassifyRequest(queries=["a", "b", "c"]), timeout=0.3))
             assert code == C.DEADLINE_EXCEEDED
             deadline = time.monotonic() + 10
-            while s.count("grpc:Classify", 499) < 1:  # the server's side of the cancellation
-                assert time.monotonic() < deadline, "the server call was not cancelled"
+
+            def ended():
+                return s.count("grpc:Classify", 499) + s.count("grpc:Classify", 504)
+
+            while ended() < 1:  # the server's side of the call
+                assert time.monotonic() < deadline, "the server call did not end"
                 await asyncio.sleep(0.01)
-            assert expired._value.get() == 1 and s.fe.inflight == 1  # only the held query
+            assert sum(e._value.get() for e in expired) == 1 and s.fe.inflight == 1  # the held query
             gated.hold = False
             gated.release.set()
             assert (await first).results[0].label in clf.labels
             after = await s.classify(pb.ClassifyRequest(queries=["blue jeans"]))
             assert after.results[0].label in clf.labels
-            # the held batch, then "blue jeans": the three cancelled queries never ran
+            # the held batch, then "blue jeans": the three late queries never ran
             assert gated.batches == [1, 1]
-            assert s.count("grpc:Classify", 200) == 2 and s.count("grpc:Classify", 499) == 1
+            assert s.count("grpc:Classify", 200) == 2 and ended() == 1
 
     run(go())
 
@@ -495,5 +501,21 @@ def test_port_shared_and_busy(clf):
         finally:
             busy.close()
         check_port("127.0.0.1", a.port)  # free again once both servers stopped
+
+    run(go())
+
+
+def test_priority_and_depth_fields(clf, scorer):
+    """priority travels on both methods (a negative one is named, INVALID_ARGUMENT); a score
+    answer says its depth and which items were scored."""
+    async def go():
+        async with serving(clf, scorer) as s:
+            code, details, _ = await failure(s.classify(pb.ClassifyRequest(queries=["a"], priority=-1)))
+            assert code == C.INVALID_ARGUMENT and "priority" in details
+            r = await s.classify(pb.ClassifyRequest(queries=["a"], priority=2))
+            assert r.results[0].label in clf.labels
+            r = await s.score(pb.ScoreRequest(query_text="coat", item_texts=pb.Texts(values=["a", "b"]),
+                                              priority=1))
+            assert r.depth == 2 and list(r.scored) == [True, True] and len(r.scores) == 2
 
     run(go())
