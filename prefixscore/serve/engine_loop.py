@@ -321,13 +321,14 @@ class EngineLoop:
         if job.done < job.depth:
             return
         self.lanes.finish(job)
-        p99 = 0.0
-        if self.depth is not None and m.priority <= 0 and m.sent:
-            self.depth.observe(time.monotonic() - m.sent)
+        controlled, p99 = self.depth is not None and m.priority <= 0, 0.0
+        if controlled:
+            if m.sent:
+                self.depth.observe(time.monotonic() - m.sent)
             p99 = self.depth.p99_ms() or 0.0
         unscored = [[] for _ in range(len(job.full) - job.depth)]
         job.reply(P.ScoreOut(m.rid, P.OK, job.scores + unscored, job.labels, job.computed, None,
-                             job.depth, p99))
+                             job.depth, controlled, p99))
 
 
 def _score_failed(m: P.ScoreReq, status: int, error: str | None) -> P.ScoreOut:

@@ -365,7 +365,7 @@ class Frontend(ClassifyMany):
             self._release(len(items), n)
         if out.status == P.OK:
             self.metrics.score_tokens.inc(out.prompt_tokens)
-            if out.p99_ms:
+            if out.controlled:
                 self.metrics.score_depth.set(out.depth)
                 self.metrics.score_p99.set(out.p99_ms)
             t, L = out.prompt_tokens, len(out.labels)

@@ -144,7 +144,8 @@ class ScoreOut(msgspec.Struct, tag=True, array_like=True):
     prompt_tokens: int  # the tokens the engine computed for it
     error: str | None
     depth: int = 0  # items scored: the first `depth`, the rest unscored (depth control)
-    p99_ms: float = 0.0  # depth control's measured p99 of real-time score requests (0: none)
+    controlled: bool = False  # depth control decided the depth (a real-time request, a target)
+    p99_ms: float = 0.0  # depth control's measured p99 of real-time score requests (0: none yet)
 
 
 REQ = HelloReq | ClassifyReq | ScoreReq | AbortReq

@@ -258,3 +258,26 @@ def test_health_shows_a_long_pass(clf):
         assert held.status_code == 200
         assert h["status"] == "ok" and h["queue_depth"] >= 1
         assert h["oldest_queued_ms"] >= 200 and h["engine_busy_ms"] >= 200
+
+
+def test_depth_control_marks_unscored_items(clf, scorer):
+    """With a latency target a real-time score request gets its first `depth` items scored; the
+    rest come back in place, scored false, with the request's prior or null; batch work is never
+    cut. The scored items equal an uncut request's."""
+    schedule = ScheduleOptions(target_p99_ms=1000.0, depth_min=1, depth_max=2)
+    app = create_app(clf, scorer, schedule=schedule, **LIMITS)
+    items = ["camel coat", "wool scarf", "red dress", "blue jeans"]
+    with running(app) as (base, _):
+        r = httpx.post(base + "/v1/score", json={"query": "winter coat", "items": items}).json()
+        assert r["depth"] == 2 and r["scored"] == [True, True, False, False]
+        assert r["scores"][2:] == [None, None]
+        want = scorer.score_request({"query": "winter coat", "items": items})["scores"]
+        assert np.allclose(r["scores"][:2], want[:2], atol=1e-5)
+        r = httpx.post(base + "/v1/score", json={"query": "winter coat", "items": items,
+                                                 "prior": [0.1, 0.2, 0.3, [0.4, 0.6]]}).json()
+        assert r["scores"][2:] == [[0.3, 0.3], [0.4, 0.6]]
+        r = httpx.post(base + "/v1/score", json={"query": "winter coat", "items": items,
+                                                 "priority": 1}).json()
+        assert r["depth"] == 4 and all(r["scored"])
+        text = httpx.get(base + "/metrics").text
+        assert metric(text, "prefixscore_score_depth") == 2
