@@ -8,6 +8,8 @@ Single-child nodes need no forward work: their restricted log-softmax is 0.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -138,3 +140,15 @@ class LabelTrie:
         """Raw first-token logits [B, N] and their argmax column [B] -> per label [B, L], decision."""
         first = np.array([self.columns.index(p[0]) for p in self.paths])
         return logits.numpy()[:, first], (first[None, :] == best.numpy()[:, None]).argmax(-1)
+
+
+@dataclass
+class LabelHead:
+    """A label set as a scorer uses it: its trie and the output-head rows of its tokens."""
+    labels: list[str]
+    trie: LabelTrie
+    weight: torch.Tensor
+
+    @property
+    def single_tokens(self) -> bool:
+        return all(len(p) == 1 for p in self.trie.paths)

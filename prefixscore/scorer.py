@@ -25,14 +25,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from .depth import within_depth
 from .engine import Engine
 from .errors import ConfigError, InputError, error_at
-from .labels import LabelTrie, check_labels
+from .labels import LabelHead, LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, sentinel
@@ -54,18 +54,6 @@ LAYOUTS = ("auto", "packed", "alone")
 # Label sets named by requests (labels / label_token_ids) keep their head rows in an LRU of this
 # many: a client that varies them per request must not grow memory without bound.
 REQUEST_HEADS = 8
-
-
-@dataclass
-class _Head:
-    """A label set: its trie and the output-head rows of its tokens."""
-    labels: list[str]
-    trie: LabelTrie
-    weight: torch.Tensor
-
-    @property
-    def single_tokens(self) -> bool:
-        return all(len(p) == 1 for p in self.trie.paths)
 
 
 class Scorer:
@@ -142,7 +130,7 @@ class Scorer:
         self.tokenizer = tok = self.loaded.tokenizer
         self.mode = mode
         self.max_items = max_items
-        self._heads: OrderedDict = OrderedDict()  # label-set key -> _Head, for requests' label sets
+        self._heads: OrderedDict = OrderedDict()  # label-set key -> LabelHead, for requests' label sets
         if tok is None:
             if template is not None or label_token_ids is None:
                 raise ConfigError("this model has no tokenizer: give label_token_ids and no template, "
@@ -190,7 +178,7 @@ class Scorer:
     def prefix_len(self) -> int:
         return len(self.prefix_ids)
 
-    def _head(self, labels, label_token_ids, err=ConfigError, single: bool = False) -> _Head:
+    def _head(self, labels, label_token_ids, err=ConfigError, single: bool = False) -> LabelHead:
         """Label trie and head rows: the scorer's own, or a request's from an LRU of REQUEST_HEADS
         label sets. Text labels are tokenized as they follow the prompt; single=True demands one
         token each (a score request)."""
@@ -213,7 +201,7 @@ class Scorer:
     def _label_key(self, labels, label_token_ids, err) -> tuple:
         return label_key(labels, label_token_ids, self.config.vocab_size, err)
 
-    def _build_head(self, key, err) -> _Head:
+    def _build_head(self, key, err) -> LabelHead:
         tok = self.tokenizer
         if key[0] == "ids":
             # A padded vocabulary (Qwen: 151936 rows, ~151665 tokens) has ids with no token.
@@ -228,9 +216,9 @@ class Scorer:
                 trie = LabelTrie.build(tok, list(key[1]), context, self.prompt.encode_text)
             except ConfigError as e:
                 raise err(str(e)) from None
-        return _Head(trie.labels, trie, self.engine.label_weight(trie.columns))
+        return LabelHead(trie.labels, trie, self.engine.label_weight(trie.columns))
 
-    def _check_mode(self, mode: str, head: _Head, err=ConfigError) -> None:
+    def _check_mode(self, mode: str, head: LabelHead, err=ConfigError) -> None:
         if mode == "logits" and not head.trie.first_distinct:
             raise err("mode 'logits' needs labels whose first tokens differ; these share a first "
                       "token, so use mode 'logprobs' or 'softmax'")
@@ -242,9 +230,15 @@ class Scorer:
 
     # ------------------------------------------------------------ public API
 
-    def score(self, query: str, items) -> list[ItemResult]:
-        """Label scores for every item, as if each were scored alone with the whole prompt."""
-        return self.score_batch([(query, items)])[0]
+    def score(self, query: str, items, depth=None) -> list[ItemResult]:
+        """Label scores for every item, as if each were scored alone with the whole prompt.
+        depth: score only the first items, an int or a depth.DepthControl (a latency target: it
+        gives the depth and is told the call's latency); the rest come back scored=False."""
+        if depth is None:
+            return self.score_batch([(query, items)])[0]
+        items = self.input.check_text(query, items)
+        done = within_depth(depth, items, lambda first: self.score_batch([(query, first)])[0])
+        return done + [ItemResult(it, None, {}, scored=False) for it in items[len(done):]]
 
     def score_batch(self, requests, progress=None) -> list[list[ItemResult]]:
         """Many (query, items) requests (tuples or {"query", "items"} dicts) in shared flat passes,
@@ -320,7 +314,7 @@ class Scorer:
 
     # ------------------------------------------------------------ spans -> passes -> scores
 
-    def run(self, prepared, mode: str | None = None, head: _Head | None = None,
+    def run(self, prepared, mode: str | None = None, head: LabelHead | None = None,
             progress=None, computed: list | None = None) -> list[list[ItemResult]]:
         """Score prepared requests (see prepare / prepare_ids) in as few flat passes as fit.
         `prepared` is any iterable (score_batch's is tokenized ahead on a worker thread): a pass is
@@ -371,7 +365,7 @@ class Scorer:
         return out
 
     @torch.inference_mode()
-    def _launch_pass(self, groups: list[Span], mode: str, head: _Head, branches):
+    def _launch_pass(self, groups: list[Span], mode: str, head: LabelHead, branches):
         """Queue one flat pass; returns a function that waits for it -> (scores, decisions) lists."""
         plan = plan_items(groups, head.trie, branches)
         kv, trie = groups[0].kv, head.trie

@@ -72,8 +72,9 @@ class Result:
 @dataclass
 class ItemResult:
     item: str | list[int]  # the item as given (text, or token ids)
-    label: str  # the decision: label-constrained greedy choice (argmax in logits / vocab_probs)
+    label: str | None  # the decision: label-constrained greedy choice (argmax in logits / vocab_probs)
     scores: dict[str, float]
+    scored: bool = True  # False: past the depth the caller allowed (Scorer.score(depth=)): no label
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -248,6 +248,29 @@ def test_batch_equals_single(models):
             assert max(abs(a.scores[l] - b.scores[l]) for l in LABELS) < 1e-5
 
 
+def test_score_to_a_depth(models):
+    """Scorer.score(depth=): the first items scored as without it, the rest in place and unscored;
+    a DepthControl gives the depth and is told the call's latency; a bad depth is a ConfigError."""
+    from prefixscore.depth import DepthControl, DepthOptions
+
+    loaded, _, _ = models("qwen2")
+    sc = Scorer(loaded, TEMPLATES["query_first"][0], LABELS, chat=False)
+    q, items = random_requests(1, seed=5, most=8)[0]
+    items = (items * 3)[:6]
+    whole = sc.score(q, items)
+    cut = sc.score(q, items, depth=4)
+    assert [r.scored for r in cut] == [True] * 4 + [False] * 2
+    assert [r.item for r in cut] == items and all(r.label is None and not r.scores for r in cut[4:])
+    for a, b in zip(cut[:4], whole):
+        assert a.label == b.label and max(abs(a.scores[l] - b.scores[l]) for l in LABELS) < 1e-5
+    control = DepthControl(DepthOptions(target_p99_ms=1e4, min_depth=1, max_depth=3))
+    assert sum(r.scored for r in sc.score(q, items, depth=control)) == 3
+    assert len(control._samples) == 1  # told the latency
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ConfigError, match="depth"):
+            sc.score(q, items, depth=bad)
+
+
 def test_score_request_sglang_shape(models):
     """SGLang /v1/score: label_token_ids or single-token labels, apply_softmax, item_first, text or
     token ids; scores per item in label order. Text follows the template's slot order; token ids

@@ -90,7 +90,7 @@ class ClassifyMany:
                       priority: int = 0):
         """The engine's answers (a ClassifyJob) to todo's rows, admitted by cost; classifiers: each
         row's classifier (None: the default's). Frontend.classify does the same inline."""
-        self._admit(len(todo), cost)
+        self._admit(len(todo), cost, priority > 0)
         deadline = self.deadline()
         try:
             start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
@@ -101,7 +101,7 @@ class ClassifyMany:
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
-            self._release(len(todo), cost)
+            self._release(len(todo), cost, priority > 0)
         self._check_status(job, deadline)
         return job
 

@@ -53,7 +53,7 @@ class Frontend(ClassifyMany):
         self.created = 0  # when this front end first saw the engine ready (Unix seconds)
         self.cache = ResultCache(cfg.cache_size, cfg.cache_ttl) if cfg.cache_size > 0 else None
         self.inflight = 0  # queries admitted and not yet answered (this front end)
-        self.inflight_tokens = 0  # their tokens after the cached prefix
+        self.held = ([0, 0], [0, 0])  # per lane (real-time, batch): those queries, their tokens
         self.draining = False
         client.metrics = metrics
         # The prompt is built when the engine's Ready arrives (at start-up), not by the first
@@ -118,22 +118,31 @@ class Frontend(ClassifyMany):
             raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
         self.sync()
 
-    def _admit(self, n: int, tokens: int) -> None:
+    def _admit(self, n: int, tokens: int, batch: bool = False) -> None:
         """Admission by cost: n queries (or items) and their tokens after the cached prefix, each
-        within this front end's share (--max-queue, --max-queue-tokens), else 429 + Retry-After."""
-        cfg = self.cfg
-        if self.inflight + n > cfg.max_queue or (self.inflight_tokens + tokens > cfg.max_queue_tokens
-                                                 and self.inflight > 0):
-            raise ApiError(429, f"queue full ({self.inflight} queries, {self.inflight_tokens} tokens "
-                                f"waiting; limits {cfg.max_queue} and {cfg.max_queue_tokens}); retry "
-                                f"later", self.client.wait_s(n))
+        within this front end's share (--max-queue, --max-queue-tokens), else 429 + Retry-After.
+        Real-time and batch work (priority > 0) have a share each, so a batch flood cannot take
+        the real-time lane's places."""
+        cfg, held = self.cfg, self.held[batch]
+        if held[0] + n > cfg.max_queue or (held[1] + tokens > cfg.max_queue_tokens and held[0] > 0):
+            lane = "batch" if batch else "real-time"
+            raise ApiError(429, f"queue full ({held[0]} {lane} queries, {held[1]} tokens waiting; "
+                                f"limits {cfg.max_queue} and {cfg.max_queue_tokens}); retry later",
+                           self.client.wait_s(n))
+        held[0] += n
+        held[1] += tokens
         self.inflight += n
-        self.inflight_tokens += tokens
         self.metrics.queue_depth.inc(n)
 
-    def _release(self, n: int, tokens: int) -> None:
+    @property
+    def inflight_tokens(self) -> int:
+        return self.held[0][1] + self.held[1][1]
+
+    def _release(self, n: int, tokens: int, batch: bool = False) -> None:
+        held = self.held[batch]
+        held[0] -= n
+        held[1] -= tokens
         self.inflight -= n
-        self.inflight_tokens -= tokens
         self.metrics.queue_depth.dec(n)
 
     # -- classify
@@ -168,7 +177,7 @@ class Frontend(ClassifyMany):
         job = None
         if todo:  # inline, not many.py's _engine: the latency path pays for no extra coroutine
             cost = sum(len(e.ids) - e.start for e in todo)
-            self._admit(len(todo), cost)
+            self._admit(len(todo), cost, priority > 0)
             try:
                 start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
                 fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
@@ -178,7 +187,7 @@ class Frontend(ClassifyMany):
             except EngineDead as e:
                 raise ApiError(503, str(e), 1) from None
             finally:
-                self._release(len(todo), cost)
+                self._release(len(todo), cost, priority > 0)
             self.metrics.classifier_tokens(info.name).inc(cost)
             self._check_status(job, deadline)
         labels = info.labels
@@ -352,7 +361,7 @@ class Frontend(ClassifyMany):
         if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
             raise ApiError(422, f"prior must be a list of one score (or one list of scores per "
                                 f"label) per item: {len(items)}", param="prior")
-        self._admit(len(items), n)
+        self._admit(len(items), n, priority > 0)
         try:
             start_by = time.monotonic() + cfg.max_queue_ms / 1e3
             out = await self._wait(self.client.score(
@@ -362,7 +371,7 @@ class Frontend(ClassifyMany):
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
-            self._release(len(items), n)
+            self._release(len(items), n, priority > 0)
         if out.status == P.OK:
             self.metrics.score_tokens.inc(out.prompt_tokens)
             if out.controlled:

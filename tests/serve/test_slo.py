@@ -281,3 +281,34 @@ def test_depth_control_marks_unscored_items(clf, scorer):
         assert r["depth"] == 4 and all(r["scored"])
         text = httpx.get(base + "/metrics").text
         assert metric(text, "prefixscore_score_depth") == 2
+
+
+def test_batch_flood_leaves_the_realtime_share(clf):
+    """Each lane has its own admission share: batch work filling its --max-queue gets 429, and a
+    real-time request is still admitted and answered first."""
+    wrapped = Wrapped(clf)
+    app = create_app(wrapped, max_queue=3, max_queries=2, max_connections=64)
+    with running(app) as (base, _):
+        wrapped.gate = threading.Event()
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                held = asyncio.create_task(c.post("/v1/classify", json={"query": "held"}))
+                while wrapped.held == 0:
+                    await asyncio.sleep(0.01)
+                batch = [asyncio.create_task(c.post("/v1/classify", json={"query": ["b1", "b2"],
+                                                                          "priority": 1}))]
+                while app.state.frontend.held[1][0] < 2:
+                    await asyncio.sleep(0.01)
+                over = await c.post("/v1/classify", json={"query": ["b3", "b4"], "priority": 1})
+                rt = asyncio.create_task(c.post("/v1/classify", json={"query": ["r1", "r2"]}))
+                while app.state.frontend.held[0][0] < 3:  # the held one and the two real-time
+                    await asyncio.sleep(0.01)
+                wrapped.gate.set()
+                return over, await held, await rt, await batch[0]
+
+        before = len(wrapped.batches)
+        over, held, rt, batch = asyncio.run(go())
+        assert over.status_code == 429 and "batch" in over.json()["detail"]
+        assert held.status_code == rt.status_code == batch.status_code == 200
+        assert wrapped.batches[before:] == [1, 2, 2]  # held, then real-time, then batch
