@@ -8,7 +8,8 @@
     engine_proc.py  the engine process: the model, the loop, a ZeroMQ ROUTER socket
     client.py       front end -> engine: InprocClient (a thread) and ZmqClient (a process)
     dp_client.py    --data-parallel: one ZmqClient per engine, each pass to the least loaded
-    frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit
+    frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit,
+                    deadlines; scoring.py its multi-item route (/v1/score, /rerank)
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
     fanout.py       one request to several classifiers ("classifiers": [...]) and its answer
     answers.py      Answer, the result cache, probabilities; api_error.py: ApiError
