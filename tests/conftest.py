@@ -87,7 +87,8 @@ def one_thread():
 # kernel for sm_90. Tests elsewhere mark themselves slow one by one. CI runs everything.
 SLOW_MODULES = {"test_finetune", "test_parity_hf", "test_serve_procs", "test_data_parallel",
                 "test_ray_data", "test_ray_serve", "test_cli", "test_startup", "test_stream",
-                "test_fp8_checkpoints", "test_overlap", "test_server", "test_kernels_compile"}
+                "test_fp8_checkpoints", "test_overlap", "test_server", "test_kernels_compile",
+                "test_shutdown"}
 
 
 def pytest_collection_modifyitems(config, items):

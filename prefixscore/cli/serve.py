@@ -78,7 +78,9 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--score-labels", default=None,
                    help="comma-separated labels of /v1/score when a request names none (default: yes,no)")
     g.add_argument("--max-connections", type=int, default=4096,
-                   help="open connections per front-end process (must exceed its --max-queue share)")
+                   help="connections per front-end process (must exceed its --max-queue share): at "
+                        "the limit the oldest idle ones are closed for new ones; with all of them "
+                        "busy, new requests get 503 + Retry-After (/healthz is always served)")
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds for a request's headers to arrive (408 and close; idle sockets too)")
     g.add_argument("--body-timeout", type=float, default=30.0,

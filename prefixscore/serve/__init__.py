@@ -14,7 +14,8 @@
     fanout.py       one request to several classifiers ("classifiers": [...]) and its answer
     answers.py      Answer, the result cache, probabilities; api_error.py: ApiError
     http.py         the FastAPI app and its ASGI guard (auth, body, X-Request-Timeout)
-    connections.py  the bounded uvicorn protocol: header limits, connections at the limit
+    connections.py  the uvicorn server (draining shutdown) and its bounded protocol: header
+                    limits, the oldest idle connections closed at the connection limit
     compat.py       routes in other servers' shapes: vLLM /classify, TEI /predict, /rerank, /v1/models
     metrics.py      Prometheus series, summed over processes
     launch.py       --workers 1 (one process) or launcher + front ends + engine process

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import protocol as P
-from .engine_loop import STOP, EngineLoop
+from .engine_loop import STOP, EngineLoop, Stopped
 
 log = logging.getLogger("prefixscore.client")
 
@@ -272,6 +272,8 @@ class InprocClient(BaseClient):
             self.engine.warmup()
             self._reply(self.engine.ready(model=self.model))
             self.engine.run()
+        except Stopped:  # the shutdown's, once everything is answered (end_engine_thread)
+            return
         except BaseException as e:  # noqa: B036 -- no request may wait on a dead thread
             log.error("engine thread died", exc_info=e)
             try:

@@ -42,6 +42,12 @@ log = logging.getLogger("prefixscore.engine")
 STOP = object()
 
 
+class Stopped(BaseException):
+    """The stop at shutdown: raised in an engine process's main thread by its stop signal, in the
+    engine thread by engine_proc.end_engine_thread, wherever the engine is (a BaseException: the
+    loop's `except Exception` fault handling does not take it for a fault)."""
+
+
 class EngineFault(Exception):
     """The engine failed on a batch (not the requests' fault): it stops, and is restarted if the
     server was started with --restart-engine."""

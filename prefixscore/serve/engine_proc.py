@@ -4,13 +4,20 @@ EngineLoop, behind a ZeroMQ ROUTER socket that every front end's DEALER connects
 Start-up order: build (load, prefill, capture), run one batch, save the tokenizer files where the
 front ends can load them, then bind the socket and answer each front end's Hello with Ready. The
 loop polls the socket itself (no input thread: a request's decode is microseconds and a thread hop
-would cost more), and replies on the same socket from the same thread. SIGINT is ignored (a
-terminal's Ctrl-C reaches every process; the launcher decides the order of shutdown); SIGTERM
-ends the loop after the batch in flight. Any fault ends the process non-zero: the front ends see
-its socket close, answer 503, and the launcher restarts it with --restart-engine.
+would cost more), and replies on the same socket from the same thread.
+
+SIGINT and SIGTERM are ignored: a terminal's Ctrl-C, and the SIGTERM that systemd or an init
+sends to the whole process group, reach every process, and the engine must serve on while the
+front ends drain; the launcher decides the order of shutdown. Its STOP_SIGNAL ends the process at
+once, abandoning the pass in flight (Stopped): it is sent only once the front ends are gone or
+have answered everything 503, so no answer is lost, and a long pass (a CPU backlog) cannot hold
+the shutdown past --shutdown-timeout. (The process dies with the launcher however that dies:
+launch.die_with_parent.) Any fault ends the process non-zero: the front ends see its socket
+close, answer 503, and the launcher restarts it with --restart-engine.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -21,7 +28,7 @@ import time
 from . import protocol as P
 from ..values import ModelSpec
 from .config import EngineConfig
-from .engine_loop import STOP, EngineLoop
+from .engine_loop import STOP, EngineLoop, Stopped
 
 log = logging.getLogger("prefixscore.engine")
 
@@ -97,6 +104,16 @@ def engine_cpu(spec: str, device: str) -> int | None:
     return cpu
 
 
+def engine_config(ecfg: EngineConfig, index: int, engines: int) -> EngineConfig:
+    """Engine index's config: its own GPU (cli.configs resolved the device to its type when
+    engines > 1), or the one config as given."""
+    import dataclasses
+
+    if engines > 1 and ecfg.spec.device == "cuda":
+        return dataclasses.replace(ecfg, spec=ecfg.spec.replace(device=f"cuda:{index}"))
+    return ecfg
+
+
 class ZmqSource:
     """The engine loop's messages from a ROUTER socket: (message, reply-to-its-front-end)."""
 
@@ -155,6 +172,10 @@ class ZmqSource:
     def put(self, msg, reply) -> None:  # only STOP, from the signal handler
         self.stop = True
 
+    def close(self, linger: int) -> None:
+        self.sock.close(linger=linger)
+        self.ctx.term()
+
 
 def save_tokenizer(tokenizer, run_dir: str) -> str:
     """The tokenizer files, for the front ends (a GGUF model's tokenizer exists only in memory)."""
@@ -166,12 +187,13 @@ def save_tokenizer(tokenizer, run_dir: str) -> str:
 def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
          ready_event=None, index: int = 0, engines: int = 1) -> None:
     """index of engines (--data-parallel): its metrics carry it when there are several; cfg
-    already names its own device (launch.engine_config)."""
+    already names its own device (engine_config)."""
     name = "engine" if engines == 1 else f"engine {index}"
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     {name}: %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     source = ZmqSource(address)
-    signal.signal(signal.SIGTERM, lambda *_: source.put(STOP, None))
+    _stop_on_signal(source)
     try:
         if engines > 1 and str(cfg.spec.device).startswith("cuda:"):  # engine i: cuda:i
             import torch
@@ -190,7 +212,7 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
 
         loop = EngineLoop(classifiers, scorer, source=source, window=cfg.batch_window_ms / 1e3,
                           spin=spin_seconds(cfg.engine_spin_ms, clf.engine.device.type),
-                          metrics=Metrics(engines, index))
+                          metrics=Metrics(engines, index), schedule=cfg.schedule)
         loop.warmup()
         model = cfg.served_model_name or os.path.basename(str(clf.loaded.name))
         ready = loop.ready(save_tokenizer(clf.loaded.tokenizer, run_dir), model)
@@ -202,8 +224,68 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
         gc.collect()
         gc.freeze()  # what start-up built is never collected: shorter GC pauses in the loop
         loop.run()
+    except Stopped:
+        log.info("stopped (pid %d)", os.getpid())
     except BaseException as e:  # noqa: B036 -- the launcher and front ends act on the exit status
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # a stop now must not cut the report short
         log.error("engine fault: the engine process exits", exc_info=e)
-        source.sock.close(linger=1000)
+        source.close(linger=1000)  # the FAULT answers still leave
         sys.exit(1)
-    source.sock.close()
+    # Nobody waits for an answer now (the front ends answered or left): nothing lingers, else
+    # the context's teardown at exit would wait a second per unsent message's socket.
+    source.close(linger=0)
+
+
+# ---------------------------------------------------------------- how an engine ends
+
+STOP_SIGNAL = signal.SIGUSR1  # the launcher's order to stop now (SIGTERM may reach every process)
+
+
+def _stop_on_signal(source: ZmqSource) -> None:
+    def stop(signum, frame):
+        signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # once: the way out is not interrupted
+        source.put(STOP, None)
+        raise Stopped
+
+    signal.signal(STOP_SIGNAL, stop)
+
+
+def freeze_for_exit() -> None:
+    """Before a server process returns to exit, all closed and answered: the interpreter's last
+    garbage collections traverse every object torch and transformers made, 0.4-1.0 s of a busy
+    2-CPU host per process (0.1-0.2 s frozen), of the one second shutdown allows after
+    --shutdown-timeout. Frozen objects are still freed by reference counts and module teardown;
+    only cycles among them are left to the OS, which frees the memory."""
+    gc.freeze()
+
+
+def end_engine_thread(client, deadline: float, code: int | None) -> None:
+    """The engine thread (--workers 1) must be gone before the interpreter finalizes: a daemon
+    thread still inside torch then (a pass in flight, the GIL released) is ended by pthread_exit
+    when it takes the GIL back (CPython's take_gil during finalization), and that forced unwind
+    through libtorch's C++ frames ends in std::terminate: "terminate called without an active
+    exception", SIGABRT, exit 134. So, once the server has answered everything: STOP (an idle
+    loop ends at once), then Stopped raised in the thread, which abandons the pass in flight at
+    its next Python step (as STOP_SIGNAL does in an engine process); joined until the deadline.
+    Only a thread stuck in one native call past it is left behind, without finalizing, which
+    loses nothing: every request is answered, logs and stdio are flushed first. code: the exit
+    status then; None: return anyway (an error is on its way up)."""
+    client.stop()
+    thread = client.thread
+    if thread is None:
+        return
+    thread.join(min(0.1, max(0.0, deadline - time.monotonic())))
+    if thread.is_alive():
+        import ctypes
+
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                   ctypes.py_object(Stopped))
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if thread.is_alive() and code is not None:
+        log.warning("the engine thread is stuck in a native call at the shutdown deadline: "
+                    "exiting without waiting for it")
+        logging.shutdown()
+        for f in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                f.flush()
+        os._exit(code)

@@ -18,12 +18,14 @@ engine that dies before it was ever ready ends the server (exit 2, its error on 
 dies later is restarted with --restart-engine (front ends answer 503 meanwhile), else the front
 ends stay up unhealthy. With several engines the same holds per engine, except that the server
 stays healthy (the others take the load) until none is left. A dead front end is restarted.
-SIGTERM/SIGINT: the front ends drain (accepted requests finish within --shutdown-timeout, the rest
-get 503 + Retry-After), then the engines stop.
+SIGTERM/SIGINT: the front ends drain (accepted requests finish within --shutdown-timeout T; what
+still waits at T - 0.5 s is answered 503 + Retry-After), then the engines are stopped, abandoning
+the pass in flight (its answers are moot by then), and every process has exited within T + 1 s
+(one still alive at T + EXIT_GRACE is killed). The engine processes ignore SIGTERM and SIGINT:
+sent to the whole process group (systemd, a terminal), they would cut the drain short.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import logging
@@ -35,15 +37,20 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
+import time
 
 from ..errors import ConfigError
 from .config import EngineConfig, FrontendConfig
+from .connections import EXIT_GRACE, uvicorn_server  # uvicorn_server: the tests' import, as before
 # engine_cpu: beside the engine process that pins itself with it (and importable from here, as
 # before); launch imports engine_proc, never the other way round
-from .engine_proc import engine_cpu  # noqa: F401
+from .engine_proc import (STOP_SIGNAL, end_engine_thread, engine_config, engine_cpu,  # noqa: F401
+                          freeze_for_exit)
 
 log = logging.getLogger("prefixscore.serve")
+# The engines stop at --shutdown-timeout - ENGINES after the signal (or once every front end is
+# gone): the front ends answered what waited 503 at T - FAIL (connections.py), so their work is moot.
+ENGINES = 0.25
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -60,54 +67,6 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def uvicorn_server(app, fcfg: FrontendConfig, frontend):
-    """A uvicorn Server whose shutdown drains through the Frontend first."""
-    import uvicorn
-
-    from .connections import protocol_class
-
-    class DrainingServer(uvicorn.Server):
-        """uvicorn + the gRPC front end on the same event loop and Frontend (--grpc-port)."""
-        grpc = None
-
-        async def startup(self, sockets=None):
-            await super().startup(sockets)  # lifespan first: the engine client starts
-            if fcfg.grpc_port is not None and not self.should_exit:
-                from .grpc_server import start_grpc
-
-                self.grpc = await start_grpc(frontend, fcfg.host, fcfg.grpc_port)
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            """uvicorn's, without raising the caught signal again at exit: a drained server exits
-            0 (as the launcher does), not by SIGTERM."""
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)
-
-        async def shutdown(self, sockets=None):
-            frontend.begin_drain()
-            # Answer what is still waiting 503 just before uvicorn would cancel it (a 500).
-            loop = asyncio.get_running_loop()
-            loop.call_later(max(0.0, fcfg.shutdown_timeout - 0.5), frontend.fail_pending)
-            if self.grpc is not None:  # before super(): its lifespan shutdown stops the client
-                from .grpc_server import stop_grpc
-
-                await stop_grpc(self.grpc, fcfg.shutdown_timeout)
-            await super().shutdown(sockets)
-
-    config = uvicorn.Config(app, http=protocol_class(fcfg), log_level=fcfg.log_level,
-                            access_log=fcfg.access_log, limit_concurrency=fcfg.max_connections,
-                            timeout_graceful_shutdown=fcfg.shutdown_timeout, timeout_keep_alive=5)
-    return DrainingServer(config)
 
 
 # ---------------------------------------------------------------- --workers 1
@@ -133,7 +92,8 @@ def single_process(fcfg: FrontendConfig, ecfg: EngineConfig, sock=None) -> None:
     log_memory([classifier_info(name, c) for name, c in named.items()])
     client = InprocClient(classifiers, scorer, window=ecfg.batch_window_ms / 1e3,
                           spin=spin_seconds(ecfg.engine_spin_ms, clf.engine.device.type),
-                          metrics=metrics, restart=fcfg.restart_engine, model=model, engine_cpu=cpu)
+                          metrics=metrics, restart=fcfg.restart_engine, model=model, engine_cpu=cpu,
+                          schedule=ecfg.schedule)
     fe = Frontend(fcfg, client, metrics, lambda info: [c.prompt for c in named.values()])
 
     def started(loop):
@@ -146,7 +106,14 @@ def single_process(fcfg: FrontendConfig, ecfg: EngineConfig, sock=None) -> None:
     # the engine thread, back from a GPU sync, would wait up to the 5 ms default switch interval
     # for it: a forward's worth of latency per batch. 0.5 ms bounds that wait.
     sys.setswitchinterval(0.0005)
-    uvicorn_server(app, fcfg, fe).run(sockets=[sock])
+    server = uvicorn_server(app, fcfg, fe)
+    try:
+        server.run(sockets=[sock])
+    except BaseException:  # a start-up failure: the thread may be warming up (seconds on a GPU)
+        end_engine_thread(client, time.monotonic() + 30.0, None)  # then the error is said
+        raise
+    end_engine_thread(client, server.exit_by or time.monotonic() + EXIT_GRACE, 0)
+    freeze_for_exit()
 
 
 # ---------------------------------------------------------------- --workers N
@@ -196,21 +163,12 @@ def worker_main(fcfg: FrontendConfig, index: int, addresses: list[str], sock, av
 
     app = create_app(fe, on_startup=started, on_shutdown=client.stop)
     uvicorn_server(app, fcfg, fe).run(sockets=[sock])
+    freeze_for_exit()
 
 
 def _mismatch(message: str) -> None:
     print(f"prefixscore: error: {message}", file=sys.stderr, flush=True)
     os._exit(MISMATCH_EXIT)
-
-
-def engine_config(ecfg: EngineConfig, index: int, engines: int) -> EngineConfig:
-    """Engine index's config: its own GPU (cli.configs resolved the device to its type when
-    engines > 1), or the one config as given."""
-    import dataclasses
-
-    if engines > 1 and ecfg.spec.device == "cuda":
-        return dataclasses.replace(ecfg, spec=ecfg.spec.replace(device=f"cuda:{index}"))
-    return ecfg
 
 
 def worker_prompts(info):
@@ -242,6 +200,7 @@ class Launcher:
         self.ever_ready = [False] * n
         self.workers: list = []
         self.stopping = False
+        self.stop_at: float | None = None  # time.monotonic() when the front ends were told to stop
         self.signals = 0
 
     def start_engine(self, i: int = 0):
@@ -267,6 +226,8 @@ class Launcher:
         try:
             for i in range(len(self.engines)):
                 self.start_engine(i)
+            if self.stopping:  # a signal while the engines started: the socket is closed already
+                return 0
             self.workers = [self.start_worker(i) for i in range(self.fcfg.workers)]
             log.info("serving on http://%s:%d: %d front-end processes, engine pid %s",
                      self.fcfg.host, self.sock.getsockname()[1], self.fcfg.workers,
@@ -275,12 +236,20 @@ class Launcher:
         finally:
             self._shutdown()
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.engine_ready = []  # their semaphores unregistered first: the tracker warns of none
+            _stop_resource_tracker()
+            freeze_for_exit()
 
     def _signal(self, signum, frame):
         self.signals += 1
         self.stopping = True
         if self.signals == 1:  # drain: the front ends stop accepting and finish what they hold
             self.sock.close()
+        self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        if self.stop_at is None:
+            self.stop_at = time.monotonic()
         for p in self.workers:
             if p.is_alive():
                 os.kill(p.pid, signal.SIGTERM)
@@ -332,17 +301,46 @@ class Launcher:
             mp.connection.wait([p.sentinel for p in self.workers], timeout=0.5)
 
     def _shutdown(self) -> None:
-        for p in self.workers:
-            p.join(self.fcfg.shutdown_timeout + 5)
+        """Bounded: every child is gone (and reaped) by --shutdown-timeout + EXIT_GRACE after the
+        stop. The engines serve until the front ends are gone or have answered what waited (at
+        T - FAIL), then get STOP_SIGNAL, which abandons the pass in flight (engine_proc.Stopped)."""
+        if self.stop_at is None:  # a start-up failure, not a signal: the front ends stop now
+            self._stop_workers()
+        timeout = self.fcfg.shutdown_timeout
+        engines = [e for e in self.engines if e is not None]
+        _wait(self.workers, self.stop_at + max(0.0, timeout - ENGINES))
+        for e in engines:
+            if e.is_alive():
+                os.kill(e.pid, STOP_SIGNAL)
+        _wait(self.workers + engines, self.stop_at + timeout + EXIT_GRACE)
+        for p in self.workers + engines:
             if p.is_alive():
+                log.warning("%s (pid %d) did not exit within --shutdown-timeout: killing it",
+                            p.name, p.pid)
                 p.kill()
-        live = [e for e in self.engines if e is not None and e.is_alive()]
-        for engine in live:
-            engine.terminate()  # SIGTERM: the loop ends after its batch
-        for engine in live:
-            engine.join(10)
-            if engine.is_alive():
-                engine.kill()
+            p.join()
+
+
+def _wait(procs: list, deadline: float) -> None:
+    """Until every process of procs has exited, or the deadline."""
+    while True:
+        live = [p.sentinel for p in procs if p.is_alive()]
+        left = deadline - time.monotonic()
+        if not live or left <= 0:
+            return
+        mp.connection.wait(live, timeout=left)
+
+
+def _stop_resource_tracker() -> None:
+    """The spawn context's resource tracker process, left alone, outlives the launcher (by seconds,
+    measured) until it sees every holder of its pipe gone: stopped and reaped here instead, so no
+    process of the server outlives `prefixscore serve`."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)  # CPython 3.8 to 3.13
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
 
 
 def _engine_entry(*args) -> None:
@@ -350,6 +348,7 @@ def _engine_entry(*args) -> None:
 
     die_with_parent()
     main(*args)
+    freeze_for_exit()
 
 
 def serve(fcfg: FrontendConfig, ecfg: EngineConfig) -> int:

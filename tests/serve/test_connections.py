@@ -1,0 +1,127 @@
+"""--max-connections the way nginx and Envoy hold it (serve/connections.py): at the limit the oldest
+idle connections (keep-alive between requests, sockets that sent nothing) are closed for new ones,
+never one with a request in progress; only when more than the limit are truly busy are new
+requests answered 503 in the server's JSON shape with Retry-After, /healthz still served. In one
+process, on the uvicorn protocol `prefixscore serve` runs. Tiny random model, CPU."""
+import json
+import socket
+import time
+
+import httpx
+
+from prefixscore.serve import create_app
+from tests.serve.helpers import running
+
+# 8 connections; the config check wants the queue a worker admits below that
+SMALL = dict(max_connections=8, max_queue=4, max_queries=4, header_timeout=30.0, body_timeout=30.0)
+BODY = json.dumps({"query": "red dress"}).encode()
+POST = (b"POST /v1/classify HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(BODY))
+
+
+def connect(port):
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def response(s) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 response read off s (content-length framed): status, headers, body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers.get("content-length", 0)):
+        body += s.recv(65536)
+    return int(lines[0].split()[1]), headers, body
+
+
+def closed(s, timeout=2.0) -> bool:
+    """The server closed s (EOF or reset) within timeout; False while it stays open."""
+    s.settimeout(timeout)
+    try:
+        return s.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def busy_count(server) -> int:
+    reg = server.config.http_protocol_class.connections_registry
+    return len(reg.live) - len(reg.idle)
+
+
+def wait_busy(server, n, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while busy_count(server) < n:
+        assert time.monotonic() < deadline, f"{busy_count(server)} busy connections, not {n}"
+        time.sleep(0.01)
+
+
+def test_idle_connections_closed_first_at_the_limit(clf):
+    """An idle flood (keep-alive connections that completed a request, then sockets that sent
+    nothing) over a limit of 8: new connections still get /healthz and /v1/classify answered at
+    once, the oldest idle connections were closed for them, and a connection in the middle of a
+    request (half its body sent) is not closed and is answered when its body arrives."""
+    with running(create_app(clf, **SMALL)) as (base, server):
+        port = int(base.rsplit(":", 1)[1])
+        mid = connect(port)
+        mid.sendall(POST + BODY[:5])
+        wait_busy(server, 1)
+        kept = []
+        for _ in range(12):
+            s = connect(port)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert response(s)[0] == 200
+            kept.append(s)
+        half = [connect(port) for _ in range(12)]
+        try:
+            t = time.perf_counter()
+            assert httpx.get(base + "/healthz", timeout=5).status_code == 200
+            r = httpx.post(base + "/v1/classify", json={"query": "blue jeans"}, timeout=5)
+            assert r.status_code == 200, r.text
+            assert time.perf_counter() - t < 3
+            # oldest first: every kept-alive one, then the oldest sockets that sent nothing
+            assert all(closed(s) for s in kept)
+            assert all(closed(s) for s in half[:5])
+            assert not any(closed(s, 0.05) for s in half[-5:])  # the newest idle ones stay
+            mid.sendall(BODY[5:])
+            status, _, body = response(mid)
+            assert status == 200 and json.loads(body)["results"][0]["query"] == "red dress"
+            reg = server.config.http_protocol_class.connections_registry
+            assert reg.closed_idle >= 18
+        finally:
+            for s in [mid, *kept, *half]:
+                s.close()
+
+
+def test_busy_connections_over_the_limit(clf):
+    """Past the limit with every connection in the middle of a request, a new request is answered
+    503 in the server's JSON shape with Retry-After (never uvicorn's plain text), /healthz is still
+    served, and the busy connections all finish normally."""
+    with running(create_app(clf, **SMALL)) as (base, server):
+        port = int(base.rsplit(":", 1)[1])
+        busy = []
+        for _ in range(8):
+            s = connect(port)
+            s.sendall(POST + BODY[:5])
+            busy.append(s)
+        try:
+            wait_busy(server, 8)
+            r = httpx.post(base + "/v1/classify", json={"query": "blue jeans"}, timeout=5)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "--max-connections" in r.json()["detail"]
+            assert r.headers["connection"] == "close"
+            assert httpx.get(base + "/healthz", timeout=5).status_code == 200
+            for s in busy:
+                s.sendall(BODY[5:])
+                assert response(s)[0] == 200
+            # below the limit again: served
+            r = httpx.post(base + "/v1/classify", json={"query": "blue jeans"}, timeout=5)
+            assert r.status_code == 200, r.text
+        finally:
+            for s in busy:
+                s.close()
