@@ -99,10 +99,10 @@ class EngineLoop:
         self.fuse = len(self.clfs) > 1 and fusable(self.clfs)
         self.schedule = schedule = schedule or ScheduleOptions()
         self.lanes = Lanes()
-        # Without a latency target a classify pass takes every queued row (as many flat batches as
-        # they need: throughput first); with one, rows up to the pass budget.
-        self.classify_budget = PassBudget(schedule.pass_s) if schedule.target_p99_ms else None
-        self.score_budget = PassBudget(schedule.pass_s)
+        self.classify_budget = PassBudget(schedule.pass_s)
+        # A multi-item pass carries more fixed work (span planning, eager label sets): never
+        # fewer tokens than this, or a long request would crawl through passes of one item.
+        self.score_budget = PassBudget(schedule.pass_s, floor=256)
         self.depth = None
         if schedule.target_p99_ms:
             from ..depth import DepthControl, DepthOptions
@@ -177,20 +177,20 @@ class EngineLoop:
         for j in jobs:
             j.reply(_score_failed(j.msg, P.EXPIRED, None))
         for _ in range(passes):
-            budget = self.classify_budget.tokens if self.classify_budget else 1 << 62
-            nxt = self.lanes.next_pass(budget)
+            nxt = self.lanes.next_pass(self.classify_budget.tokens)
             if nxt is None:
                 return
-            kind, what = nxt
+            kind, what, cut = nxt
             if kind == "classify":
-                self._classify(what)
+                self._classify(what, cut)
             else:
                 self._score_pass(what)
 
     def _drop_all(self) -> None:
         """STOP: what is still queued is answered ABORTED (the front ends answered it already)."""
+        self._answer_rows(list(self.lanes.live.values()), P.ABORTED)
+        self.lanes.live.clear()
         for q in self.lanes.rows:
-            self._answer_rows(list(q), P.ABORTED)
             q.clear()
         for q in self.lanes.jobs:
             for j in q:
@@ -225,7 +225,7 @@ class EngineLoop:
         for reply, rids in by.values():
             reply(self._out(rids, [status] * len(rids)))
 
-    def _classify(self, rows: list[Row]) -> None:
+    def _classify(self, rows: list[Row], cut: bool = False) -> None:
         todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in rows]
         t0 = time.perf_counter()
         try:
@@ -243,8 +243,7 @@ class EngineLoop:
                                 size=len(todo)))
             raise EngineFault(f"{type(e).__name__}: {e}") from e
         forward = time.perf_counter() - t0
-        if self.classify_budget is not None:
-            self.classify_budget.observe(sum(r.tokens for r in rows), forward)
+        self.classify_budget.observe(forward, cut)
         if self.metrics is not None:
             self.metrics.engine_batch(len(todo), forward)
         by = {}
@@ -319,7 +318,7 @@ class EngineLoop:
             raise EngineFault(f"{type(e).__name__}: {e}") from e
         spent = time.perf_counter() - t0
         computed = out["usage"]["prompt_tokens"]
-        self.score_budget.observe(computed, spent)
+        self.score_budget.observe(spent, job.done + k < job.depth)
         if self.metrics is not None:
             self.metrics.engine_batch(k, spent)
         job.scores += out["scores"]

@@ -34,6 +34,7 @@ class Row:
     classifier: int
     reply: Callable
     tokens: int = 0  # computed: len(ids) - start
+    dead: bool = False  # aborted: skipped when it reaches the head
 
     def __post_init__(self):
         self.tokens = len(self.ids) - self.start
@@ -73,34 +74,35 @@ class ScoreJob:
 
 
 class Lanes:
+    """Rows and jobs per lane. Every step is O(1) per row, whatever the queue's length (under
+    overload it holds thousands): an aborted row is marked dead through an index and skipped when
+    it reaches the head, and expiry looks at the heads only. That is exact for the start-by times
+    (--max-queue-ms from arrival: a lane's rows expire in arrival order); a row whose client
+    deadline is earlier than the rows ahead of it is answered at that deadline by the front end's
+    timer, whose abort marks it dead here."""
+
     def __init__(self):
         self.rows = (deque(), deque())  # per lane: Row
         self.jobs = (deque(), deque())  # per lane: ScoreJob (the one started first in front)
+        self.live: dict[tuple[int, int], Row] = {}  # queued rows by (client, rid)
         self.turn = [0, 0]  # per lane: 0 classify next, 1 score next (when both wait)
 
     def __len__(self) -> int:
-        return sum(map(len, self.rows)) + sum(map(len, self.jobs))
+        return len(self.live) + sum(map(len, self.jobs))
 
     def add_row(self, row: Row, priority: int) -> None:
         self.rows[lane(priority)].append(row)
+        self.live[(row.client, row.rid)] = row
 
     def add_job(self, job: ScoreJob) -> None:
         self.jobs[lane(job.msg.priority)].append(job)
 
-    def oldest(self) -> float | None:
-        """The earliest deadline among queued rows (None: none queued)."""
-        heads = [q[0].deadline for q in self.rows if q]
-        return min(heads) if heads else None
-
     def remove(self, keys: set) -> tuple[list[Row], list[ScoreJob]]:
         """Take out the rows and jobs whose (client, rid) is in keys (aborted), to be answered."""
-        rows, jobs = [], []
-        for q in self.rows:
-            kept = [r for r in q if (r.client, r.rid) not in keys]
-            if len(kept) != len(q):
-                rows += [r for r in q if (r.client, r.rid) in keys]
-                q.clear()
-                q.extend(kept)
+        rows = [r for r in (self.live.pop(k, None) for k in keys) if r is not None]
+        for r in rows:
+            r.dead = True
+        jobs = []
         for q in self.jobs:
             for j in [j for j in q if j.key in keys]:
                 q.remove(j)
@@ -108,15 +110,15 @@ class Lanes:
         return rows, jobs
 
     def expired(self, now: float) -> tuple[list[Row], list[ScoreJob]]:
-        """Take out what may no longer run: rows past their deadline, jobs not started by their
-        start-by time or past their client's deadline."""
+        """Take out what may no longer run: rows at a lane's head past their deadline, jobs not
+        started by their start-by time or past their client's deadline."""
         rows, jobs = [], []
         for q in self.rows:
-            if any(r.deadline < now for r in q):
-                rows += [r for r in q if r.deadline < now]
-                kept = [r for r in q if r.deadline >= now]
-                q.clear()
-                q.extend(kept)
+            while q and (q[0].dead or q[0].deadline < now):
+                r = q.popleft()
+                if not r.dead:
+                    del self.live[(r.client, r.rid)]
+                    rows.append(r)
         for q in self.jobs:
             for j in list(q):
                 m = j.msg
@@ -126,53 +128,56 @@ class Lanes:
         return rows, jobs
 
     def next_pass(self, budget: int):
-        """("classify", rows) or ("score", job) for the next pass, or None when nothing waits."""
+        """("classify", rows, cut) or ("score", job, None) for the next pass, or None when nothing
+        waits; cut: rows were left for lack of budget (the pass says how long a full one takes)."""
         for k in (REALTIME, BATCH):
             rows, jobs = self.rows[k], self.jobs[k]
+            while rows and rows[0].dead:
+                rows.popleft()
             if not rows and not jobs:
                 continue
             if rows and (not jobs or self.turn[k] == 0):
                 self.turn[k] = 1
-                return "classify", self._take_rows(rows, budget)
+                return ("classify", *self._take_rows(rows, budget))
             self.turn[k] = 0
-            return "score", jobs[0]
+            return "score", jobs[0], None
         return None
 
-    @staticmethod
-    def _take_rows(q: deque, budget: int) -> list[Row]:
-        out = [q.popleft()]
-        total = out[0].tokens
-        while q and total + q[0].tokens <= budget:
-            total += q[0].tokens
-            out.append(q.popleft())
-        return out
+    def _take_rows(self, q: deque, budget: int) -> tuple[list[Row], bool]:
+        out, total = [], 0
+        while q:
+            r = q[0]
+            if r.dead:
+                q.popleft()
+                continue
+            if out and total + r.tokens > budget:
+                return out, True
+            q.popleft()
+            del self.live[(r.client, r.rid)]
+            out.append(r)
+            total += r.tokens
+        return out, False
 
     def finish(self, job: ScoreJob) -> None:
         for q in self.jobs:
-            if q and q[0] is job:
-                q.popleft()
-                return
             if job in q:
                 q.remove(job)
                 return
 
 
 class PassBudget:
-    """Tokens per pass for about `seconds` of engine time: from each pass's measured rate, moved
-    toward seconds x rate (at most doubling per pass, so one fast small pass cannot ask for a huge
-    one). Passes carry a fixed cost (launches, the label head), so a small pass measures a low
-    rate; the budget still converges to the size whose time is `seconds`, since time(b) = c +
-    b / r grows slower than b."""
+    """Tokens per pass for about `seconds` of engine time. A pass costs a fixed part (launches,
+    the label head, the host's work) plus its tokens, so the tokens-per-second of a small pass
+    says little about a bigger one: the budget is steered by the pass time instead, multiplied
+    by seconds / time (within 1/2 and 2) after a pass the budget cut (it converges where a full
+    pass takes `seconds`), and only ever lowered after a pass that took everything queued."""
 
-    def __init__(self, seconds: float, first: int = 256, floor: int = 16, ceiling: int = 1 << 20):
+    def __init__(self, seconds: float, first: int = 256, floor: int = 32, ceiling: int = 1 << 20):
         self.seconds, self.floor, self.ceiling = seconds, floor, ceiling
         self.tokens = first
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds <= 0:
+    def observe(self, seconds: float, cut: bool) -> None:
+        if seconds <= 0 or (not cut and seconds <= self.seconds):
             return
-        want = tokens / seconds * self.seconds
-        if tokens < self.tokens and want > self.tokens:  # a part-filled pass says little about more
-            return
-        want = min(want, 2 * self.tokens)
-        self.tokens = int(max(self.floor, min(self.ceiling, 0.5 * self.tokens + 0.5 * want)))
+        factor = min(2.0, max(0.5, self.seconds / seconds))
+        self.tokens = int(max(self.floor, min(self.ceiling, self.tokens * factor)))

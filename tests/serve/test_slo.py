@@ -39,15 +39,15 @@ def test_realtime_before_batch_and_turns_within_a_lane():
     lanes.add_row(row(4), 0)
     rt_job = job(5)
     lanes.add_job(rt_job)
-    kind, rows = lanes.next_pass(budget=100)
-    assert kind == "classify" and [r.rid for r in rows] == [3, 4]  # every real-time row that fits
-    kind, what = lanes.next_pass(100)
+    kind, rows, cut = lanes.next_pass(budget=100)
+    assert kind == "classify" and [r.rid for r in rows] == [3, 4] and not cut  # every real-time row
+    kind, what, _ = lanes.next_pass(100)
     assert kind == "score" and what is rt_job  # then the real-time score job, before batch work
     rt_job.depth, rt_job.done = 3, 3
     lanes.finish(rt_job)
-    kind, rows = lanes.next_pass(100)
+    kind, rows, _ = lanes.next_pass(100)
     assert kind == "classify" and [r.rid for r in rows] == [1]  # batch work once the lane is empty
-    kind, what = lanes.next_pass(100)
+    kind, what, _ = lanes.next_pass(100)
     assert kind == "score" and what.msg.rid == 2
 
 
@@ -55,9 +55,26 @@ def test_classify_pass_cut_to_the_budget_but_never_empty():
     lanes = Lanes()
     for rid in range(5):
         lanes.add_row(row(rid, tokens=10), 0)
-    assert [r.rid for r in lanes.next_pass(25)[1]] == [0, 1]
+    _, rows, cut = lanes.next_pass(25)
+    assert [r.rid for r in rows] == [0, 1] and cut
     assert [r.rid for r in lanes.next_pass(5)[1]] == [2]  # one row over the budget still runs
     assert len(lanes) == 2
+    _, rows, cut = lanes.next_pass(1000)
+    assert [r.rid for r in rows] == [3, 4] and not cut and len(lanes) == 0
+
+
+def test_aborted_rows_skipped_and_expiry_at_the_head():
+    """An abort marks a row dead through the index (no scan of the queue); dead rows are skipped
+    when they reach the head; expiry pops the head's expired rows (start-by times expire in
+    arrival order)."""
+    lanes = Lanes()
+    for rid in range(6):
+        lanes.add_row(row(rid, deadline=10.0 + rid), 0)
+    rows, _ = lanes.remove({(0, 1), (0, 4), (0, 99)})
+    assert sorted(r.rid for r in rows) == [1, 4] and len(lanes) == 4
+    rows, _ = lanes.expired(now=12.5)  # rids 0 and 2 (1 is dead)
+    assert [r.rid for r in rows] == [0, 2] and len(lanes) == 2
+    assert [r.rid for r in lanes.next_pass(100)[1]] == [3, 5]
 
 
 def test_score_job_takes_items_by_budget():
@@ -86,14 +103,22 @@ def test_expiry_and_aborts_take_work_out():
 
 
 def test_pass_budget_converges_to_the_pass_time():
-    """A pass costs c + tokens / rate: the budget settles where that is the pass time."""
-    c, rate, target = 0.002, 100_000.0, 0.010
-    b = PassBudget(target, first=64)
+    """A pass costs c + tokens / rate, its tokens whole rows of 25: the budget settles where a
+    full pass takes the pass time, from a start below one row (a rate read off one-row passes
+    would stay there: 25 tokens in 0.7 ms says 45 tokens per 1.25 ms, and the pass stays one row),
+    and a pass that took everything queued only lowers it."""
+    c, rate, target, row_tokens = 0.0006, 2e6, 0.00125, 25
+    b = PassBudget(target, first=16, floor=16)
     for _ in range(40):
-        b.observe(b.tokens, c + b.tokens / rate)
-    assert abs(b.tokens - rate * (target - c)) < 0.05 * rate * (target - c)
-    b.observe(10, 1.0)  # a slow pass pulls it down at once
-    assert b.tokens < rate * (target - c) * 0.6
+        taken = max(row_tokens, b.tokens // row_tokens * row_tokens)
+        b.observe(c + taken / rate, cut=True)
+    want = rate * (target - c)
+    assert abs(b.tokens - want) < 0.15 * want, (b.tokens, want)
+    before = b.tokens
+    b.observe(target / 2, cut=False)  # a quick pass of everything queued: no news about more
+    assert b.tokens == before
+    b.observe(10 * target, cut=False)  # a slow one pulls it down at once
+    assert b.tokens == before // 2
 
 
 # ---------------------------------------------------------------- the engine loop's passes
