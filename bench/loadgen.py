@@ -24,7 +24,12 @@ Method, per process and phase:
 - Results go back to the parent as compact arrays (float32 latency ms, uint16 status, float32
   lateness ms) plus counters; the parent merges all processes and takes percentiles over all.
 
-Run by bench.http (LoadGen); every phase is bounded in time (timeout) and count.
+bench.slo drives the same processes with `streams` (LoadGen.streams): several streams at once,
+each open loop (Poisson, its rate stepping by segment), at fixed times, or closed (k in flight);
+requests may carry headers (http_post); per request also whether the answer had Retry-After and
+an integer field of its body (depth). Scraper polls the server's /metrics meanwhile.
+
+Run by bench.http and bench.slo (LoadGen); every phase is bounded in time (timeout) and count.
 """
 from __future__ import annotations
 
@@ -68,10 +73,11 @@ def status_name(code: int) -> str:
 
 # ---------------------------------------------------------------- request payloads
 
-def http_post(path: str, obj) -> bytes:
+def http_post(path: str, obj, headers: dict | None = None) -> bytes:
     body = json.dumps(obj).encode()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
     return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n").encode() + body
+            f"{extra}content-length: {len(body)}\r\n\r\n").encode() + body
 
 
 GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
@@ -169,7 +175,7 @@ class HttpConn(asyncio.Protocol):
         self.buf = buf[total:]
         if b"\r\nconnection: close" in head:  # an error the server answers and hangs up on
             self.transport.close()
-        self.pool.finish(self, int(buf[9:12]), buf[end + 4:total])
+        self.pool.finish(self, int(buf[9:12]), buf[end + 4:total], head)
 
     def connection_lost(self, exc) -> None:
         self.pool.lost(self)
@@ -180,10 +186,14 @@ class HttpPool:
     connection, or queues it until one is free (opening another while under the cap)."""
 
     def __init__(self, port: int, payloads: list[bytes], rec: Recorder, max_conns: int,
-                 offset: int = 0, keep_bodies: bool = False):
+                 offset: int = 0, keep_bodies: bool = False, payload_of=None, inspect=None):
         self.loop = asyncio.get_running_loop()
         self.port, self.payloads, self.rec, self.max_conns = port, payloads, rec, max_conns
         self.offset = offset  # each process starts at its own query
+        # request i's bytes (default: the payloads in turn); inspect(i, head, body): each answer's
+        # lower-cased head and body, before it is recorded (the streams driver's)
+        self.payload_of = payload_of or (lambda i: payloads[(i + offset) % len(payloads)])
+        self.inspect = inspect
         self.idle: deque[HttpConn] = deque()
         self.busy: set[HttpConn] = set()
         self.pending: deque[int] = deque()
@@ -200,7 +210,7 @@ class HttpPool:
             c = self.idle.popleft()
             if now - c.used < KEEP_ALIVE_S:
                 self.busy.add(c)
-                c.send(i, self.payloads[(i + self.offset) % len(self.payloads)])
+                c.send(i, self.payload_of(i))
                 return
             c.transport.close()  # the server may be closing it: never reuse a stale one
         self.pending.append(i)
@@ -229,16 +239,18 @@ class HttpPool:
             i = self.pending.popleft()
             if not self.rec.status[i]:  # not timed out while it waited
                 self.busy.add(c)
-                c.send(i, self.payloads[(i + self.offset) % len(self.payloads)])
+                c.send(i, self.payload_of(i))
                 return
         self.busy.discard(c)
         self.idle.append(c)
 
-    def finish(self, c: HttpConn, status: int, body) -> None:
+    def finish(self, c: HttpConn, status: int, body, head: bytes | None = None) -> None:
         i, c.req = c.req, -1
         if i >= 0:
             if self.bodies is not None and body is not None:
                 self.bodies.append(body)
+            if self.inspect is not None and not self.rec.status[i]:
+                self.inspect(i, head, body)
             self.rec.finish(i, status)
         if status != BAD_RESPONSE and not c.transport.is_closing():
             self._free(c)
@@ -412,6 +424,127 @@ async def open_loop(payloads, spec) -> dict:
             "opened": pool.opened, "conn_limited": pool.conn_limited, "conn_errors": pool.conn_errors}
 
 
+async def streams(spec) -> dict:
+    """Several streams at once over one pool (bench.slo). A stream is its pre-encoded requests
+    ("payloads", taken in turn from "offset") and when to send them: "segments" [(t0, t1, n)], n
+    Poisson arrivals over [t0, t1) s of the phase (one segment per step of a rate that steps);
+    "at" [t, ...], one send at each; "closed" k: k requests kept in flight from "from" to "until" s
+    (the next one sent as one is answered, 10 ms later after an error; at most "cap"), latency
+    from the send. Per request: its stream, scheduled time, when it was written (a send waits for a
+    free connection), latency, status, whether the answer had Retry-After, and the integer after
+    the stream's "field" (b'"depth":') in its body, or -1."""
+    start, spin, all_streams = spec["start"], spec["spin_ms"] / 1e3, spec["streams"]
+    rng = random.Random(spec["seed"])
+    plan = []  # (scheduled time, stream), the open-loop sends
+    for s, st in enumerate(all_streams):
+        plan += [(start + t, s) for t in st.get("at", ())]
+        for t0, t1, n in st.get("segments", ()):
+            plan += [(start + t0 + rng.random() * (t1 - t0), s) for _ in range(n)]
+    plan.sort()
+    n_open = len(plan)
+    closed = [s for s, st in enumerate(all_streams) if st.get("closed")]
+    base, used = {}, {s: 0 for s in closed}  # a block of slots per closed stream, after the open ones
+    n = n_open
+    for s in closed:
+        base[s], n = n, n + all_streams[s]["cap"]
+    sched = array("d", [t for t, _ in plan]) + array("d", bytes(8 * (n - n_open)))
+    sid = array("B", [s for _, s in plan])
+    for s in closed:
+        sid += array("B", [s]) * all_streams[s]["cap"]
+    body, seq = [None] * n, [st.get("offset", 0) for st in all_streams]
+    for i, (_, s) in enumerate(plan):
+        pl = all_streams[s]["payloads"]
+        body[i], seq[s] = pl[seq[s] % len(pl)], seq[s] + 1
+    late, retry, value = array("f", bytes(4 * n)), array("B", bytes(n)), array("i", [-1]) * n
+    wrote = array("f", [-1.0]) * n  # ms after its scheduled time that it was written; -1: never
+    fields = [st.get("field") for st in all_streams]
+
+    def inspect(i, head, data):
+        if head is not None and b"\r\nretry-after:" in head:
+            retry[i] = 1
+        key = fields[sid[i]]
+        if key and data:
+            k = data.find(key)
+            if k >= 0:
+                digits = data[k + len(key):k + len(key) + 24].lstrip().split(b",")[0].rstrip(b"}] ")
+                value[i] = int(digits) if digits.lstrip(b"-").isdigit() else -1
+
+    rec = Recorder(sched)
+    loop = asyncio.get_running_loop()
+
+    def payload_of(i):  # called as request i is written (on a free connection)
+        wrote[i] = 1e3 * (monotonic() - sched[i])
+        return body[i]
+
+    pool = make_pool(spec, None, rec, spec["max_conns"])
+    pool.payload_of, pool.inspect = payload_of, inspect
+    sending = [True]
+    all_done = loop.create_future()
+
+    def send_closed(s):
+        st = all_streams[s]
+        if used[s] >= st["cap"] or monotonic() >= start + st["until"]:
+            return
+        i = base[s] + used[s]
+        used[s] += 1
+        pl = all_streams[s]["payloads"]
+        body[i], seq[s] = pl[seq[s] % len(pl)], seq[s] + 1
+        sched[i] = monotonic()
+        pool.dispatch(i)
+
+    def on_done(i):
+        s = sid[i]
+        if i >= n_open:  # after this answer's connection is free again
+            loop.call_later(0.0 if rec.status[i] == 200 else 0.01, send_closed, s)
+        if not sending[0] and rec.done == n_open + sum(used.values()) and not all_done.done():
+            all_done.set_result(None)
+
+    rec.on_done = on_done
+    await pool.preopen(spec["preopen"])
+    stop = ticker(pool, spec["timeout"])
+    for s in closed:
+        for _ in range(all_streams[s]["closed"]):
+            loop.call_later(max(0.0, start + all_streams[s].get("from", 0.0) - monotonic()), send_closed, s)
+    cpu0 = process_time()
+    i = 0
+    while i < n_open:  # the pacer of open_loop
+        now = monotonic()
+        while i < n_open and sched[i] <= now:
+            late[i] = 1e3 * (now - sched[i])
+            pool.dispatch(i)
+            i += 1
+            now = monotonic()
+        if i < n_open:
+            wait = sched[i] - now
+            await asyncio.sleep(wait - spin if wait > spin else 0)
+    last_send = monotonic()
+    until = max((start + all_streams[s]["until"] for s in closed), default=0.0)
+    if until > monotonic():
+        await asyncio.sleep(until - monotonic())
+    sending[0] = False
+    if rec.done < n_open + sum(used.values()):
+        try:
+            await asyncio.wait_for(all_done, max(0.0, sched[n_open - 1] - monotonic() if n_open else 0.0)
+                                   + spec["timeout"] + 2 * TICK_S + 1)
+        except asyncio.TimeoutError:
+            pass  # what is still unanswered stays LOST
+    stop()
+    cpu = process_time() - cpu0
+    await pool.close()
+
+    def keep(a):  # the open sends, then the used slots of each closed block
+        out = a[:n_open]
+        for s in closed:
+            out += a[base[s]:base[s] + used[s]]
+        return out
+
+    return {**{k: keep(a) for k, a in (("sched", sched), ("lat", rec.lat), ("status", rec.status),
+                                       ("late", late), ("wrote", wrote), ("stream", sid),
+                                       ("retry", retry), ("value", value))},
+            "n_open": n_open, "cpu_s": cpu, "last_send": last_send, "opened": pool.opened,
+            "conn_limited": pool.conn_limited, "conn_errors": pool.conn_errors}
+
+
 # ---------------------------------------------------------------- the load processes
 
 def worker_main(index: int, conn, proto: str, queries: list[str], cpus) -> None:
@@ -420,6 +553,13 @@ def worker_main(index: int, conn, proto: str, queries: list[str], cpus) -> None:
     start-up objects are frozen out of its way."""
     if cpus:
         os.sched_setaffinity(0, cpus)
+    try:  # overload phases hold many connections
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
     payloads = {"healthz": [GET_HEALTHZ],
                 "classify": [http_post("/v1/classify", {"query": q}) for q in queries]}
     if proto == "grpc":
@@ -433,7 +573,7 @@ def worker_main(index: int, conn, proto: str, queries: list[str], cpus) -> None:
             pass
     gc.collect()
     gc.freeze()
-    drivers = {"serial": serial, "open": open_loop}
+    drivers = {"serial": serial, "open": open_loop, "streams": streams}
     while True:
         try:
             cmd, spec = conn.recv()
@@ -442,12 +582,12 @@ def worker_main(index: int, conn, proto: str, queries: list[str], cpus) -> None:
         if cmd == "stop":
             return
         kind = spec.get("payload", "classify")
-        spec = {**spec, "proto": "http" if kind == "healthz" else proto}
+        spec = {**spec, "proto": "http" if kind == "healthz" or cmd == "streams" else proto}
         if spec["proto"] == "grpc":
             spec["port"] = spec["grpc_port"]
         gc.disable()
         try:
-            out = asyncio.run(drivers[cmd](payloads[kind], spec))
+            out = asyncio.run(drivers[cmd](spec) if cmd == "streams" else drivers[cmd](payloads[kind], spec))
         except Exception:
             out = {"error": f"load process {index}: {traceback.format_exc()}"}
         finally:
@@ -508,6 +648,53 @@ class LoadGen:
                   "offset": k * self.n_queries // P} for k in range(P) if counts[k]]
         return self._ask(self.conns[:len(specs)], "open", specs), duration
 
+    def streams(self, port: int, streams: list[dict], timeout: float, max_conns: int, conns: int,
+                seed: int, spin_ms: float, lag_ms: float) -> dict:
+        """Streams at once (the `streams` driver), each split over the processes: a segment's
+        arrivals and a closed stream's concurrency shared out, "at" sends dealt round. A stream:
+        {"payloads": [bytes], "segments": [(t0, t1, rate)], "at": [t], "closed": k, "from": t,
+        "until": t, "cap": n, "field": bytes}. -> every request of all processes as numpy arrays:
+        t (scheduled, s from the phase start), lat (ms from t), status, late (ms), stream, retry,
+        wrote (ms from t to its write on a connection, -1 never: no connection came free in time),
+        value, done (answered, s); "start" (monotonic) and "gen", the generator's figures."""
+        import numpy as np
+
+        P = len(self.conns)
+
+        def share(n, k):
+            return n // P + (k < n % P)
+
+        specs = [[{"payloads": st["payloads"], "offset": k * len(st["payloads"]) // P, "field": st.get("field"),
+                   "at": st.get("at", [])[k::P], "closed": share(st.get("closed", 0), k), "from": st.get("from", 0.0),
+                   "segments": [(t0, t1, share(round(r * (t1 - t0)), k)) for t0, t1, r in st.get("segments", ())],
+                   "until": st.get("until", 0.0), "cap": share(st.get("cap", 0), k)} for st in streams]
+                 for k in range(P)]
+        most = max(sum(n for st in mine for _, _, n in st["segments"]) for mine in specs)
+        # connections for the peak concurrency at ~5 ms per request (as open_loop), --conns at least
+        peak = sum(max((r for _, _, r in st.get("segments", ())), default=0) for st in streams) / P
+        closed = sum(st.get("closed", 0) for st in streams) / P
+        preopen = max(1, min(max_conns // P, max(math.ceil(conns / P), math.ceil(peak * 0.005 + closed) + 1)))
+        # time to draw and sort the arrivals and to connect, before the first send
+        start = monotonic() + 0.3 + 4e-6 * most + 0.002 * preopen
+        outs = self._ask(self.conns, "streams", [
+            {"port": port, "grpc_port": None, "start": start, "timeout": timeout, "seed": seed * 1000 + k,
+             "max_conns": max(1, max_conns // P), "preopen": preopen, "spin_ms": spin_ms, "streams": specs[k]}
+            for k in range(P)])
+        kinds = (("sched", np.float64), ("lat", np.float32), ("status", np.uint16), ("late", np.float32),
+                 ("wrote", np.float32), ("stream", np.uint8), ("retry", np.uint8), ("value", np.int32))
+        R = {k: np.concatenate([np.frombuffer(o[k], d) for o in outs]) for k, d in kinds}
+        R["t"], R["start"] = R.pop("sched") - start, start
+        for k in ("lat", "late", "wrote"):
+            R[k] = R[k].astype(np.float64)
+        R["done"] = R["t"] + R["lat"] / 1e3
+        late = [sorted(o["late"][:o["n_open"]]) for o in outs]
+        p99 = max((x[int(0.99 * (len(x) - 1))] for x in late if x), default=0.0)
+        R["gen"] = {"late_p99_ms": p99, "late_max_ms": max((x[-1] for x in late if x), default=0.0),
+                    "lagged": p99 > lag_ms, "sent": int((R["wrote"] >= 0).sum()), "not_sent": int((R["wrote"] < 0).sum()),
+                    "cpu_s": [o["cpu_s"] for o in outs],
+                    **{k: sum(o[k] for o in outs) for k in ("opened", "conn_limited", "conn_errors")}}
+        return R
+
     def close(self) -> None:
         for c in self.conns:
             try:
@@ -518,3 +705,95 @@ class LoadGen:
             p.join(5)
             if p.is_alive():
                 p.kill()
+
+
+# ---------------------------------------------------------------- the server's /metrics (bench.slo)
+
+def parse_metrics(text: str, prefixes: tuple[str, ...] = ("prefixscore_",)) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for the samples whose name starts with one of
+    `prefixes` (names may change: callers match by prefix, never by a whole name)."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#" or not line.startswith(prefixes):
+            continue
+        key, _, rest = line.rpartition("}") if "}" in line else line.partition(" ")
+        key = key + "}" if "{" in key else key
+        try:
+            out[key.strip()] = float(rest.split()[0])
+        except (IndexError, ValueError):
+            pass
+    return out
+
+
+def scrape(port: int, timeout: float = 2.0) -> dict[str, float] | None:
+    """One GET /metrics, parsed; None when it does not answer 200."""
+    import http.client
+
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        c.request("GET", "/metrics")
+        r = c.getresponse()
+        text = r.read().decode("utf-8", "replace")
+        c.close()
+        return parse_metrics(text) if r.status == 200 else None
+    except (OSError, http.client.HTTPException):
+        return None
+
+
+def post(port, path, obj, headers=None, timeout=120.0):
+    """One POST (outside any measured phase) -> (status, lower-cased headers, JSON body or None);
+    status None without an answer."""
+    import http.client
+
+    try:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        c.request("POST", path, json.dumps(obj), {"content-type": "application/json", **(headers or {})})
+        r = c.getresponse()
+        data, st, hdrs = r.read(), r.status, {k.lower(): v for k, v in r.getheaders()}
+        c.close()
+    except (OSError, http.client.HTTPException):
+        return None, {}, None
+    try:
+        return st, hdrs, json.loads(data)
+    except ValueError:
+        return st, hdrs, None
+
+
+class Scraper:
+    """GET /metrics every `every` s on a thread of the parent (between its waits on the load
+    processes): samples [(monotonic time, {name: value})] of the names starting with `prefixes`."""
+
+    def __init__(self, port: int, every: float = 0.1, prefixes: tuple[str, ...] = ("prefixscore_",)):
+        import threading
+
+        self.port, self.every, self.prefixes = port, every, prefixes
+        self.samples: list[tuple[float, dict]] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="metrics-scraper")
+        self._thread.start()
+
+    def _run(self) -> None:
+        import http.client
+
+        conn, due = None, monotonic()
+        while not self._stop.wait(max(0.0, due - monotonic())):
+            due += self.every
+            t = monotonic()
+            try:
+                if conn is None:
+                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1.0)
+                conn.request("GET", "/metrics")
+                r = conn.getresponse()
+                text = r.read().decode("utf-8", "replace")
+                if r.status == 200:
+                    self.samples.append((t, parse_metrics(text, self.prefixes)))
+                    continue
+            except (OSError, http.client.HTTPException):
+                conn = None
+            self.failed += 1
+
+    def stop(self) -> list[tuple[float, dict]]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.samples

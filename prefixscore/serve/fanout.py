@@ -90,8 +90,8 @@ class ClassifyMany:
                       priority: int = 0):
         """The engine's answers (a ClassifyJob) to todo's rows, admitted by cost; classifiers: each
         row's classifier (None: the default's). Frontend.classify does the same inline."""
-        self._admit(len(todo), cost, priority > 0)
         deadline = self.deadline()
+        self._admit(len(todo), cost, priority > 0, deadline)
         try:
             start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
             fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],

@@ -119,17 +119,24 @@ class Frontend(ClassifyMany, ScoreRoute):
             raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
         self.sync()
 
-    def _admit(self, n: int, tokens: int, batch: bool = False) -> None:
+    def _admit(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None) -> None:
         """Admission by cost: n queries (or items) and their tokens after the cached prefix, each
         within this front end's share (--max-queue, --max-queue-tokens), else 429 + Retry-After.
         Real-time and batch work (priority > 0) have a share each, so a batch flood cannot take
-        the real-time lane's places."""
+        the real-time lane's places. A request whose deadline comes before the queue ahead of it
+        can be done (at the engine's measured rate) is refused now (429) rather than at its
+        deadline (504): under overload the engine's time goes to requests that can still make it."""
         cfg, held = self.cfg, self.held[batch]
         if held[0] + n > cfg.max_queue or (held[1] + tokens > cfg.max_queue_tokens and held[0] > 0):
             lane = "batch" if batch else "real-time"
             raise ApiError(429, f"queue full ({held[0]} {lane} queries, {held[1]} tokens waiting; "
                                 f"limits {cfg.max_queue} and {cfg.max_queue_tokens}); retry later",
                            self.client.wait_s(n))
+        if deadline is not None and self.client.rate and not batch:
+            wait = self.client.wait_s(n)
+            if wait > deadline - time.monotonic():
+                raise ApiError(429, f"the queue ahead needs about {1e3 * wait:.0f} ms, past this "
+                                    f"request's deadline; retry later", wait)
         held[0] += n
         held[1] += tokens
         self.inflight += n
@@ -178,7 +185,7 @@ class Frontend(ClassifyMany, ScoreRoute):
         job = None
         if todo:  # inline, not many.py's _engine: the latency path pays for no extra coroutine
             cost = sum(len(e.ids) - e.start for e in todo)
-            self._admit(len(todo), cost, priority > 0)
+            self._admit(len(todo), cost, priority > 0, deadline)
             try:
                 start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
                 fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],

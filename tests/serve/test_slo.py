@@ -337,3 +337,20 @@ def test_batch_flood_leaves_the_realtime_share(clf):
         assert over.status_code == 429 and "batch" in over.json()["detail"]
         assert held.status_code == rt.status_code == batch.status_code == 200
         assert wrapped.batches[before:] == [1, 2, 2]  # held, then real-time, then batch
+
+
+def test_deadline_shorter_than_the_queue_refused_at_once(clf):
+    """Once the engine's rate is known, a request whose deadline comes before the queue ahead of it
+    can be done is answered 429 + Retry-After at once (not 504 at its deadline), so under
+    overload the engine's time goes to requests that can still make it; batch work is exempt."""
+    wrapped = Wrapped(clf, delay=0.4)
+    app = create_app(wrapped, **LIMITS)
+    with running(app) as (base, _):
+        for q in ("a", "b"):  # the engine's rate: ~2.5 requests/s
+            assert httpx.post(base + "/v1/classify", json={"query": q}).status_code == 200
+        t0 = time.monotonic()
+        r = httpx.post(base + "/v1/classify", json={"query": "c"}, headers={"X-Request-Timeout": "0.2"})
+        assert r.status_code == 429 and "deadline" in r.json()["detail"], r.text
+        assert int(r.headers["retry-after"]) >= 1 and time.monotonic() - t0 < 0.2
+        r = httpx.post(base + "/v1/classify", json={"query": "c"}, headers={"X-Request-Timeout": "5"})
+        assert r.status_code == 200
