@@ -121,11 +121,23 @@ class EngineLoop:
             device=str(clf.engine.device), pid=os.getpid())
 
     def warmup(self) -> None:
-        """One real batch per classifier proves the path (each built its prefix and graphs)."""
+        """One real batch per classifier proves the path (each built its prefix and graphs); then
+        a pass's fixed cost is timed (one row: the least a pass costs), which the pass budgets
+        must stay well above."""
         for c in self.clfs:
             c.decide_encoded([c.encode("warm up")])
         if self.fuse:  # builds the bank and captures its graphs now, not on the first request
             decide_many(self.clfs, [[c.encode("warm up")] for c in self.clfs])
+        one, times = [self.clf.encode("warm up")], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            self.clf.decide_encoded(one)
+            times.append(time.perf_counter() - t0)
+        fixed = sorted(times)[2]
+        self.classify_budget.fixed_cost(fixed)
+        self.score_budget.fixed_cost(fixed, 6.0)  # span planning and eager label sets on top
+        log.info("engine pass: %.2f ms fixed; pass goals %.2f ms classify, %.2f ms multi-item",
+                 1e3 * fixed, 1e3 * self.classify_budget.goal, 1e3 * self.score_budget.goal)
 
     def decide(self, groups: dict[int, list[Encoded]]) -> dict[int, tuple[list[int], list[list[float]]]]:
         """THE SEAM for several classifiers (every batch of an engine that has more than one):

@@ -121,6 +121,21 @@ def test_pass_budget_converges_to_the_pass_time():
     assert b.tokens == before // 2
 
 
+def test_pass_budget_goal_stays_above_the_fixed_cost():
+    """With a goal below a pass's fixed cost every pass would shrink to one row (the H200 ran
+    ~1,200 requests/s that way): the goal rises to a few times the fixed part, and the budget
+    settles where a full pass takes that."""
+    c, rate, target, row_tokens = 0.0015, 2e6, 0.00125, 25
+    b = PassBudget(target, first=256, floor=16)
+    b.fixed_cost(c)
+    assert b.goal == 3 * c
+    for _ in range(40):
+        taken = max(row_tokens, b.tokens // row_tokens * row_tokens)
+        b.observe(c + taken / rate, cut=True)
+    want = rate * (b.goal - c)
+    assert abs(b.tokens - want) < 0.15 * want and b.tokens > 100 * row_tokens
+
+
 # ---------------------------------------------------------------- the engine loop's passes
 
 def score_req(full, shared, rid=1, priority=0, **kw):
