@@ -1,6 +1,6 @@
 """Holding a latency target (issue 31): deadlines that bite, passes of bounded cost, priority lanes.
 
-The engine's queues (serve/scheduler.py) are tested alone; the engine loop with a real Scorer and
+The engine's queues alone: test_scheduler.py. Here the engine loop with a real Scorer and
 Classifier (tiny random Llama) through its seam (EngineLoop.serve, one pass at a time); deadlines
 and request fields through the in-process server (uvicorn in a thread) with an engine whose
 passes a test holds (helpers.Wrapped)."""
@@ -16,124 +16,7 @@ from prefixscore.serve import create_app
 from prefixscore.serve import protocol as P
 from prefixscore.serve.config import ScheduleOptions
 from prefixscore.serve.engine_loop import EngineLoop
-from prefixscore.serve.scheduler import BATCH, REALTIME, Lanes, PassBudget, Row, ScoreJob
 from tests.serve.helpers import LIMITS, Wrapped, metric, running
-
-
-def row(rid, tokens=4, deadline=1e18, client=0):
-    return Row(client, rid, list(range(tokens)), 0, deadline, 0, None)
-
-
-def job(rid, n_items=3, item_len=5, priority=0, deadline=1e18, finish_by=0.0):
-    m = P.ScoreReq(0, rid, b"", [0], b"", None, None, False, deadline, finish_by, priority, 0.0)
-    return ScoreJob(m, None, [[1, 2] + [3] * item_len for _ in range(n_items)], [1, 2])
-
-
-# ---------------------------------------------------------------- the queues alone
-
-def test_realtime_before_batch_and_turns_within_a_lane():
-    lanes = Lanes()
-    lanes.add_row(row(1), 1)  # batch
-    lanes.add_job(job(2, priority=1))
-    lanes.add_row(row(3), 0)
-    lanes.add_row(row(4), 0)
-    rt_job = job(5)
-    lanes.add_job(rt_job)
-    kind, rows, cut = lanes.next_pass(budget=100)
-    assert kind == "classify" and [r.rid for r in rows] == [3, 4] and not cut  # every real-time row
-    kind, what, _ = lanes.next_pass(100)
-    assert kind == "score" and what is rt_job  # then the real-time score job, before batch work
-    rt_job.depth, rt_job.done = 3, 3
-    lanes.finish(rt_job)
-    kind, rows, _ = lanes.next_pass(100)
-    assert kind == "classify" and [r.rid for r in rows] == [1]  # batch work once the lane is empty
-    kind, what, _ = lanes.next_pass(100)
-    assert kind == "score" and what.msg.rid == 2
-
-
-def test_classify_pass_cut_to_the_budget_but_never_empty():
-    lanes = Lanes()
-    for rid in range(5):
-        lanes.add_row(row(rid, tokens=10), 0)
-    _, rows, cut = lanes.next_pass(25)
-    assert [r.rid for r in rows] == [0, 1] and cut
-    assert [r.rid for r in lanes.next_pass(5)[1]] == [2]  # one row over the budget still runs
-    assert len(lanes) == 2
-    _, rows, cut = lanes.next_pass(1000)
-    assert [r.rid for r in rows] == [3, 4] and not cut and len(lanes) == 0
-
-
-def test_aborted_rows_skipped_and_expiry_at_the_head():
-    """An abort marks a row dead through the index (no scan of the queue); dead rows are skipped
-    when they reach the head; expiry pops the head's expired rows (start-by times expire in
-    arrival order)."""
-    lanes = Lanes()
-    for rid in range(6):
-        lanes.add_row(row(rid, deadline=10.0 + rid), 0)
-    rows, _ = lanes.remove({(0, 1), (0, 4), (0, 99)})
-    assert sorted(r.rid for r in rows) == [1, 4] and len(lanes) == 4
-    rows, _ = lanes.expired(now=12.5)  # rids 0 and 2 (1 is dead)
-    assert [r.rid for r in rows] == [0, 2] and len(lanes) == 2
-    assert [r.rid for r in lanes.next_pass(100)[1]] == [3, 5]
-
-
-def test_score_job_takes_items_by_budget():
-    j = job(1, n_items=10, item_len=5)
-    j.depth = 10
-    assert j.next_items(2 + 5 * 3) == 3  # the shared part once, then each item's own tokens
-    assert j.next_items(1) == 1
-    j.done = 8
-    assert j.next_items(10 ** 6) == 2  # never past the depth
-
-
-def test_expiry_and_aborts_take_work_out():
-    lanes = Lanes()
-    lanes.add_row(row(1, deadline=5.0), 0)
-    lanes.add_row(row(2, deadline=25.0), 0)
-    queued, running_late, running_ok = job(3, deadline=5.0), job(4, finish_by=20.0), job(5, deadline=5.0)
-    running_late.depth = running_ok.depth = 3  # started: its start-by time no longer counts
-    for j in (queued, running_late, running_ok):
-        lanes.add_job(j)
-    rows, jobs = lanes.expired(now=10.0)
-    assert [r.rid for r in rows] == [1] and jobs == [queued]
-    rows, jobs = lanes.expired(now=30.0)
-    assert [r.rid for r in rows] == [2] and jobs == [running_late]
-    rows, jobs = lanes.remove({(0, 5)})
-    assert rows == [] and jobs == [running_ok] and len(lanes) == 0
-
-
-def test_pass_budget_converges_to_the_pass_time():
-    """A pass costs c + tokens / rate, its tokens whole rows of 25: the budget settles where a
-    full pass takes the pass time, from a start below one row (a rate read off one-row passes
-    would stay there: 25 tokens in 0.7 ms says 45 tokens per 1.25 ms, and the pass stays one row),
-    and a pass that took everything queued only lowers it."""
-    c, rate, target, row_tokens = 0.0006, 2e6, 0.00125, 25
-    b = PassBudget(target, first=16, floor=16)
-    for _ in range(40):
-        taken = max(row_tokens, b.tokens // row_tokens * row_tokens)
-        b.observe(c + taken / rate, cut=True)
-    want = rate * (target - c)
-    assert abs(b.tokens - want) < 0.15 * want, (b.tokens, want)
-    before = b.tokens
-    b.observe(target / 2, cut=False)  # a quick pass of everything queued: no news about more
-    assert b.tokens == before
-    b.observe(10 * target, cut=False)  # a slow one pulls it down at once
-    assert b.tokens == before // 2
-
-
-def test_pass_budget_goal_stays_above_the_fixed_cost():
-    """With a goal below a pass's fixed cost every pass would shrink to one row (the H200 ran
-    ~1,200 requests/s that way): the goal rises to a few times the fixed part, and the budget
-    settles where a full pass takes that."""
-    c, rate, target, row_tokens = 0.0015, 2e6, 0.00125, 25
-    b = PassBudget(target, first=256, floor=16)
-    b.fixed_cost(c)
-    assert b.goal == 3 * c
-    for _ in range(40):
-        taken = max(row_tokens, b.tokens // row_tokens * row_tokens)
-        b.observe(c + taken / rate, cut=True)
-    want = rate * (b.goal - c)
-    assert abs(b.tokens - want) < 0.15 * want and b.tokens > 100 * row_tokens
 
 
 # ---------------------------------------------------------------- the engine loop's passes
