@@ -83,12 +83,13 @@ def one_thread():
 
 # The quick tier (`python -m pytest -q -m "not slow"`, under 3 minutes on 2 cores) leaves out these
 # modules whole: each takes 30 s to 3 min here, starting servers or Ray in subprocesses, fine-tuning,
-# comparing with Hugging Face over several architectures, streaming big files, or compiling every
-# kernel for sm_90. Tests elsewhere mark themselves slow one by one. CI runs everything.
+# comparing with Hugging Face over several architectures, streaming big files, compiling every
+# kernel for sm_90, or holding engines and servers to deadlines (test_slo; its queues alone:
+# test_scheduler, quick). Tests elsewhere mark themselves slow one by one. CI runs everything.
 SLOW_MODULES = {"test_finetune", "test_parity_hf", "test_serve_procs", "test_data_parallel",
                 "test_ray_data", "test_ray_serve", "test_cli", "test_startup", "test_stream",
                 "test_fp8_checkpoints", "test_overlap", "test_server", "test_kernels_compile",
-                "test_shutdown"}
+                "test_shutdown", "test_slo"}
 
 
 def pytest_collection_modifyitems(config, items):
