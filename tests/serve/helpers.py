@@ -52,6 +52,15 @@ def ready(base, timeout=30):
         time.sleep(0.02)
 
 
+async def hold_engine(wrapped, client, query="holder"):
+    """POST a classify request and return its task once the gated engine (Wrapped with a gate)
+    holds it in a pass."""
+    task = asyncio.create_task(client.post("/v1/classify", json={"query": query}))
+    while wrapped.held == 0:
+        await asyncio.sleep(0.01)
+    return task
+
+
 class Wrapped:
     """The real classifier with a slower, gated or failing engine (tests of timing and faults)."""
 

@@ -18,7 +18,7 @@ from prefixscore import Classifier, ConfigError
 from prefixscore.scorer import Scorer
 from prefixscore.serve import create_app
 from prefixscore.serve.config import api_key_from
-from tests.serve.helpers import SCORE_TEMPLATE, Wrapped, check, metric, ready
+from tests.serve.helpers import SCORE_TEMPLATE, Wrapped, check, hold_engine, metric, ready
 from tests.serve.helpers import running as serving
 
 
@@ -113,9 +113,7 @@ def test_queue_deadline_drops_unrun_work(clf):
 
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                first = asyncio.create_task(c.post("/v1/classify", json={"query": "holder"}))
-                while wrapped.held == 0:
-                    await asyncio.sleep(0.01)
+                first = await hold_engine(wrapped, c, "holder")
                 late = [asyncio.create_task(c.post("/v1/classify", json={"query": f"late {i}"}))
                         for i in range(5)]
                 await asyncio.sleep(0.6)  # past their deadline while the engine is held
@@ -142,9 +140,7 @@ def test_client_gone_is_not_computed(clf):
 
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                first = asyncio.create_task(c.post("/v1/classify", json={"query": "holder"}))
-                while wrapped.held == 0:
-                    await asyncio.sleep(0.01)
+                first = await hold_engine(wrapped, c, "holder")
                 async with httpx.AsyncClient(base_url=base, timeout=0.3) as impatient:
                     gone = await asyncio.gather(*(impatient.post("/v1/classify", json={"query": f"gone {i}"})
                                                   for i in range(4)), return_exceptions=True)
@@ -289,9 +285,7 @@ def test_admission_by_token_cost(clf):
 
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                first = asyncio.create_task(c.post("/v1/classify", json={"query": long}))
-                while wrapped.held == 0:
-                    await asyncio.sleep(0.01)
+                first = await hold_engine(wrapped, c, long)
                 more = [asyncio.create_task(c.post("/v1/classify", json={"query": long + str(i)}))
                         for i in range(3)]
                 while app.state.frontend.inflight_tokens < 65 and not all(t.done() for t in more):

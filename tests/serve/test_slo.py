@@ -16,7 +16,7 @@ from prefixscore.serve import create_app
 from prefixscore.serve import protocol as P
 from prefixscore.serve.config import ScheduleOptions
 from prefixscore.serve.engine_loop import EngineLoop
-from tests.serve.helpers import LIMITS, Wrapped, metric, running
+from tests.serve.helpers import LIMITS, Wrapped, hold_engine, metric, running
 
 
 # ---------------------------------------------------------------- the engine loop's passes
@@ -94,9 +94,7 @@ def test_deadline_answered_on_time_and_never_computed(clf):
 
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                holder = asyncio.create_task(c.post("/v1/classify", json={"query": "holder"}))
-                while wrapped.held == 0:
-                    await asyncio.sleep(0.01)
+                holder = await hold_engine(wrapped, c, "holder")
                 t0 = time.monotonic()
                 late = await c.post("/v1/classify", json={"query": "in a hurry"},
                                     headers={"X-Request-Timeout": "0.3"})
@@ -169,9 +167,7 @@ def test_health_shows_a_long_pass(clf):
 
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                held = asyncio.create_task(c.post("/v1/classify", json={"query": "held"}))
-                while wrapped.held == 0:
-                    await asyncio.sleep(0.01)
+                held = await hold_engine(wrapped, c, "held")
                 await asyncio.sleep(0.2)
                 h = (await c.get("/healthz")).json()
                 wrapped.gate.set()
@@ -216,9 +212,7 @@ def test_batch_flood_leaves_the_realtime_share(clf):
 
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                held = asyncio.create_task(c.post("/v1/classify", json={"query": "held"}))
-                while wrapped.held == 0:
-                    await asyncio.sleep(0.01)
+                held = await hold_engine(wrapped, c, "held")
                 batch = [asyncio.create_task(c.post("/v1/classify", json={"query": ["b1", "b2"],
                                                                           "priority": 1}))]
                 while app.state.frontend.held[1][0] < 2:
