@@ -231,10 +231,8 @@ class EngineLoop:
 
     def _answer_rows(self, rows: list[Row], status: int) -> None:
         """Rows answered without running (expired, aborted): one message per front end."""
-        by = {}
-        for r in rows:
-            by.setdefault(id(r.reply), (r.reply, []))[1].append(r.rid)
-        for reply, rids in by.values():
+        for reply, group in _by_reply(rows):
+            rids = [r.rid for _, r in group]
             reply(self._out(rids, [status] * len(rids)))
 
     def _classify(self, rows: list[Row], cut: bool = False) -> None:
@@ -247,10 +245,8 @@ class EngineLoop:
                 best_all, scores_all = self._decide(todo, [r.classifier for r in rows])
         except Exception as e:
             error = f"engine fault: {type(e).__name__}: {e}"
-            by = {}
-            for r in rows:
-                by.setdefault(id(r.reply), (r.reply, []))[1].append(r.rid)
-            for reply, rids in by.values():
+            for reply, group in _by_reply(rows):
+                rids = [r.rid for _, r in group]
                 reply(self._out(rids, [P.FAULT] * len(rids), errors={r: error for r in rids},
                                 size=len(todo)))
             raise EngineFault(f"{type(e).__name__}: {e}") from e
@@ -258,17 +254,12 @@ class EngineLoop:
         self.classify_budget.observe(forward, cut)
         if self.metrics is not None:
             self.metrics.engine_batch(len(todo), forward)
-        by = {}
-        for r, d, sc in zip(rows, best_all, scores_all):
-            by.setdefault(id(r.reply), (r.reply, [], [], []))
-            _, rids, best, scores = by[id(r.reply)]
-            rids.append(r.rid)
-            best.append(int(d))
-            scores.append(sc)
-        for reply, rids, best, scores in by.values():
-            reply(self._out(rids, [P.OK] * len(rids), best,
-                            np.asarray(scores, dtype=np.float32).reshape(len(rids), self.N).tobytes(),
-                            forward=forward, size=len(todo)))
+        for reply, group in _by_reply(rows):
+            rids = [r.rid for _, r in group]
+            scores = np.asarray([scores_all[i] for i, _ in group], dtype=np.float32)
+            reply(self._out(rids, [P.OK] * len(rids), [int(best_all[i]) for i, _ in group],
+                            scores.reshape(len(rids), self.N).tobytes(), forward=forward,
+                            size=len(todo)))
 
     def _decide(self, todo: list[Encoded], which: list[int]):
         """Label indices and score rows of todo, in its order, on an engine of several
@@ -346,6 +337,14 @@ class EngineLoop:
         unscored = [[] for _ in range(len(job.full) - job.depth)]
         job.reply(P.ScoreOut(m.rid, P.OK, job.scores + unscored, job.labels, job.computed, None,
                              job.depth, controlled, p99))
+
+
+def _by_reply(rows: list[Row]):
+    """(reply, [(index in rows, row), ...]) per front end: one answer message each."""
+    by = {}
+    for i, r in enumerate(rows):
+        by.setdefault(id(r.reply), (r.reply, []))[1].append((i, r))
+    return by.values()
 
 
 def _score_failed(m: P.ScoreReq, status: int, error: str | None) -> P.ScoreOut:
