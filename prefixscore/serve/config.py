@@ -20,8 +20,8 @@ MAX_TIMEOUT_S = 3600.0  # a request's deadline (--request-timeout, X-Request-Tim
 class ScheduleOptions:
     """How the engine loop holds a latency target (--target-p99-ms and the flags beside it).
 
-    Every engine pass is kept near pass_ms (default: a quarter of the target, else 25 ms): classify
-    rows up to that many tokens' worth, and multi-item requests a run of items at a time, so no
+    Every engine pass is kept near pass_ms (default: a quarter of the target, else 25 ms; never
+    under 3x a pass's fixed cost, scheduler.PassBudget): classify rows up to that many tokens' worth, and multi-item requests a run of items at a time, so no
     request holds the engine for long. With a target, /v1/score's real-time requests score only as
     many items as depth control allows (depth.py: a PID controller on their measured p99)."""
     target_p99_ms: float | None = None

@@ -102,7 +102,7 @@ class EngineLoop:
         self.classify_budget = PassBudget(schedule.pass_s)
         # A multi-item pass carries more fixed work (span planning, eager label sets): never
         # fewer tokens than this, or a long request would crawl through passes of one item.
-        self.score_budget = PassBudget(schedule.pass_s, floor=256)
+        self.score_budget = PassBudget(schedule.pass_s, floor=256, times=2.0)
         self.depth = None
         if schedule.target_p99_ms:
             from ..depth import DepthControl, DepthOptions
@@ -122,22 +122,36 @@ class EngineLoop:
 
     def warmup(self) -> None:
         """One real batch per classifier proves the path (each built its prefix and graphs); then
-        a pass's fixed cost is timed (one row: the least a pass costs), which the pass budgets
-        must stay well above."""
+        a pass of one row and one of many are timed: the pass budgets' fixed part and cost per
+        token (scheduler.PassBudget)."""
         for c in self.clfs:
             c.decide_encoded([c.encode("warm up")])
         if self.fuse:  # builds the bank and captures its graphs now, not on the first request
             decide_many(self.clfs, [[c.encode("warm up")] for c in self.clfs])
-        one, times = [self.clf.encode("warm up")], []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            self.clf.decide_encoded(one)
-            times.append(time.perf_counter() - t0)
-        fixed = sorted(times)[2]
-        self.classify_budget.fixed_cost(fixed)
-        self.score_budget.fixed_cost(fixed, 6.0)  # span planning and eager label sets on top
-        log.info("engine pass: %.2f ms fixed; pass goals %.2f ms classify, %.2f ms multi-item",
-                 1e3 * fixed, 1e3 * self.classify_budget.goal, 1e3 * self.score_budget.goal)
+        if self.scorer is not None:  # kernels a multi-item pass needs, tuned now, not in a request
+            self._warm_scorer()
+        one = [self.clf.encode("warm up")]
+        # enough tokens that the GPU's time grows with them (a few thousand); few on a CPU
+        many = one * (512 if str(self.clf.engine.device).startswith("cuda") else 8)
+        t_one, t_many = _timed(self.clf.decide_encoded, one, 3), _timed(self.clf.decide_encoded, many, 3)
+        n_one = len(one[0].ids) - one[0].start
+        per_token = max(0.0, t_many - t_one) / (n_one * (len(many) - 1))
+        self.classify_budget.calibrate(t_one, per_token)
+        self.score_budget.calibrate(4 * t_one, per_token)  # span planning, eager label sets
+        log.info("engine pass: %.2f ms fixed + %.2f us a token; pass goals %.2f ms classify, "
+                 "%.2f ms multi-item", 1e3 * t_one, 1e6 * per_token, 1e3 * self.classify_budget.goal,
+                 1e3 * self.score_budget.goal)
+
+    def _warm_scorer(self) -> None:
+        """A few multi-item passes of the sizes requests bring (short and long items, one and
+        many): the first request paid for the eager kernels' tuning (an H200 run: 816 ms for a
+        request the next time took 85 ms, classify held meanwhile)."""
+        sc = self.scorer
+        labels = {} if sc.labels else {"label_token_ids": [11, 12]}
+        sizes = ((1, 8), (16, 8), (4, 64), (32, 64))
+        for n, length in sizes if str(self.clf.engine.device).startswith("cuda") else sizes[:1]:
+            items = [[11 + (i + j) % 50 for j in range(length)] for i in range(n)]
+            sc.score_request({"query": [11, 12, 13, 14], "items": items, **labels})
 
     def decide(self, groups: dict[int, list[Encoded]]) -> dict[int, tuple[list[int], list[list[float]]]]:
         """THE SEAM for several classifiers (every batch of an engine that has more than one):
@@ -189,12 +203,13 @@ class EngineLoop:
         for j in jobs:
             j.reply(_score_failed(j.msg, P.EXPIRED, None))
         for _ in range(passes):
-            nxt = self.lanes.next_pass(self.classify_budget.tokens)
+            b = self.classify_budget
+            nxt = self.lanes.next_pass(b.tokens, b.spare, b.small)
             if nxt is None:
                 return
-            kind, what, cut = nxt
+            kind, what, _ = nxt
             if kind == "classify":
-                self._classify(what, cut)
+                self._classify(what)
             else:
                 self._score_pass(what)
 
@@ -235,7 +250,7 @@ class EngineLoop:
             rids = [r.rid for _, r in group]
             reply(self._out(rids, [status] * len(rids)))
 
-    def _classify(self, rows: list[Row], cut: bool = False) -> None:
+    def _classify(self, rows: list[Row]) -> None:
         todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in rows]
         t0 = time.perf_counter()
         try:
@@ -251,7 +266,7 @@ class EngineLoop:
                                 size=len(todo)))
             raise EngineFault(f"{type(e).__name__}: {e}") from e
         forward = time.perf_counter() - t0
-        self.classify_budget.observe(forward, cut)
+        self.classify_budget.observe(forward, sum(r.tokens for r in rows))
         if self.metrics is not None:
             self.metrics.engine_batch(len(todo), forward)
         for reply, group in _by_reply(rows):
@@ -321,7 +336,7 @@ class EngineLoop:
             raise EngineFault(f"{type(e).__name__}: {e}") from e
         spent = time.perf_counter() - t0
         computed = out["usage"]["prompt_tokens"]
-        self.score_budget.observe(spent, job.done + k < job.depth)
+        self.score_budget.observe(spent, computed)
         if self.metrics is not None:
             self.metrics.engine_batch(k, spent)
         job.scores += out["scores"]
@@ -337,6 +352,16 @@ class EngineLoop:
         unscored = [[] for _ in range(len(job.full) - job.depth)]
         job.reply(P.ScoreOut(m.rid, P.OK, job.scores + unscored, job.labels, job.computed, None,
                              job.depth, controlled, p99))
+
+
+def _timed(fn, arg, n: int) -> float:
+    """The median time of n calls of fn(arg)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn(arg)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[n // 2]
 
 
 def _by_reply(rows: list[Row]):

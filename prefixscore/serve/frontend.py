@@ -126,6 +126,16 @@ class Frontend(ClassifyMany, ScoreRoute):
         the real-time lane's places. A request whose deadline comes before the queue ahead of it
         can be done (at the engine's measured rate) is refused now (429) rather than at its
         deadline (504): under overload the engine's time goes to requests that can still make it."""
+        self._refuse(n, tokens, batch, deadline)
+        held = self.held[batch]
+        held[0] += n
+        held[1] += tokens
+        self.inflight += n
+        self.metrics.queue_depth.inc(n)
+
+    def _refuse(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None) -> None:
+        """_admit's checks alone (429 + Retry-After), nothing counted: before tokenizing with
+        tokens=0, so that under overload a refusal costs the front end as little as it can."""
         cfg, held = self.cfg, self.held[batch]
         if held[0] + n > cfg.max_queue or (held[1] + tokens > cfg.max_queue_tokens and held[0] > 0):
             lane = "batch" if batch else "real-time"
@@ -137,10 +147,6 @@ class Frontend(ClassifyMany, ScoreRoute):
             if wait > deadline - time.monotonic():
                 raise ApiError(429, f"the queue ahead needs about {1e3 * wait:.0f} ms, past this "
                                     f"request's deadline; retry later", wait)
-        held[0] += n
-        held[1] += tokens
-        self.inflight += n
-        self.metrics.queue_depth.inc(n)
 
     @property
     def inflight_tokens(self) -> int:
@@ -175,6 +181,8 @@ class Frontend(ClassifyMany, ScoreRoute):
         await self._check_ready()
         k = 0 if model is None and classifier is None else self.catalog.resolve(model, classifier)
         info = self.classifiers[k]
+        if self.cache is None:  # refused before tokenizing (cached queries need no admission)
+            self._refuse(len(queries), 0, priority > 0, deadline)
         encoded = self._encode(queries, k, field)
         t1 = time.perf_counter()
         cache, hits = self.cache, [None] * len(encoded)

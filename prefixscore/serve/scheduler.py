@@ -1,9 +1,11 @@
 """The engine's queues and what runs next: two lanes, passes of bounded cost.
 
 A request's `priority` picks its lane: 0 is real-time, anything higher is batch work, which runs
-only when the real-time lane is empty (so a real-time request waits behind at most the one batch
-pass in flight). Within a lane, classify rows and multi-item jobs take turns when both wait, and a
-pass is cut to the token budget (PassBudget: about --pass-ms of work, measured as it goes):
+in the engine's idle capacity: its rows ride along in real-time passes that leave room (a few
+percent of a pass's cost) and run alone, in small passes, when the real-time lane is empty (so a
+real-time request waits behind at most one small batch pass). Within a lane, classify rows and
+multi-item jobs take turns when both wait, and a pass is cut to the token budget (PassBudget:
+about --pass-ms of work, but never under a few times a pass's fixed cost, measured as it goes):
 classify rows in arrival order up to it, a multi-item request a run of its items at a time (items
 are independent, so they split across passes). No request can hold the engine for longer than
 one pass, and every deadline and abort is looked at between passes.
@@ -127,9 +129,13 @@ class Lanes:
                     jobs.append(j)
         return rows, jobs
 
-    def next_pass(self, budget: int):
+    def next_pass(self, budget: int, spare: int = 0, small: int | None = None):
         """("classify", rows, cut) or ("score", job, None) for the next pass, or None when nothing
-        waits; cut: rows were left for lack of budget (the pass says how long a full one takes)."""
+        waits; cut: rows were left for lack of budget. A real-time classify pass that leaves room
+        takes batch rows along, up to `spare` tokens (a pass's cost grows little with its tokens,
+        so that is the engine's idle capacity at a few percent on the real-time rows' latency); a
+        pass of batch rows alone holds at most `small` tokens, so that a real-time request never
+        waits long behind one."""
         for k in (REALTIME, BATCH):
             rows, jobs = self.rows[k], self.jobs[k]
             while rows and rows[0].dead:
@@ -138,25 +144,31 @@ class Lanes:
                 continue
             if rows and (not jobs or self.turn[k] == 0):
                 self.turn[k] = 1
-                return ("classify", *self._take_rows(rows, budget))
+                cap = budget if k == REALTIME else min(budget, small or budget)
+                out, total, cut = self._take_rows(rows, cap)
+                room = min(spare, budget - total)
+                if k == REALTIME and not cut and room > 0 and self.rows[BATCH]:
+                    more, _, _ = self._take_rows(self.rows[BATCH], room, at_least_one=False)
+                    out += more
+                return "classify", out, cut
             self.turn[k] = 0
             return "score", jobs[0], None
         return None
 
-    def _take_rows(self, q: deque, budget: int) -> tuple[list[Row], bool]:
+    def _take_rows(self, q: deque, budget: int, at_least_one: bool = True) -> tuple[list[Row], int, bool]:
         out, total = [], 0
         while q:
             r = q[0]
             if r.dead:
                 q.popleft()
                 continue
-            if out and total + r.tokens > budget:
-                return out, True
+            if (out or not at_least_one) and total + r.tokens > budget:
+                return out, total, True
             q.popleft()
             del self.live[(r.client, r.rid)]
             out.append(r)
             total += r.tokens
-        return out, False
+        return out, total, False
 
     def finish(self, job: ScoreJob) -> None:
         for q in self.jobs:
@@ -166,26 +178,48 @@ class Lanes:
 
 
 class PassBudget:
-    """Tokens per pass for about `seconds` of engine time. A pass costs a fixed part (launches,
-    the label head, the host's work) plus its tokens, so the tokens-per-second of a small pass
-    says little about a bigger one: the budget is steered by the pass time instead, multiplied
-    by goal / time (within 1/2 and 2) after a pass the budget cut (it converges where a full pass
-    takes the goal), and only ever lowered after a pass that took everything queued. The goal is
-    `seconds`, but never under a few times the fixed part (fixed_cost, timed at warm-up): a goal
-    below it would shrink every pass to one row and throughput to one row per fixed cost (on the
-    H200, ~1,200 requests/s with a 1.25 ms goal and ~1.5 ms fixed)."""
+    """Tokens per pass for about `seconds` of engine time. A pass costs a fixed part (launches, the
+    label head, the host's work around them) plus a cost per token: the per-token cost is timed at
+    warm-up (calibrate: a pass of one row against one of many), the fixed part re-estimated after
+    every pass from what it took, because it moves with the load (H200: ~0.6 ms on an idle engine,
+    ~1.4 ms at 3,000 requests/s). The goal is `seconds`, but never under `times` the fixed part:
+    below it every pass shrinks to a row or two and throughput to a row per fixed cost (the H200
+    held ~1,200 requests/s that way, and ~12,000 with a goal from the idle engine's fixed part).
+    The budget is what a pass of the goal holds: (goal - fixed) / per-token cost. Uncalibrated
+    (no warm-up: tests) it stays at `first`."""
 
-    def __init__(self, seconds: float, first: int = 256, floor: int = 32, ceiling: int = 1 << 20):
+    def __init__(self, seconds: float, first: int = 256, floor: int = 32, ceiling: int = 1 << 20,
+                 times: float = 3.0):
         self.seconds = self.goal = seconds
-        self.floor, self.ceiling = floor, ceiling
+        self.floor, self.ceiling, self.times = floor, ceiling, times
         self.tokens = first
+        self.fixed, self.per_token = 0.0, None
 
-    def fixed_cost(self, seconds: float, times: float = 3.0) -> None:
-        """The least a pass costs (one row): aim at no less than `times` that."""
-        self.goal = max(self.seconds, times * seconds)
+    def calibrate(self, fixed: float, per_token: float) -> None:
+        self.fixed, self.per_token = fixed, max(per_token, 1e-9)
+        self._set()
 
-    def observe(self, seconds: float, cut: bool) -> None:
-        if seconds <= 0 or (not cut and seconds <= self.goal):
+    def observe(self, seconds: float, tokens: int) -> None:
+        """A pass of `tokens` took `seconds`: its fixed part moves the estimate by a tenth (a
+        single slow pass, a GC pause, at most doubles its share of it)."""
+        if self.per_token is None or seconds <= 0:
             return
-        factor = min(2.0, max(0.5, self.goal / seconds))
-        self.tokens = int(max(self.floor, min(self.ceiling, self.tokens * factor)))
+        part = min(max(0.0, seconds - self.per_token * tokens), 2 * self.fixed + 1e-4)
+        self.fixed += 0.1 * (part - self.fixed)
+        self._set()
+
+    @property
+    def spare(self) -> int:
+        """Tokens that cost a tenth of the fixed part (batch rows riding along); 0 uncalibrated."""
+        return 0 if self.per_token is None else int(0.1 * self.fixed / self.per_token)
+
+    @property
+    def small(self) -> int:
+        """A small pass: tokens that cost half the fixed part (batch rows alone)."""
+        if self.per_token is None:
+            return self.tokens
+        return max(self.floor, int(0.5 * self.fixed / self.per_token))
+
+    def _set(self) -> None:
+        self.goal = max(self.seconds, self.times * self.fixed)
+        self.tokens = int(max(self.floor, min(self.ceiling, (self.goal - self.fixed) / self.per_token)))

@@ -204,7 +204,7 @@ def test_depth_control_marks_unscored_items(clf, scorer):
 
 def test_batch_flood_leaves_the_realtime_share(clf):
     """Each lane has its own admission share: batch work filling its --max-queue gets 429, and a
-    real-time request is still admitted and answered first."""
+    real-time request is still admitted and answered in the first pass after the held one."""
     wrapped = Wrapped(clf)
     app = create_app(wrapped, max_queue=3, max_queries=2, max_connections=64)
     with running(app) as (base, _):
@@ -228,7 +228,9 @@ def test_batch_flood_leaves_the_realtime_share(clf):
         over, held, rt, batch = asyncio.run(go())
         assert over.status_code == 429 and "batch" in over.json()["detail"]
         assert held.status_code == rt.status_code == batch.status_code == 200
-        assert wrapped.batches[before:] == [1, 2, 2]  # held, then real-time, then batch
+        # held, then the real-time pair (batch rows may ride along in its spare room), then batch
+        passes = wrapped.batches[before:]
+        assert passes[0] == 1 and passes[1] >= 2 and sum(passes) == 5, passes
 
 
 def test_deadline_shorter_than_the_queue_refused_at_once(clf):
