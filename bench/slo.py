@@ -104,13 +104,15 @@ def score_body(query, n_items, words) -> dict:
     return {"query": query, "items": [" ".join(random.Random(j).choices(WORDS, k=words)) for j in range(n_items)]}
 
 
-def size_score(port, query, tokens, max_items) -> tuple[dict, dict]:
+def size_score(port, query, tokens, max_items, extra=None) -> tuple[dict, dict]:
     """A /v1/score body of about `tokens` tokens as the server counts them (usage.prompt_tokens):
     n items of w words, w scaled by the probes' counts (halved on a 413: over the server's limit)."""
     n = max(1, min(max_items, round(tokens / 64)))
     w, pts = max(1, tokens // n), []
     for _ in range(6):
-        st, _, body = post(port, "/v1/score", score_body(query, n, w))
+        # extra: batch priority where the server has it, since depth control leaves items unscored
+        # and uncounted (H200: probes of more words counted fewer tokens; step items of ~90, not 16)
+        st, _, body = post(port, "/v1/score", {**score_body(query, n, w), **(extra or {})})
         if st not in (200, 413):
             raise RuntimeError(f"/v1/score answered {st}: {body}")
         pts.append((w, body["usage"]["prompt_tokens"] if st == 200 else None))
@@ -507,7 +509,8 @@ def main():
         print(f"server ready in {time.monotonic() - t:.1f} s; features {f}", flush=True)
         try:
             if f["score"]:
-                c.score_body, sb = size_score(c.port, queries[0], a.score_tokens, serve.max_queries)
+                c.score_body, sb = size_score(c.port, queries[0], a.score_tokens, serve.max_queries,
+                                              {"priority": 1} if f["priority"] else None)
                 out["score_body"] = sb
                 words = max(1, round(a.step_item_tokens * sb["items"] * sb["words_per_item"] / sb["prompt_tokens"]))
                 c.step_body = score_body(queries[1], min(a.step_items, serve.max_queries), words)

@@ -38,6 +38,28 @@ class Late(Exception):
     """Set on a request's future by its timer: no answer by its deadline or start-by time."""
 
 
+class LoopLag:
+    """How late this event loop runs what is due: a tick every 5 ms notes how late it fired, and
+    `lag` is the recent worst (decaying to half in about ten ticks). A request's bytes wait about
+    that long in its socket before a busy loop reads them, time the server's clock for its
+    deadline (started when the request is read) cannot see: under overload the clients of an
+    H200 server got 200s up to ~1 s past their 50 ms deadlines. So a deadline is taken to have
+    started that much earlier (Frontend.deadline)."""
+
+    EVERY = 0.005
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lag = loop, 0.0
+        self.due = loop.time() + self.EVERY
+        loop.call_at(self.due, self._tick)
+
+    def _tick(self) -> None:
+        now = self.loop.time()
+        self.lag = max(now - self.due, 0.93 * self.lag)
+        self.due = now + self.EVERY
+        self.loop.call_at(self.due, self._tick)
+
+
 class Frontend(ClassifyMany, ScoreRoute):
     def __init__(self, cfg: FrontendConfig, client, metrics, prompt_factory):
         """prompt_factory(ready) -> the Prompts to tokenize with, one per classifier of
@@ -56,6 +78,7 @@ class Frontend(ClassifyMany, ScoreRoute):
         self.inflight = 0  # queries admitted and not yet answered (this front end)
         self.held = ([0, 0], [0, 0])  # per lane (real-time, batch): those queries, their tokens
         self.draining = False
+        self.loop_lag: LoopLag | None = None  # started on the event loop with the engine's Ready
         client.metrics = metrics
         # The prompt is built when the engine's Ready arrives (at start-up), not by the first
         # request this process takes: that built the tokenizer inside a request and, in a worker
@@ -67,7 +90,9 @@ class Frontend(ClassifyMany, ScoreRoute):
     def sync(self) -> None:
         """After the engine's Ready: a prompt per classifier (Catalog checks each against the
         engine's own prefix)."""
-        info = self.client.info
+        info, loop = self.client.info, self.client.loop
+        if self.loop_lag is None and loop is not None and loop.is_running():
+            self.loop_lag = LoopLag(loop)
         if info is not None and info is not self.info:
             catalog = Catalog(info, list(self.prompt_factory(info)))
             self.catalog, self.prompts, self.prompt = catalog, catalog.prompts, catalog.prompts[0]
@@ -142,9 +167,13 @@ class Frontend(ClassifyMany, ScoreRoute):
             raise ApiError(429, f"queue full ({held[0]} {lane} queries, {held[1]} tokens waiting; "
                                 f"limits {cfg.max_queue} and {cfg.max_queue_tokens}); retry later",
                            self.client.wait_s(n))
-        if deadline is not None and self.client.rate and not batch:
-            wait = self.client.wait_s(n)
-            if wait > deadline - time.monotonic():
+        if deadline is not None and not batch:
+            left, wait = deadline - time.monotonic(), self.client.wait_s(n)
+            if left <= 0:  # spent before it could be queued (unread in a busy front end: LoopLag)
+                lag = 1e3 * self.loop_lag.lag if self.loop_lag is not None else 0.0
+                raise ApiError(429, f"this request's deadline passed before it could be queued (this "
+                                    f"front end runs {lag:.0f} ms behind); retry later", wait)
+            if self.client.rate and wait > left:
                 raise ApiError(429, f"the queue ahead needs about {1e3 * wait:.0f} ms, past this "
                                     f"request's deadline; retry later", wait)
 
@@ -161,10 +190,13 @@ class Frontend(ClassifyMany, ScoreRoute):
 
     # -- classify
     def deadline(self) -> float | None:
-        """This request's deadline (time.monotonic()): its own, else --request-timeout's."""
+        """This request's deadline (time.monotonic()): its own, else --request-timeout's, less
+        the loop's lag."""
         d = DEADLINE.get()
         if d is None and self.cfg.request_timeout:
             d = time.monotonic() + self.cfg.request_timeout
+        if d is not None and self.loop_lag is not None:  # the time it likely sat unread
+            d -= self.loop_lag.lag
         return d
 
     async def classify(self, queries: list[str], model: str | None = None,

@@ -248,3 +248,32 @@ def test_deadline_shorter_than_the_queue_refused_at_once(clf):
         assert int(r.headers["retry-after"]) >= 1 and time.monotonic() - t0 < 0.2
         r = httpx.post(base + "/v1/classify", json={"query": "c"}, headers={"X-Request-Timeout": "5"})
         assert r.status_code == 200
+
+
+def test_loop_lag_is_taken_off_deadlines():
+    """LoopLag sees how late a busy event loop runs what is due (a request's bytes wait about that
+    long unread): a loop held 80 ms reads ~75 ms behind, it decays once the loop is free, and a
+    front end's deadlines start that much earlier."""
+    from prefixscore.serve.frontend import DEADLINE, Frontend, LoopLag
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        lag = LoopLag(loop)
+        await asyncio.sleep(0.02)
+        assert lag.lag < 0.02
+        time.sleep(0.08)  # the loop held
+        await asyncio.sleep(0.012)
+        held = lag.lag
+        await asyncio.sleep(0.4)
+        return held, lag
+
+    held, lag = asyncio.run(go())
+    assert held >= 0.05 and lag.lag < held / 4, (held, lag.lag)  # ~75 ms late, two ticks of decay
+    fe = Frontend.__new__(Frontend)  # deadline() reads only these
+    fe.cfg, fe.loop_lag = type("C", (), {"request_timeout": None})(), lag
+    lag.lag = 0.03
+    token = DEADLINE.set(100.0)
+    try:
+        assert fe.deadline() == pytest.approx(99.97)
+    finally:
+        DEADLINE.reset(token)
