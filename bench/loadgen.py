@@ -561,7 +561,10 @@ def worker_main(index: int, conn, proto: str, queries: list[str], cpus) -> None:
     except (ImportError, ValueError, OSError):
         pass
     payloads = {"healthz": [GET_HEALTHZ],
-                "classify": [http_post("/v1/classify", {"query": q}) for q in queries]}
+                "classify": [http_post("/v1/classify", {"query": q}) for q in queries],
+                # a deadline already past: the server's refusal path (504 before tokenizing)
+                "refused": [http_post("/v1/classify", {"query": q}, {"X-Request-Timeout": "0.000001"})
+                            for q in queries[:256]]}
     if proto == "grpc":
         payloads["classify"] = grpc_payloads(queries)
     else:

@@ -6,7 +6,8 @@
 Serves the real app as `prefixscore serve --workers 1` runs it (`prefixscore.serve.create_app` and
 `launch.uvicorn_server`: uvicorn, httptools, uvloop when installed) in a child process with a stub
 in place of the model, and times, one request at a time on a keep-alive connection from a load
-process (bench/loadgen.py), GET /healthz (the bare HTTP round trip) and POST /v1/classify.
+process (bench/loadgen.py), GET /healthz (the bare HTTP round trip), POST /v1/classify, and the
+same POST refused (a deadline already past: 504 before tokenizing, what shedding costs a front end).
 
 --stub instant  tokenize and classify return at once: classify - healthz is the classify path's
                 cost apart from the model (parse, validate, queue, engine-thread hand-offs, JSON).
@@ -154,7 +155,7 @@ def http_phases(gen: LoadGen, port, n, warm) -> dict:
     else:
         raise SystemExit("server did not start")
     out = {}
-    for name in ("healthz", "classify"):
+    for name in ("healthz", "classify", "refused"):
         gen.serial(port, warm, 10.0, payload=name)
         r = gen.serial(port, n, 10.0, payload=name, bodies=name == "classify")
         lat = [1e3 * x for x in r["lat"]]

@@ -28,7 +28,9 @@ capacity phase.
             (usage.prompt_tokens, sized by probing it), spaced: classify p99 of the requests sent
             while one runs against the rest's; the score requests' latency
   step      50% -> 150% -> 50% of capacity, --step-s each: classify + /v1/score requests of
-            --step-items items (--step-score-frac of the classify rate). 100 ms buckets: p99 per
+            --step-items items, at level x (0.5, 1.5) x * --step-score-share / (a lone step request's
+            latency, timed first: the score traffic is sized by what the server does for it, not by
+            the classify rate, whose 1% overloaded the 50% level on the H200). 100 ms buckets: p99 per
             route (by send), 200s/s per route (by answer), shed share (non-200, by send), depth
             (the answers' `depth`; the gauge prefixscore_score_depth, scraped every 100 ms) ->
             $OUT/slo_step.png. Settling: after the step up, until score p99 stays within 110% of
@@ -251,12 +253,20 @@ def settle(ts, ys, t0, t1, ok) -> float | None:
 
 
 def phase_step(c) -> dict:
-    T, f, cap = c.a.step_s, c.a.step_score_frac, c.cap
+    T, cap = c.a.step_s, c.cap
+    solo = [post(c.port, "/v1/score", c.step_body)[0] for _ in range(2)]  # warm
+    t = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        solo.append(post(c.port, "/v1/score", c.step_body)[0])
+        t.append(time.perf_counter() - t0)
+    lone_s = sorted(t)[1]
+    per_level = c.a.step_score_share / lone_s  # score requests/s at level 1.0
     levels = ((0, T, 0.5), (T, 2 * T, 1.5), (2 * T, 3 * T, 0.5))
     scraper = Scraper(c.port, BUCKET_S)
     R = run(c, [classify_stream(c.queries, [(t0, t1, x * cap) for t0, t1, x in levels], c.deadline_s),
                 {"payloads": [http_post("/v1/score", c.step_body)], "field": b'"depth":',
-                 "segments": [(t0, t1, x * cap * f) for t0, t1, x in levels]}], 500, timeout=max(c.a.timeout, 60.0))
+                 "segments": [(t0, t1, x * per_level) for t0, t1, x in levels]}], 500, timeout=max(c.a.timeout, 60.0))
     samples = scraper.stop()
     gauge = [(t - R["start"], max((v for k, v in m.items() if k.startswith("prefixscore_score_depth")), default=0))
              for t, m in samples]
@@ -280,7 +290,8 @@ def phase_step(c) -> dict:
     target = c.serve.target_p99_ms
     dmax = min(c.serve.depth_max, len(c.step_body["items"])) if c.serve.depth_max else None
     depth = s["depth_gauge"] if any(v is not None for v in s["depth_gauge"]) else s["depth"]
-    row = {"levels": levels, "score_rate_of_classify": f, "series": s, "target_p99_ms": target, "depth_max": dmax,
+    row = {"levels": levels, "lone_score_ms": 1e3 * lone_s, "lone_statuses": solo, "score_rps_at_1": per_level,
+           "series": s, "target_p99_ms": target, "depth_max": dmax,
            "statuses": {"classify": statuses(st[~sc]), "score": statuses(st[sc])},
            "depth_from": "gauge" if depth is s["depth_gauge"] else "answers",
            "score_p99_settle_s": settle(s["t"], s["score_p99_ms"], T, 2 * T, lambda y: y <= 1.1 * target)
@@ -418,11 +429,11 @@ def plot(step, path) -> str | None:
 
 FULL = {"rates": "100,300,1000,3000,6000,10000,15000,20000,30000,40000,50000,65000,80000", "duration": 5.0,
         "refine": 2, "stop_p99_ms": 200.0, "serial": 1000, "overload_s": 10.0, "score_s": 12.0, "score_n": 3,
-        "score_tokens": 8192, "step_s": 5.0, "step_items": 256, "step_item_tokens": 16, "step_score_frac": 0.01,
+        "score_tokens": 8192, "step_s": 5.0, "step_items": 256, "step_item_tokens": 16, "step_score_share": 0.5,
         "lanes_s": 10.0, "batch_conc": 64, "pause": 1.0, "lag_ms": 1.0}
 QUICK = {"rates": "2,4,8,16,32", "duration": 2.0, "refine": 1, "stop_p99_ms": 5000.0, "serial": 30, "overload_s": 3.0,
          "score_s": 6.0, "score_n": 2, "score_tokens": 512, "step_s": 3.0, "step_items": 16, "step_item_tokens": 8,
-         "step_score_frac": 0.1, "lanes_s": 4.0, "batch_conc": 4, "pause": 0.5, "lag_ms": 25.0}
+         "step_score_share": 0.5, "lanes_s": 4.0, "batch_conc": 4, "pause": 0.5, "lag_ms": 25.0}
 PHASES = ("open", "overload", "score", "step", "lanes")
 
 

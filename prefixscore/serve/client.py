@@ -57,6 +57,7 @@ class BaseClient:
         self.queued = 0  # the engine's queue depth in its last answer
         self.last_out = 0.0  # when the engine last answered (time.monotonic())
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
+        self.rids_of: dict[asyncio.Future, list[int]] = {}  # until each future is done (abort)
         self.metrics = None  # set by the front end: engine deaths are counted
         self.became_ready: asyncio.Event | None = None
         # Called (event loop) when the engine's Ready arrives: the front end builds its prompt
@@ -101,6 +102,7 @@ class BaseClient:
         rids = [next(self.rids) for _ in ids]
         for row, rid in enumerate(rids):
             self.jobs[rid] = (job, row)
+        self._track(job.future, rids)
         data, offsets = P.pack_ids(ids)
         self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * len(ids),
                                   classifiers or [], [priority] * len(ids) if priority else []))
@@ -119,16 +121,23 @@ class BaseClient:
         rid = next(self.rids)
         now = time.monotonic()
         self.jobs[rid] = (fut, now)
+        self._track(fut, [rid])
         data, offsets = P.pack_ids(full)
         self._queue(P.ScoreReq(self.id, rid, data, offsets, np.asarray(shared, np.int32).tobytes(),
                                labels, label_token_ids, apply_softmax, deadline, finish_by, priority,
                                now))
         return fut
 
+    def _track(self, fut: asyncio.Future, rids: list[int]) -> None:
+        """A future's rows, until it is answered, failed or aborted (each pops it: a done
+        callback would run before the awaiting task's abort, which then found nothing)."""
+        self.rids_of[fut] = rids
+
     def abort(self, futures: list) -> None:
-        """Requests whose clients left: dropped by the engine if still queued."""
-        rids = [rid for rid, (job, _) in self.jobs.items()
-                if (job.future if isinstance(job, ClassifyJob) else job) in futures]
+        """Requests whose clients left or whose deadline passed: dropped by the engine if still
+        queued. O(their rows), not O(requests in flight): under overload thousands of deadlines
+        pass each second with thousands in flight."""
+        rids = [rid for f in futures for rid in self.rids_of.pop(f, ()) if rid in self.jobs]
         if rids:
             self._queue(P.AbortReq(self.id, rids))
 
@@ -167,12 +176,16 @@ class BaseClient:
                     job.errors[row] = out.errors[rid]
                 job.forward_s, job.batch_size = out.forward_s, out.batch_size
                 job.n_done += 1
-                if job.n_done == job.n and not job.future.done():
-                    job.future.set_result(job)
+                if job.n_done == job.n:
+                    self.rids_of.pop(job.future, None)
+                    if not job.future.done():
+                        job.future.set_result(job)
         elif isinstance(out, P.ScoreOut):
             entry = self.jobs.pop(out.rid, None)
-            if entry is not None and not entry[0].done():
-                entry[0].set_result(out)
+            if entry is not None:
+                self.rids_of.pop(entry[0], None)
+                if not entry[0].done():
+                    entry[0].set_result(out)
         elif isinstance(out, P.ReadyOut):
             # Every Hello gets a Ready, and Hellos sent while an engine (re)starts are queued and
             # answered together: the same engine's Ready again changes nothing (struct equality).
@@ -192,7 +205,7 @@ class BaseClient:
         if fault and self.metrics is not None:
             self.metrics.engine_faults.inc()
         self.error = error
-        jobs, self.jobs = self.jobs, {}
+        jobs, self.jobs, self.rids_of = self.jobs, {}, {}
         for job, _ in jobs.values():
             fut = job.future if isinstance(job, ClassifyJob) else job
             if not fut.done():
@@ -203,6 +216,7 @@ class BaseClient:
         for rid in rids:
             job, _ = self.jobs.pop(rid, (None, None))
             fut = job.future if isinstance(job, ClassifyJob) else job
+            self.rids_of.pop(fut, None)
             if fut is not None and not fut.done():
                 fut.set_exception(EngineDead(error))
 

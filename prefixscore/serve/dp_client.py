@@ -20,7 +20,7 @@ import itertools
 import logging
 
 from . import protocol as P
-from .client import BaseClient, EngineDead
+from .client import BaseClient, ClassifyJob, EngineDead
 
 log = logging.getLogger("prefixscore.client")
 
@@ -174,6 +174,9 @@ class DataParallelClient(BaseClient):
             job = self.jobs.pop(rid, None)
             if job is not None:
                 e.jobs[rid] = job
+                fut = job[0].future if isinstance(job[0], ClassifyJob) else job[0]
+                if fut in self.rids_of:  # its abort goes to that engine's client
+                    e.rids_of[fut] = self.rids_of.pop(fut)
         e._send(msg)
 
     def abort(self, futures: list) -> None:

@@ -159,8 +159,9 @@ class Frontend(ClassifyMany, ScoreRoute):
         self.metrics.queue_depth.inc(n)
 
     def _refuse(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None) -> None:
-        """_admit's checks alone (429 + Retry-After), nothing counted: before tokenizing with
-        tokens=0, so that under overload a refusal costs the front end as little as it can."""
+        """_admit's checks alone (429 + Retry-After; 504 for a deadline already past), nothing
+        counted: before tokenizing with tokens=0, so that under overload a refusal costs the front
+        end as little as it can."""
         cfg, held = self.cfg, self.held[batch]
         if held[0] + n > cfg.max_queue or (held[1] + tokens > cfg.max_queue_tokens and held[0] > 0):
             lane = "batch" if batch else "real-time"
@@ -171,8 +172,9 @@ class Frontend(ClassifyMany, ScoreRoute):
             left, wait = deadline - time.monotonic(), self.client.wait_s(n)
             if left <= 0:  # spent before it could be queued (unread in a busy front end: LoopLag)
                 lag = 1e3 * self.loop_lag.lag if self.loop_lag is not None else 0.0
-                raise ApiError(429, f"this request's deadline passed before it could be queued (this "
-                                    f"front end runs {lag:.0f} ms behind); retry later", wait)
+                self.metrics.expired.labels("deadline").inc(n)
+                raise ApiError(504, f"this request's deadline passed before it could be queued (this "
+                                    f"front end runs {lag:.0f} ms behind); it was not computed")
             if self.client.rate and wait > left:
                 raise ApiError(429, f"the queue ahead needs about {1e3 * wait:.0f} ms, past this "
                                     f"request's deadline; retry later", wait)

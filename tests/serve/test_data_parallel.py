@@ -113,6 +113,34 @@ def test_router_sends_each_pass_to_the_least_loaded_engine():
     asyncio.run(go())
 
 
+def test_abort_reaches_the_engine_holding_the_request():
+    """A request aborted (its client left, its deadline passed) after its pass went to an engine is
+    dropped there: the abort names its rows and only its rows, on that engine's client, and an
+    answered request leaves nothing behind to abort."""
+    async def go():
+        loop = asyncio.get_running_loop()
+        client = DataParallelClient(["a", "b"], 7, connect=FakeEngine)
+        client.start(loop)
+        for i, e in enumerate(client.engines):
+            e._on_out(ready(10 + i))
+        keep = client.classify([[1, 2, 3, 4]] * 2, [3] * 2, time.monotonic() + 9)
+        drop = client.classify([[1, 2, 3, 5]] * 3, [3] * 3, time.monotonic() + 9)
+        await asyncio.sleep(0)
+        e = next(e for e in client.engines if e.sent)
+        rids = e.sent[0].rids
+        client.abort([drop])
+        await asyncio.sleep(0)
+        aborts = [m for x in client.engines for m in x.sent if isinstance(m, P.AbortReq)]
+        assert len(aborts) == 1 and aborts[0].rids == rids[2:] and aborts in ([e.sent[-1]],)
+        e._on_out(answer(P.ClassifyReq(7, rids[:2], b"", [0], [], [], [], [])))
+        assert (await keep).n_done == 2 and not e.rids_of.get(keep)
+        client.abort([keep])  # already answered: no message
+        await asyncio.sleep(0)
+        assert sum(isinstance(m, P.AbortReq) for x in client.engines for m in x.sent) == 1
+
+    asyncio.run(go())
+
+
 # ---------------------------------------------------------------- the server (processes)
 
 
