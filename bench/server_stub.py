@@ -212,7 +212,7 @@ def main():
         gen.close()
         p.terminate()
         p.join()
-    phases = [k for k in ("inproc", "worker", "classify", "healthz") if k in rounds[0]]
+    phases = [k for k in ("inproc", "worker", "classify", "refused", "healthz") if k in rounds[0]]
     res = {"stub": a.stub, "cpus": os.cpu_count(), "sizes": sizes, "engine_spin_ms": spin, "rounds": rounds,
            "p50_us": {k: statistics.median(r[k]["p50_us"] for r in rounds) for k in phases}}
     med = res["p50_us"]
@@ -220,6 +220,8 @@ def main():
     for k in phases:
         print(f"{k:9s} p50 {med[k]:7.1f} us   (rounds: {' '.join('%.0f' % r[k]['p50_us'] for r in rounds)})")
     print(f"classify path over the bare round trip: {res['classify_minus_healthz_p50_us']:.1f} us")
+    res["refused_minus_healthz_p50_us"] = med["refused"] - med["healthz"]
+    print(f"refusal path over the bare round trip: {res['refused_minus_healthz_p50_us']:.1f} us")
     if sizes:
         res["overhead_p50_us"] = med["classify"] - med["inproc"]
         timing = {k: statistics.median(r["server_timing_p50_us"][k] for r in rounds)
