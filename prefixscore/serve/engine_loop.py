@@ -130,10 +130,11 @@ class EngineLoop:
             decide_many(self.clfs, [[c.encode("warm up")] for c in self.clfs])
         if self.scorer is not None:  # kernels a multi-item pass needs, tuned now, not in a request
             self._warm_scorer()
-        one = [self.clf.encode("warm up")]
-        # enough tokens that the GPU's time grows with them (a few thousand); few on a CPU
-        many = one * (512 if str(self.clf.engine.device).startswith("cuda") else 8)
-        t_one, t_many = _timed(self.clf.decide_encoded, one, 3), _timed(self.clf.decide_encoded, many, 3)
+        one, gpu = [self.clf.encode("warm up")], str(self.clf.engine.device).startswith("cuda")
+        # enough tokens that the GPU's time grows with them (a few thousand); few on a CPU, once
+        many = one * (512 if gpu else 4)
+        t_one = _timed(self.clf.decide_encoded, one, 3)
+        t_many = _timed(self.clf.decide_encoded, many, 3 if gpu else 1)
         n_one = len(one[0].ids) - one[0].start
         per_token = max(0.0, t_many - t_one) / (n_one * (len(many) - 1))
         self.classify_budget.calibrate(t_one, per_token)
