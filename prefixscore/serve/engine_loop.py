@@ -128,9 +128,10 @@ class EngineLoop:
             c.decide_encoded([c.encode("warm up")])
         if self.fuse:  # builds the bank and captures its graphs now, not on the first request
             decide_many(self.clfs, [[c.encode("warm up")] for c in self.clfs])
+        gpu = str(self.clf.engine.device).startswith("cuda")
         if self.scorer is not None:  # kernels a multi-item pass needs, tuned now, not in a request
-            self._warm_scorer()
-        one, gpu = [self.clf.encode("warm up")], str(self.clf.engine.device).startswith("cuda")
+            self._warm_scorer(gpu)
+        one = [self.clf.encode("warm up")]
         # enough tokens that the GPU's time grows with them (a few thousand); few on a CPU, once
         many = one * (512 if gpu else 4)
         t_one = _timed(self.clf.decide_encoded, one, 3)
@@ -143,14 +144,14 @@ class EngineLoop:
                  "%.2f ms multi-item", 1e3 * t_one, 1e6 * per_token, 1e3 * self.classify_budget.goal,
                  1e3 * self.score_budget.goal)
 
-    def _warm_scorer(self) -> None:
+    def _warm_scorer(self, gpu: bool) -> None:
         """A few multi-item passes of the sizes requests bring (short and long items, one and
         many): the first request paid for the eager kernels' tuning (an H200 run: 816 ms for a
         request the next time took 85 ms, classify held meanwhile)."""
         sc = self.scorer
         labels = {} if sc.labels else {"label_token_ids": [11, 12]}
         sizes = ((1, 8), (16, 8), (4, 64), (32, 64))
-        for n, length in sizes if str(self.clf.engine.device).startswith("cuda") else sizes[:1]:
+        for n, length in sizes if gpu else sizes[:1]:
             items = [[11 + (i + j) % 50 for j in range(length)] for i in range(n)]
             sc.score_request({"query": [11, 12, 13, 14], "items": items, **labels})
 
