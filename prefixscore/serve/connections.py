@@ -79,7 +79,7 @@ class Connections:
         return len(self.live) - len(self.idle) > self.limit
 
 
-def protocol_class(cfg):
+def protocol_class(cfg, metrics=None):
     """uvicorn's httptools protocol, bounded: a request's headers must arrive whole within
     --header-timeout (a socket that sends nothing is closed then: idle sockets cannot starve the
     server) and be at most --max-header-bytes (431); at --max-connections the oldest idle
@@ -89,7 +89,7 @@ def protocol_class(cfg):
 
     limit, timeout = cfg.max_header_bytes, cfg.header_timeout
     conns = Connections(cfg.max_connections)
-    busy_app = _busy_app(cfg.max_connections)
+    busy_app = _busy_app(cfg.max_connections, metrics)
 
     class BoundedProtocol(HttpToolsProtocol):
         connections_registry = conns
@@ -180,15 +180,19 @@ def _probe(url: bytes) -> bool:
     return url == b"/healthz" or url.startswith(b"/healthz?")
 
 
-def _busy_app(limit: int):
+def _busy_app(limit: int, metrics=None):
     """The ASGI app that answers a request over the busy ceiling: 503 + Retry-After in the
     server's error shape (the peer's on a compatible route), and the connection closes (its body,
-    if any, is not read)."""
+    if any, is not read). Counted with the other responses (Guard, which it bypasses, counts
+    those)."""
     async def busy(scope, receive, send):
-        from .http import send_json
+        from .http import PATHS, send_json
 
         await send_json(send, 503, BUSY.format(limit), [(b"retry-after", b"1")], close=True,
                         path=scope["path"])
+        if metrics is not None:
+            path = scope["path"]
+            metrics.requests.labels(path if path in PATHS else "other", "503").inc()
 
     return busy
 
@@ -243,7 +247,7 @@ def uvicorn_server(app, fcfg, frontend):
     # No limit_concurrency: the protocol holds --max-connections (Connections). No WebSocket
     # (nothing here serves one): an upgraded connection would leave the protocol's registry
     # uncounted, busy forever.
-    config = uvicorn.Config(app, http=protocol_class(fcfg), ws="none", log_level=fcfg.log_level,
-                            access_log=fcfg.access_log, timeout_keep_alive=5,
+    config = uvicorn.Config(app, http=protocol_class(fcfg, frontend.metrics), ws="none",
+                            log_level=fcfg.log_level, access_log=fcfg.access_log, timeout_keep_alive=5,
                             timeout_graceful_shutdown=fcfg.shutdown_timeout)
     return DrainingServer(config)

@@ -10,7 +10,7 @@ import time
 import httpx
 
 from prefixscore.serve import create_app
-from tests.serve.helpers import running
+from tests.serve.helpers import metric, running
 
 # 8 connections; the config check wants the queue a worker admits below that
 SMALL = dict(max_connections=8, max_queue=4, max_queries=4, header_timeout=30.0, body_timeout=30.0)
@@ -119,9 +119,11 @@ def test_busy_connections_over_the_limit(clf):
             for s in busy:
                 s.sendall(BODY[5:])
                 assert response(s)[0] == 200
-            # below the limit again: served
+            # below the limit again: served; the 503 was counted like every response
             r = httpx.post(base + "/v1/classify", json={"query": "blue jeans"}, timeout=5)
             assert r.status_code == 200, r.text
+            text = httpx.get(base + "/metrics", timeout=5).text
+            assert metric(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="503"}') == 1
         finally:
             for s in busy:
                 s.close()
