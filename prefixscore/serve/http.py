@@ -94,6 +94,14 @@ class Guard:
                     raise
             finally:
                 watcher.cancel()
+        except asyncio.CancelledError:
+            # uvicorn cancels what is left when the drain ends (a body still uploading, say):
+            # answered like the rest of the backlog, 503 + Retry-After, not uvicorn's 500
+            if status != 499 or not self.fe.draining:
+                raise
+            await send_json(counted, 503, "the server is shutting down and this request did not "
+                            "finish within --shutdown-timeout; retry on another instance",
+                            [(b"retry-after", b"1")], close=True, path=path)
         finally:
             metrics = self.fe.metrics
             metrics.requests.labels(endpoint, str(status)).inc()

@@ -204,6 +204,26 @@ def test_sigterm_backlog_longer_than_the_drain(clf):
     assert time.perf_counter() - t < 10
 
 
+def test_body_still_uploading_at_the_drain_end_gets_503(clf):
+    """A request whose body has not all arrived when the drain ends (uvicorn then cancels what is
+    left) is answered 503 + Retry-After like the rest of the backlog, not 500."""
+    app = create_app(clf, shutdown_timeout=1.0, body_timeout=30.0)
+    with running(app) as (base, _, server):
+        port = int(base.rsplit(":", 1)[1])
+        s = socket.create_connection(("127.0.0.1", port))
+        try:
+            s.sendall(b"POST /v1/classify HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 30\r\n\r\n{\"query\"")
+            time.sleep(0.2)
+            server.should_exit = True  # what SIGTERM does
+            s.settimeout(5)
+            head = s.recv(4096)
+        finally:
+            s.close()
+    assert head.startswith(b"HTTP/1.1 503"), head
+    assert b"retry-after: 1" in head.lower() and b"shutting down" in head
+
+
 class Fatal(BaseException):
     """Not an Exception: what a library (or an injected fault) may raise past `except Exception`."""
 
