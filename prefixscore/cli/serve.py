@@ -56,6 +56,10 @@ def add_command(subparsers, model_args) -> None:
                         "on /v1/score and /rerank (default: none)")
     s.add_argument("--pass-ms", type=float, default=None,
                    help="engine pass length (default: a quarter of --target-p99-ms, else 25)")
+    s.add_argument("--shed-lag-ms", type=float, default=None,
+                   help="a front end whose event loop runs this far behind (requests wait unread) "
+                        "answers new compute requests 503 + Retry-After at once, before parsing "
+                        "them (default: twice --target-p99-ms, else off; 0: off)")
     s.add_argument("--depth-min", type=int, default=50,
                    help="depth control: items a real-time score request gets scored at least (50)")
     s.add_argument("--depth-max", type=int, default=250, help="and at most (250)")
@@ -169,8 +173,17 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         max_connections=a.max_connections, header_timeout=a.header_timeout,
         body_timeout=a.body_timeout, max_header_bytes=a.max_header_bytes,
         shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
+        shed_lag_ms=_shed_lag(a.shed_lag_ms, a.target_p99_ms),
         log_level=_log_level(a), access_log=a.access_log)
     return front, engine
+
+
+def _shed_lag(flag: float | None, target: float | None) -> float | None:
+    """--shed-lag-ms: as given (0: off), else twice the latency target (a front end that far
+    behind cannot hold it; once is within a busy loop's ordinary jitter), else off."""
+    if flag is not None:
+        return flag or None
+    return 2 * target if target else None
 
 
 def _gains(text: str) -> tuple[float, float, float]:

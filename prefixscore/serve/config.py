@@ -96,6 +96,9 @@ class FrontendConfig:
     cache_size: int = 0
     cache_ttl: float = 0.0
     max_connections: int = 4096  # per front-end process
+    # A front end whose event loop runs more than this behind (requests wait unread that long)
+    # answers new compute requests 503 at once, before the app reads them: --shed-lag-ms.
+    shed_lag_ms: float | None = None
     header_timeout: float = 10.0  # a request's headers must arrive within this
     body_timeout: float = 30.0  # and its body within this after them
     max_header_bytes: int = 16384
@@ -123,6 +126,9 @@ class FrontendConfig:
             v = getattr(self, name)
             if not 0 < v < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
+        if self.shed_lag_ms is not None and not 0 < self.shed_lag_ms < float("inf"):
+            raise ConfigError(f"--shed-lag-ms must be a positive number of milliseconds (0: off), "
+                              f"got {self.shed_lag_ms}")
         if self.request_timeout is not None and not 0 < self.request_timeout <= MAX_TIMEOUT_S:
             raise ConfigError(f"--request-timeout must be seconds in (0, {MAX_TIMEOUT_S:g}], got "
                               f"{self.request_timeout}")

@@ -79,7 +79,7 @@ class Connections:
         return len(self.live) - len(self.idle) > self.limit
 
 
-def protocol_class(cfg, metrics=None):
+def protocol_class(cfg, frontend=None):
     """uvicorn's httptools protocol, bounded: a request's headers must arrive whole within
     --header-timeout (a socket that sends nothing is closed then: idle sockets cannot starve the
     server) and be at most --max-header-bytes (431); at --max-connections the oldest idle
@@ -89,7 +89,10 @@ def protocol_class(cfg, metrics=None):
 
     limit, timeout = cfg.max_header_bytes, cfg.header_timeout
     conns = Connections(cfg.max_connections)
+    metrics = frontend.metrics if frontend is not None else None
     busy_app = _busy_app(cfg.max_connections, metrics)
+    shed_s = cfg.shed_lag_ms / 1e3 if cfg.shed_lag_ms and frontend is not None else None
+    shed_app = _shed_app(cfg, metrics) if shed_s else None
 
     class BoundedProtocol(HttpToolsProtocol):
         connections_registry = conns
@@ -118,12 +121,19 @@ def protocol_class(cfg, metrics=None):
 
         def on_headers_complete(self):
             self._cancel_timer()
+            if shed_s is not None and self.parser.get_method() == b"POST" and not _probe(self.url):
+                lag = frontend.loop_lag
+                if lag is not None and lag.behind() > shed_s:  # it sat unread past the target
+                    return self._answer_with(shed_app)
             if not conns.too_busy() or _probe(self.url):
                 return super().on_headers_complete()
             conns.say("busy", logging.WARNING, f"more than --max-connections ({conns.limit}) "
                                                f"connections have a request in progress: new "
                                                f"requests are answered 503")
-            app, self.app = self.app, busy_app  # read by super() for this request only
+            self._answer_with(busy_app)
+
+        def _answer_with(self, other):
+            app, self.app = self.app, other  # read by super() for this request only
             try:
                 super().on_headers_complete()
             finally:
@@ -197,6 +207,36 @@ def _busy_app(limit: int, metrics=None):
     return busy
 
 
+def _shed_app(cfg, metrics=None):
+    """The ASGI app that answers a compute request while the front end runs more than
+    --shed-lag-ms behind: 503 + Retry-After without the app's work (Guard, parsing, admission:
+    a refusal through them costs about half an accepted request, so a front end near its limit
+    fell further behind under overload, H200 429s 767 ms late). The body is read (within
+    --body-timeout) so the connection stays open for the client's next request."""
+    async def shed(scope, receive, send):
+        from .http import PATHS, send_json
+
+        close = False
+        try:
+            async with asyncio.timeout(cfg.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request" or not message.get("more_body"):
+                        close = message["type"] != "http.request"
+                        break
+        except TimeoutError:
+            close = True
+        await send_json(send, 503, "this front end is running behind (over --shed-lag-ms): "
+                                   "requests wait unread; retry later", [(b"retry-after", b"1")],
+                        close=close, path=scope["path"])
+        if metrics is not None:
+            path = scope["path"]
+            metrics.requests.labels(path if path in PATHS else "other", "503").inc()
+            metrics.expired.labels("front_end_behind").inc()
+
+    return shed
+
+
 def uvicorn_server(app, fcfg, frontend):
     """A uvicorn Server whose shutdown drains through the Frontend first, within
     --shutdown-timeout for HTTP and gRPC together."""
@@ -247,7 +287,7 @@ def uvicorn_server(app, fcfg, frontend):
     # No limit_concurrency: the protocol holds --max-connections (Connections). No WebSocket
     # (nothing here serves one): an upgraded connection would leave the protocol's registry
     # uncounted, busy forever.
-    config = uvicorn.Config(app, http=protocol_class(fcfg, frontend.metrics), ws="none",
+    config = uvicorn.Config(app, http=protocol_class(fcfg, frontend), ws="none",
                             log_level=fcfg.log_level, access_log=fcfg.access_log, timeout_keep_alive=5,
                             timeout_graceful_shutdown=fcfg.shutdown_timeout)
     return DrainingServer(config)

@@ -132,10 +132,10 @@ class EngineLoop:
         if self.scorer is not None:  # kernels a multi-item pass needs, tuned now, not in a request
             self._warm_scorer(gpu)
         one = [self.clf.encode("warm up")]
-        # enough tokens that the GPU's time grows with them (a few thousand); few on a CPU, once
-        many = one * (512 if gpu else 4)
-        t_one = _timed(self.clf.decide_encoded, one, 3)
-        t_many = _timed(self.clf.decide_encoded, many, 3 if gpu else 1)
+        # enough tokens that the GPU's time grows with them (a few thousand); few on a CPU (a
+        # median of three: one timing of 4 rows on a busy CI host gave budgets of two rows)
+        many = one * (512 if gpu else 8)
+        t_one, t_many = _timed(self.clf.decide_encoded, one, 3), _timed(self.clf.decide_encoded, many, 3)
         n_one = len(one[0].ids) - one[0].start
         per_token = max(0.0, t_many - t_one) / (n_one * (len(many) - 1))
         self.classify_budget.calibrate(t_one, per_token)

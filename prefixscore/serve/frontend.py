@@ -49,15 +49,23 @@ class LoopLag:
     EVERY = 0.005
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.lag = loop, 0.0
-        self.due = loop.time() + self.EVERY
+        self.loop, self.lag, self.last, self.ran = loop, 0.0, 0.0, loop.time()
+        self.due = self.ran + self.EVERY
         loop.call_at(self.due, self._tick)
 
     def _tick(self) -> None:
         now = self.loop.time()
-        self.lag = max(now - self.due, 0.93 * self.lag)
+        self.last, self.ran = now - self.due, now
+        self.lag = max(self.last, 0.93 * self.lag)
         self.due = now + self.EVERY
         self.loop.call_at(self.due, self._tick)
+
+    def behind(self) -> float:
+        """How far behind the loop runs now (seconds): its pending tick's lateness, or what the
+        last tick found less the time since (a backlog the loop has been working through). Not
+        the decayed `lag`, which would go on shedding for a while after one stall."""
+        now = self.loop.time()
+        return max(now - self.due, self.last - (now - self.ran))
 
 
 class Frontend(ClassifyMany, ScoreRoute):

@@ -127,3 +127,30 @@ def test_busy_connections_over_the_limit(clf):
         finally:
             for s in busy:
                 s.close()
+
+
+def test_a_front_end_behind_its_target_sheds_at_once(clf):
+    """With a latency target, a compute request read while the front end's loop runs more than
+    the target behind (it sat unread that long) is answered 503 + Retry-After by the protocol, on
+    a connection that stays open; probes are still served, and once caught up requests are served."""
+    app = create_app(clf, shed_lag_ms=20.0, **SMALL)
+    with running(app) as (base, server):
+        port = int(base.rsplit(":", 1)[1])
+        loop = app.state.frontend.client.loop
+        s = connect(port)
+        try:
+            request = POST + BODY
+            loop.call_soon_threadsafe(time.sleep, 0.15)  # the loop held: the request waits unread
+            time.sleep(0.02)
+            s.sendall(request)
+            status, headers, detail = response(s)
+            assert status == 503 and headers["retry-after"] == "1" and b"behind" in detail, (headers, detail)
+            assert headers.get("connection") != "close"
+            time.sleep(0.2)
+            s.sendall(request)  # the same connection, caught up: served
+            assert response(s)[0] == 200
+        finally:
+            s.close()
+        assert httpx.get(base + "/healthz", timeout=5).status_code == 200
+        text = httpx.get(base + "/metrics", timeout=5).text
+        assert metric(text, 'prefixscore_expired_total{reason="front_end_behind"}') == 1

@@ -365,3 +365,16 @@ def test_grpc_classify_names_a_classifier(many):
             assert meta["http-status"] == "404"
 
     asyncio.run(go())
+
+
+def test_shed_lag_follows_the_latency_target():
+    """--shed-lag-ms: twice --target-p99-ms by default, off without a target, 0 turns it off, and
+    a negative value is refused naming the flag."""
+    from prefixscore import ConfigError
+
+    assert configs("--target-p99-ms", "5")[0].shed_lag_ms == 10.0
+    assert configs()[0].shed_lag_ms is None
+    assert configs("--target-p99-ms", "5", "--shed-lag-ms", "0")[0].shed_lag_ms is None
+    assert configs("--shed-lag-ms", "30")[0].shed_lag_ms == 30.0
+    with pytest.raises(ConfigError, match="--shed-lag-ms"):
+        configs("--shed-lag-ms", "-1")
