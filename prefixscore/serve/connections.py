@@ -123,7 +123,7 @@ def protocol_class(cfg, frontend=None):
             self._cancel_timer()
             if shed_s is not None and self.parser.get_method() == b"POST" and not _probe(self.url):
                 lag = frontend.loop_lag
-                if lag is not None and lag.behind() > shed_s:  # it sat unread past the target
+                if lag is not None and lag.behind() > shed_s:  # it sat unread that long, or more
                     return self._answer_with(shed_app)
             if not conns.too_busy() or _probe(self.url):
                 return super().on_headers_complete()
