@@ -196,15 +196,23 @@ def _busy_app(limit: int, metrics=None):
     if any, is not read). Counted with the other responses (Guard, which it bypasses, counts
     those)."""
     async def busy(scope, receive, send):
-        from .http import PATHS, send_json
+        from .http import send_json
 
         await send_json(send, 503, BUSY.format(limit), [(b"retry-after", b"1")], close=True,
                         path=scope["path"])
-        if metrics is not None:
-            path = scope["path"]
-            metrics.requests.labels(path if path in PATHS else "other", "503").inc()
+        _count_503(metrics, scope["path"])
 
     return busy
+
+
+def _count_503(metrics, path: str, expired: str | None = None) -> None:
+    """A 503 the protocol answered, which Guard (which counts the rest) did not see."""
+    if metrics is not None:
+        from .http import endpoint
+
+        metrics.requests.labels(endpoint(path), "503").inc()
+        if expired:
+            metrics.expired.labels(expired).inc()
 
 
 def _shed_app(cfg, metrics=None):
@@ -214,7 +222,7 @@ def _shed_app(cfg, metrics=None):
     fell further behind under overload, H200 429s 767 ms late). The body is read (within
     --body-timeout) so the connection stays open for the client's next request."""
     async def shed(scope, receive, send):
-        from .http import PATHS, send_json
+        from .http import send_json
 
         close = False
         try:
@@ -229,10 +237,7 @@ def _shed_app(cfg, metrics=None):
         await send_json(send, 503, "this front end is running behind (over --shed-lag-ms): "
                                    "requests wait unread; retry later", [(b"retry-after", b"1")],
                         close=close, path=scope["path"])
-        if metrics is not None:
-            path = scope["path"]
-            metrics.requests.labels(path if path in PATHS else "other", "503").inc()
-            metrics.expired.labels("front_end_behind").inc()
+        _count_503(metrics, scope["path"], "front_end_behind")
 
     return shed
 

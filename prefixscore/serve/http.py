@@ -25,6 +25,11 @@ PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi
 UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer KEY'"
 
 
+def endpoint(path: str) -> str:
+    """The endpoint label of a response's metrics: the path if it is a route, else "other"."""
+    return path if path in PATHS else "other"
+
+
 def authorized(headers: list, api_key: str) -> bool:
     """Exactly one Authorization header, carrying the API key as a bearer token (two headers are
     refused: proxies and frameworks disagree on which one counts)."""
@@ -58,7 +63,7 @@ class Guard:
             await send(message)
 
         path = scope["path"]
-        endpoint = path if path in PATHS else "other"
+        label = endpoint(path)
         t0 = time.perf_counter()
         try:
             if self.api_key is not None and (path.startswith("/v1/") or path in compat.AUTHED) and \
@@ -104,8 +109,8 @@ class Guard:
                             [(b"retry-after", b"1")], close=True, path=path)
         finally:
             metrics = self.fe.metrics
-            metrics.requests.labels(endpoint, str(status)).inc()
-            metrics.route(endpoint).observe(time.perf_counter() - t0)
+            metrics.requests.labels(label, str(status)).inc()
+            metrics.route(label).observe(time.perf_counter() - t0)
 
     async def _read(self, scope, receive):
         too_big = (413, f"request body over the limit of {self.max_body} bytes (--max-body-bytes)")
