@@ -49,16 +49,24 @@ class LoopLag:
     EVERY = 0.005
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.lag, self.last, self.ran = loop, 0.0, 0.0, loop.time()
+        self.loop, self.timer = loop, None
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget what was seen: after a stall that was not a backlog of requests (start-up's
+        tokenizer build), which would otherwise read as one and shed for as long."""
+        if self.timer is not None:
+            self.timer.cancel()
+        self.lag, self.last, self.ran = 0.0, 0.0, self.loop.time()
         self.due = self.ran + self.EVERY
-        loop.call_at(self.due, self._tick)
+        self.timer = self.loop.call_at(self.due, self._tick)
 
     def _tick(self) -> None:
         now = self.loop.time()
         self.last, self.ran = now - self.due, now
         self.lag = max(self.last, 0.93 * self.lag)
         self.due = now + self.EVERY
-        self.loop.call_at(self.due, self._tick)
+        self.timer = self.loop.call_at(self.due, self._tick)
 
     def behind(self) -> float:
         """How far behind the loop runs now (seconds): its pending tick's lateness, or what the
@@ -99,8 +107,6 @@ class Frontend(ClassifyMany, ScoreRoute):
         """After the engine's Ready: a prompt per classifier (Catalog checks each against the
         engine's own prefix)."""
         info, loop = self.client.info, self.client.loop
-        if self.loop_lag is None and loop is not None and loop.is_running():
-            self.loop_lag = LoopLag(loop)
         if info is not None and info is not self.info:
             catalog = Catalog(info, list(self.prompt_factory(info)))
             self.catalog, self.prompts, self.prompt = catalog, catalog.prompts, catalog.prompts[0]
@@ -108,6 +114,13 @@ class Frontend(ClassifyMany, ScoreRoute):
             self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
+            # Building the prompts (the tokenizer) holds the loop for seconds; a tick that late
+            # read as a backlog and shed every request for as long (H200: the first requests
+            # after "ready" all got 503 front_end_behind). So the clock starts after it.
+            if self.loop_lag is not None:
+                self.loop_lag.restart()
+        if self.loop_lag is None and self.info is not None and loop is not None and loop.is_running():
+            self.loop_lag = LoopLag(loop)
 
     def classifier_names(self) -> list[str]:
         """The classifiers this server serves, the default first: one named like the served model

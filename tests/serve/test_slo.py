@@ -281,6 +281,41 @@ def test_loop_lag_is_taken_off_deadlines():
         DEADLINE.reset(token)
 
 
+def test_start_up_stall_is_not_read_as_a_backlog(monkeypatch):
+    """Building the prompts holds a front end's loop (the tokenizer: seconds on a GPU host). The
+    loop's clock starts after it, and restarts after a rebuild, so no request after "ready" is shed
+    as if the loop were that far behind."""
+    from prefixscore.serve import frontend as F
+
+    class Cat:
+        def __init__(self, info, prompts):
+            time.sleep(0.08)  # the tokenizer build
+            self.prompts, self.scoring = [None], None
+
+    monkeypatch.setattr(F, "Catalog", Cat)
+
+    async def go():
+        fe = F.Frontend.__new__(F.Frontend)  # sync() reads only these
+        fe.client = type("C", (), {"info": None, "loop": asyncio.get_running_loop()})()
+        fe.prompt_factory, fe.metrics, fe.info, fe.loop_lag, fe.created = lambda i: [None], None, None, None, 0
+        fe.metrics = type("M", (), {"served": lambda *a: None})()
+        fe.sync()
+        assert fe.loop_lag is None  # no catalog yet: nothing to time
+        fe.client.info = type("I", (), {"classifiers": [], "model": "m", "pid": 1})()
+        fe.sync()
+        first = fe.loop_lag
+        await asyncio.sleep(0.001)
+        assert first is not None and first.behind() < 0.02
+        fe.client.info = type("I", (), {"classifiers": [], "model": "m", "pid": 2})()
+        fe.sync()  # a new engine: the catalog rebuilt, the same clock restarted
+        await asyncio.sleep(0.001)
+        assert fe.loop_lag is first and first.behind() < 0.02 and first.lag < 0.02
+        await asyncio.sleep(0.03)  # one chain of ticks, still running
+        assert 0 <= first.ran - asyncio.get_running_loop().time() + 0.03
+
+    asyncio.run(go())
+
+
 def test_deadline_past_before_queueing_is_504_and_not_computed(clf):
     """A deadline that has passed by the time the request could be queued (a tiny one, or the
     front end's loop lag taken off it) is a 504 at once; the engine never sees it."""
