@@ -100,8 +100,8 @@ class EngineLoop:
         self.schedule = schedule = schedule or ScheduleOptions()
         self.lanes = Lanes()
         self.classify_budget = PassBudget(schedule.pass_s)
-        # A multi-item pass carries more fixed work (span planning, eager label sets): never
-        # fewer tokens than this, or a long request would crawl through passes of one item.
+        # Calibrated on multi-item passes (_warm_scorer): never fewer tokens than the floor, or a
+        # long request would crawl through passes of one item.
         self.score_budget = PassBudget(schedule.pass_s, floor=256, times=2.0)
         self.depth = None
         if schedule.target_p99_ms:
@@ -129,8 +129,6 @@ class EngineLoop:
         if self.fuse:  # builds the bank and captures its graphs now, not on the first request
             decide_many(self.clfs, [[c.encode("warm up")] for c in self.clfs])
         gpu = str(self.clf.engine.device).startswith("cuda")
-        if self.scorer is not None:  # kernels a multi-item pass needs, tuned now, not in a request
-            self._warm_scorer(gpu)
         one = [self.clf.encode("warm up")]
         # enough tokens that the GPU's time grows with them (a few thousand); few on a CPU (a
         # median of three: one timing of 4 rows on a busy CI host gave budgets of two rows)
@@ -139,21 +137,36 @@ class EngineLoop:
         n_one = len(one[0].ids) - one[0].start
         per_token = max(0.0, t_many - t_one) / (n_one * (len(many) - 1))
         self.classify_budget.calibrate(t_one, per_token)
-        self.score_budget.calibrate(4 * t_one, per_token)  # span planning, eager label sets
-        log.info("engine pass: %.2f ms fixed + %.2f us a token; pass goals %.2f ms classify, "
-                 "%.2f ms multi-item", 1e3 * t_one, 1e6 * per_token, 1e3 * self.classify_budget.goal,
-                 1e3 * self.score_budget.goal)
+        log.info("engine pass: %.2f ms fixed + %.2f us a token; pass goal %.2f ms (%d tokens)",
+                 1e3 * t_one, 1e6 * per_token, 1e3 * self.classify_budget.goal,
+                 self.classify_budget.tokens)
+        if self.scorer is not None:
+            self._warm_scorer(gpu)
 
     def _warm_scorer(self, gpu: bool) -> None:
         """A few multi-item passes of the sizes requests bring (short and long items, one and
         many): the first request paid for the eager kernels' tuning (an H200 run: 816 ms for a
-        request the next time took 85 ms, classify held meanwhile)."""
+        request the next time took 85 ms, classify held meanwhile). Then the smallest and the
+        largest are timed for the multi-item pass budget: its costs are its own (span planning,
+        eager label sets; per token ~4x classify's on the H200)."""
         sc = self.scorer
         labels = {} if sc.labels else {"label_token_ids": [11, 12]}
-        sizes = ((1, 8), (16, 8), (4, 64), (32, 64))
-        for n, length in sizes if gpu else sizes[:1]:
+        sizes = ((1, 8), (16, 8), (4, 64), (32, 64)) if gpu else ((1, 8), (4, 8))
+
+        def one(n_length):  # a pass of n items of `length` tokens: its computed tokens
+            n, length = n_length
             items = [[11 + (i + j) % 50 for j in range(length)] for i in range(n)]
-            sc.score_request({"query": [11, 12, 13, 14], "items": items, **labels})
+            return sc.score_request({"query": [11, 12, 13, 14], "items": items, **labels})["usage"]["prompt_tokens"]
+
+        for size in sizes:
+            one(size)
+        (t_small, n_small), (t_large, n_large) = ((_timed(one, s, 3), one(s)) for s in (sizes[0], sizes[-1]))
+        # not under classify's (a noisy timing on a busy host would give passes without bound)
+        per_token = max(self.classify_budget.per_token, (t_large - t_small) / max(1, n_large - n_small))
+        self.score_budget.calibrate(t_small, per_token)
+        log.info("multi-item pass: %.2f ms fixed + %.2f us a token; pass goal %.2f ms (%d tokens)",
+                 1e3 * t_small, 1e6 * per_token, 1e3 * self.score_budget.goal,
+                 self.score_budget.tokens)
 
     def decide(self, groups: dict[int, list[Encoded]]) -> dict[int, tuple[list[int], list[list[float]]]]:
         """THE SEAM for several classifiers (every batch of an engine that has more than one):

@@ -36,6 +36,19 @@ def classify_req(clf, queries, rids, priority=0):
                          [priority] * len(enc) if priority else [])
 
 
+def test_warm_up_calibrates_each_kind_of_pass_on_its_own(clf, scorer):
+    """The multi-item budget is timed on multi-item passes (their per-token cost is their own;
+    classify's let passes grow without bound), never under classify's per-token cost, and each
+    budget is what its own goal holds."""
+    loop = EngineLoop(clf, scorer, schedule=ScheduleOptions(pass_ms=1.0))
+    loop.warmup()
+    c, s = loop.classify_budget, loop.score_budget
+    assert c.per_token is not None and s.per_token is not None and s.per_token >= c.per_token
+    assert s.fixed > 0 and s.limit == pytest.approx(s.most * s.fixed)
+    for b in (c, s):
+        assert b.tokens == max(b.floor, min(b.ceiling, int((b.goal - b.fixed) / b.per_token)))
+
+
 def test_score_in_passes_equals_one_call_and_lets_classify_in(clf, scorer):
     """A multi-item request run a few items per pass answers what one Scorer call answers, and a
     classify request that arrives meanwhile is answered after at most one of its passes."""
