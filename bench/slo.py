@@ -25,6 +25,7 @@ capacity phase.
             capacity, p99 of the 429/503 answers (from send) and of the 504s (past the deadline),
             Retry-After on every 429/503
   score     classify at 50% for --score-s; --score-n /v1/score requests of ~--score-tokens tokens
+            (SGLang's default apply_softmax false, eager on the GPU; --score-softmax 1: graphs)
             (usage.prompt_tokens, sized by probing it), spaced: classify p99 of the requests sent
             while one runs against the rest's; the score requests' latency
   step      50% -> 150% -> 50% of capacity, --step-s each: classify + /v1/score requests of
@@ -454,7 +455,9 @@ def parse_args():
             ("--max-conns", int, 1024, "client connections at most"),
             ("--overload-conns", int, 16384, "client connections at most, overload phases"),
             ("--timeout", float, 10.0, "client timeout (s)"), ("--spin-ms", float, 1.0, "the pacer's spin"),
-            ("--queries", str, None, "CSV with a query column"), ("--ready-timeout", float, 600.0, "s")):
+            ("--queries", str, None, "CSV with a query column"), ("--ready-timeout", float, 600.0, "s"),
+            ("--score-softmax", int, 0, "1: score and step bodies ask apply_softmax (the scorer's own "
+             "labels in CUDA graphs); 0: SGLang's default, each label's share of the vocabulary (eager)")):
         ap.add_argument(flag, type=kind, default=default, help=text)
     ap.add_argument("serve_flags", nargs=argparse.REMAINDER, help="-- then flags for prefixscore serve")
     a = ap.parse_args()
@@ -525,6 +528,8 @@ def main():
                 out["score_body"] = sb
                 words = max(1, round(a.step_item_tokens * sb["items"] * sb["words_per_item"] / sb["prompt_tokens"]))
                 c.step_body = score_body(queries[1], min(a.step_items, serve.max_queries), words)
+                for body in (c.score_body, c.step_body):
+                    body["apply_softmax"] = bool(a.score_softmax)
                 print(f"score body: {sb}; step: {len(c.step_body['items'])} items of {words} words", flush=True)
         except Exception as e:  # the score phases are then n/a
             f["score"], out["errors"]["score_body"] = False, f"{type(e).__name__}: {e}"

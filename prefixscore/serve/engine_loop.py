@@ -100,9 +100,12 @@ class EngineLoop:
         self.schedule = schedule = schedule or ScheduleOptions()
         self.lanes = Lanes()
         self.classify_budget = PassBudget(schedule.pass_s)
-        # Calibrated on multi-item passes (_warm_scorer): never fewer tokens than the floor, or a
-        # long request would crawl through passes of one item.
-        self.score_budget = PassBudget(schedule.pass_s, floor=256, times=2.0)
+        # Calibrated on multi-item passes (_warm_scorer), one budget per mode: apply_softmax runs
+        # the scorer's own labels in CUDA graphs, SGLang's default (the label tokens' share of the
+        # whole vocabulary) eagerly, ~11 ms a pass on the H200. Never fewer tokens than the floor,
+        # or a long request would crawl through passes of one item.
+        self.score_budgets = {softmax: PassBudget(schedule.pass_s, floor=256, times=2.0)
+                              for softmax in (False, True)}
         self.depth = None
         if schedule.target_p99_ms:
             from ..depth import DepthControl, DepthOptions
@@ -153,20 +156,23 @@ class EngineLoop:
         labels = {} if sc.labels else {"label_token_ids": [11, 12]}
         sizes = ((1, 8), (16, 8), (4, 64), (32, 64)) if gpu else ((1, 8), (4, 8))
 
-        def one(n_length):  # a pass of n items of `length` tokens: its computed tokens
+        def one(n_length, softmax):  # a pass of n items of `length` tokens: its computed tokens
             n, length = n_length
             items = [[11 + (i + j) % 50 for j in range(length)] for i in range(n)]
-            return sc.score_request({"query": [11, 12, 13, 14], "items": items, **labels})["usage"]["prompt_tokens"]
+            body = {"query": [11, 12, 13, 14], "items": items, "apply_softmax": softmax, **labels}
+            return sc.score_request(body)["usage"]["prompt_tokens"]
 
-        for size in sizes:
-            one(size)
-        (t_small, n_small), (t_large, n_large) = ((_timed(one, s, 3), one(s)) for s in (sizes[0], sizes[-1]))
-        # not under classify's (a noisy timing on a busy host would give passes without bound)
-        per_token = max(self.classify_budget.per_token, (t_large - t_small) / max(1, n_large - n_small))
-        self.score_budget.calibrate(t_small, per_token)
-        log.info("multi-item pass: %.2f ms fixed + %.2f us a token; pass goal %.2f ms (%d tokens)",
-                 1e3 * t_small, 1e6 * per_token, 1e3 * self.score_budget.goal,
-                 self.score_budget.tokens)
+        for softmax, budget in self.score_budgets.items():
+            for size in sizes:
+                one(size, softmax)
+            (t_small, n_small), (t_large, n_large) = (
+                (_timed(lambda s: one(s, softmax), s, 3), one(s, softmax)) for s in (sizes[0], sizes[-1]))
+            # not under classify's (a noisy timing on a busy host would give passes without bound)
+            per_token = max(self.classify_budget.per_token, (t_large - t_small) / max(1, n_large - n_small))
+            budget.calibrate(t_small, per_token)
+            log.info("multi-item pass (apply_softmax %s): %.2f ms fixed + %.2f us a token; pass goal "
+                     "%.2f ms (%d tokens)", softmax, 1e3 * t_small, 1e6 * per_token, 1e3 * budget.goal,
+                     budget.tokens)
 
     def decide(self, groups: dict[int, list[Encoded]]) -> dict[int, tuple[list[int], list[list[float]]]]:
         """THE SEAM for several classifiers (every batch of an engine that has more than one):
@@ -223,10 +229,12 @@ class EngineLoop:
             if nxt is None:
                 return
             kind, what, _ = nxt
+            t0 = time.perf_counter()
             if kind == "classify":
                 self._classify(what)
             else:
                 self._score_pass(what)
+            self.lanes.took(time.perf_counter() - t0)
 
     def _drop_all(self) -> None:
         """STOP: what is still queued is answered ABORTED (the front ends answered it already)."""
@@ -332,7 +340,8 @@ class EngineLoop:
         if not job.started:
             n = len(job.full)
             job.depth = n if self.depth is None or m.priority > 0 else min(n, self.depth.depth())
-        k = job.next_items(self.score_budget.tokens)
+        budget = self.score_budgets[bool(m.apply_softmax)]
+        k = job.next_items(budget.tokens)
         items = job.full[job.done:job.done + k]
         # query and items as given stay with the front end (its errors and limits read them):
         # the answer reads only the scores
@@ -351,7 +360,7 @@ class EngineLoop:
             raise EngineFault(f"{type(e).__name__}: {e}") from e
         spent = time.perf_counter() - t0
         computed = out["usage"]["prompt_tokens"]
-        self.score_budget.observe(spent, computed)
+        budget.observe(spent, computed)
         if self.metrics is not None:
             self.metrics.engine_batch(k, spent)
         job.scores += out["scores"]

@@ -4,7 +4,8 @@ A request's `priority` picks its lane: 0 is real-time, anything higher is batch 
 in the engine's idle capacity: its rows ride along in real-time passes that leave room (a few
 percent of a pass's cost) and run alone, in small passes, when the real-time lane is empty (so a
 real-time request waits behind at most one small batch pass). Within a lane, classify rows and
-multi-item jobs take turns when both wait, and a pass is cut to the token budget (PassBudget:
+multi-item jobs share the engine by time when both wait (after a score pass, classify passes for
+as long), and a pass is cut to the token budget (PassBudget:
 about --pass-ms of work, but never under a few times a pass's fixed cost, measured as it goes):
 classify rows in arrival order up to it, a multi-item request a run of its items at a time (items
 are independent, so they split across passes). No request can hold the engine for longer than
@@ -87,7 +88,14 @@ class Lanes:
         self.rows = (deque(), deque())  # per lane: Row
         self.jobs = (deque(), deque())  # per lane: ScoreJob (the one started first in front)
         self.live: dict[tuple[int, int], Row] = {}  # queued rows by (client, rid)
-        self.turn = [0, 0]  # per lane: 0 classify next, 1 score next (when both wait)
+        # Classify and score passes of a lane share the engine by time when both wait: after a
+        # score pass, classify passes until they have had as long (at least one). Turn by turn,
+        # an 8k-token multi-item request's ~25 ms passes each let one ~2 ms classify pass in, and
+        # classify at half the H200's capacity fell behind into 504s.
+        self.since = [0.0, 0.0]  # per lane: classify seconds since its last score pass
+        self.score_s = [0.0, 0.0]  # per lane: that score pass's seconds
+        self.ran = [False, False]  # per lane: a classify pass since that score pass
+        self.last: tuple[str, int] | None = None  # the pass handed out last: (kind, lane)
 
     def __len__(self) -> int:
         return len(self.live) + sum(map(len, self.jobs))
@@ -142,8 +150,8 @@ class Lanes:
                 rows.popleft()
             if not rows and not jobs:
                 continue
-            if rows and (not jobs or self.turn[k] == 0):
-                self.turn[k] = 1
+            if rows and (not jobs or not self.ran[k] or self.since[k] < self.score_s[k]):
+                self.ran[k], self.last = True, ("classify", k)
                 cap = budget if k == REALTIME else min(budget, small or budget)
                 out, total, cut = self._take_rows(rows, cap)
                 room = min(spare, budget - total)
@@ -151,9 +159,18 @@ class Lanes:
                     more, _, _ = self._take_rows(self.rows[BATCH], room, at_least_one=False)
                     out += more
                 return "classify", out, cut
-            self.turn[k] = 0
+            self.ran[k], self.since[k], self.score_s[k], self.last = False, 0.0, 0.0, ("score", k)
             return "score", jobs[0], None
         return None
+
+    def took(self, seconds: float) -> None:
+        """The pass next_pass handed out last took `seconds` (the time share between kinds)."""
+        if self.last is not None:
+            kind, k = self.last
+            if kind == "score":
+                self.score_s[k] = seconds
+            else:
+                self.since[k] += seconds
 
     def _take_rows(self, q: deque, budget: int, at_least_one: bool = True) -> tuple[list[Row], int, bool]:
         out, total = [], 0

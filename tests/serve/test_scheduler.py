@@ -154,3 +154,25 @@ def test_pass_budget_fixed_part_is_bounded_when_the_per_token_cost_is_too_low():
     assert b.fixed <= 4 * true_fixed + 1e-12
     took = true_fixed + b.tokens / true_rate
     assert took <= true_fixed + 4 * (b.goal - b.fixed) + 1e-9 and took < 0.05, took
+
+
+def test_classify_gets_as_much_time_as_the_score_pass_before_it():
+    """Both kinds waiting in a lane: after a score pass of d seconds, classify passes run until
+    they have had d (at least one), then the next score pass: time shared, not turns (one short
+    classify pass per long score pass starved classify into 504s)."""
+    lanes = Lanes()
+    lanes.add_job(job(1, n_items=50))
+    for rid in range(10, 40):
+        lanes.add_row(row(rid, tokens=10), 0)
+    seq = []
+    for took in (0.001, 0.010, 0.004, 0.004, 0.004, 0.010, 0.004):
+        kind, _, _ = lanes.next_pass(10)  # one row a classify pass
+        seq.append(kind)
+        lanes.took(took)
+    assert seq == ["classify", "score", "classify", "classify", "classify", "score", "classify"]
+    lanes2 = Lanes()
+    lanes2.add_job(job(2))
+    assert lanes2.next_pass(10)[0] == "score"  # alone: no waiting for a share
+    lanes2.took(0.5)
+    lanes2.add_row(row(3), 0)
+    assert lanes2.next_pass(10)[0] == "classify"  # a row that came during it goes next

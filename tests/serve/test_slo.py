@@ -42,10 +42,11 @@ def test_warm_up_calibrates_each_kind_of_pass_on_its_own(clf, scorer):
     budget is what its own goal holds."""
     loop = EngineLoop(clf, scorer, schedule=ScheduleOptions(pass_ms=1.0))
     loop.warmup()
-    c, s = loop.classify_budget, loop.score_budget
-    assert c.per_token is not None and s.per_token is not None and s.per_token >= c.per_token
-    assert s.fixed > 0 and s.limit == pytest.approx(s.most * s.fixed)
-    for b in (c, s):
+    c, budgets = loop.classify_budget, loop.score_budgets.values()
+    for s in budgets:  # apply_softmax false and true
+        assert s.per_token is not None and s.per_token >= c.per_token
+        assert s.fixed > 0 and s.limit == pytest.approx(s.most * s.fixed)
+    for b in (c, *budgets):
         assert b.tokens == max(b.floor, min(b.ceiling, int((b.goal - b.fixed) / b.per_token)))
 
 
@@ -58,7 +59,7 @@ def test_score_in_passes_equals_one_call_and_lets_classify_in(clf, scorer):
     want = scorer.score_request({"query": shared, "items": items, "label_token_ids": [5, 9],
                                  "apply_softmax": True})
     loop = EngineLoop(clf, scorer, schedule=ScheduleOptions(pass_ms=1.0))
-    loop.score_budget.tokens = 2 + 2 * 8  # two or three items a pass
+    loop.score_budgets[True].tokens = 2 + 2 * 8  # two or three items a pass
     answers = []
     reply = answers.append
     loop.serve([(score_req([shared + it for it in items], shared), reply)])  # a first pass
@@ -85,7 +86,7 @@ def test_batch_priority_waits_for_the_realtime_lane(clf):
 
 def test_deadline_past_mid_request_stops_its_passes(clf, scorer):
     loop = EngineLoop(clf, scorer)
-    loop.score_budget.tokens = 1  # one item a pass
+    loop.score_budgets[True].tokens = 1  # one item a pass
     answers = []
     full = [[11, 12, 20 + i] for i in range(6)]
     loop.serve([(score_req(full, [11, 12], finish_by=time.monotonic() + 0.2), answers.append)])
