@@ -25,9 +25,9 @@ capacity phase.
             capacity, p99 of the 429/503 answers (from send) and of the 504s (past the deadline),
             Retry-After on every 429/503
   score     classify at 50% for --score-s; --score-n /v1/score requests of ~--score-tokens tokens
-            (SGLang's default apply_softmax false, eager on the GPU; --score-softmax 1: graphs)
             (usage.prompt_tokens, sized by probing it), spaced: classify p99 of the requests sent
             while one runs against the rest's; the score requests' latency
+            (SGLang's default apply_softmax false, eager on the GPU; --score-softmax 1: graphs)
   step      50% -> 150% -> 50% of capacity, --step-s each: classify + /v1/score requests of
             --step-items items, at level x (0.5, 1.5) x * --step-score-share / (a lone step request's
             latency, timed first: the score traffic is sized by what the server does for it, not by
