@@ -106,6 +106,8 @@ class FrontendConfig:
     restart_engine: bool = False
     log_level: str = "info"
     access_log: bool = False
+    # This front end logs the "ready" lines (the launcher's first worker; one process: itself).
+    announce: bool = True
 
     def __post_init__(self):
         for name in ("max_queue", "max_queue_tokens", "max_body_bytes", "max_queries", "max_tokens",

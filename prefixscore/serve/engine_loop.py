@@ -119,8 +119,8 @@ class EngineLoop:
         clf = self.clf
         return P.ReadyOut(
             model=model, tokenizer_path=tokenizer_path,
-            classifiers=[classifier_info(name, c) for name, c in zip(self.names or [model], self.clfs)],
-            max_batch_tokens=clf.max_batch_tokens, scorer=scorer_info(self.scorer),
+            classifiers=[P.classifier_info(name, c) for name, c in zip(self.names or [model], self.clfs)],
+            max_batch_tokens=clf.max_batch_tokens, scorer=P.scorer_info(self.scorer),
             device=str(clf.engine.device), pid=os.getpid())
 
     def warmup(self) -> None:
@@ -398,26 +398,3 @@ def _by_reply(rows: list[Row]):
 
 def _score_failed(m: P.ScoreReq, status: int, error: str | None) -> P.ScoreOut:
     return P.ScoreOut(m.rid, status, [], [], 0, error)
-
-
-def classifier_info(name: str, clf) -> P.ClassifierInfo:
-    """What a front end needs of one classifier (its Prompt rebuilt over the shared tokenizer)."""
-    prompt = clf.prompt
-    return P.ClassifierInfo(
-        name=name, template=prompt.template, chat=prompt.chat,
-        special_tokens=getattr(prompt, "special_tokens", False), labels=list(clf.labels),
-        mode=clf.mode, truncate=clf.truncate, prefix_ids=list(prompt.prefix_ids),
-        context_limit=prompt.context_limit or 0, memory=dict(getattr(clf, "memory", None) or {}))
-
-
-def scorer_info(sc) -> P.ScorerInfo | None:
-    """What a front end needs of the Scorer to check and tokenize score requests itself
-    (score_input.ScoreInput over its Prompt rebuilt from the template)."""
-    if sc is None:
-        return None
-    prompt, inp = sc.prompt, sc.input
-    return P.ScorerInfo(
-        template=None if prompt is None else prompt.template,
-        chat=bool(prompt and prompt.chat), special_tokens=bool(prompt and prompt.special_tokens),
-        labels=list(sc.labels), item_first=sc.item_first, prefix_ids=list(sc.prefix_ids),
-        vocab_size=inp.vocab_size, context_limit=inp.context_limit, max_items=inp.max_items)

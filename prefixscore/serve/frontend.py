@@ -16,6 +16,7 @@ batch window, an engine setting, does not count as queueing).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextvars import ContextVar
 
@@ -32,6 +33,9 @@ from .scoring import ScoreRoute
 # A request's own deadline (time.monotonic()), set by its transport around the call: HTTP's
 # X-Request-Timeout header (http.Guard), gRPC's deadline (grpc_server). None: --request-timeout.
 DEADLINE: ContextVar[float | None] = ContextVar("prefixscore_deadline", default=None)
+
+
+log = logging.getLogger("prefixscore.serve")
 
 
 class Late(Exception):
@@ -95,6 +99,7 @@ class Frontend(ClassifyMany, ScoreRoute):
         self.held = ([0, 0], [0, 0])  # per lane (real-time, batch): those queries, their tokens
         self.draining = False
         self.loop_lag: LoopLag | None = None  # started on the event loop with the engine's Ready
+        self.created_logged = False  # the "ready" lines said (cfg.announce)
         client.metrics = metrics
         # The prompt is built when the engine's Ready arrives (at start-up), not by the first
         # request this process takes: that built the tokenizer inside a request and, in a worker
@@ -114,6 +119,9 @@ class Frontend(ClassifyMany, ScoreRoute):
             self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
+            if self.cfg.announce and not self.created_logged:
+                self.created_logged = True
+                self._announce(info)
             # Building the prompts (the tokenizer) holds the loop for seconds; a tick that late
             # read as a backlog and shed every request for as long (H200: the first requests
             # after "ready" all got 503 front_end_behind). So the clock starts after it.
@@ -121,6 +129,17 @@ class Frontend(ClassifyMany, ScoreRoute):
                 self.loop_lag.restart()
         if self.loop_lag is None and self.info is not None and loop is not None and loop.is_running():
             self.loop_lag = LoopLag(loop)
+
+    def _announce(self, info) -> None:
+        """One line per endpoint once the engine is ready: the URL, the model, "ready" (as vLLM's
+        and TEI's start-up logs end)."""
+        cfg, host = self.cfg, f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        routes = "POST /v1/classify" + (", /v1/score" if info.scorer is not None else "")
+        log.info("ready: %s (%d labels) on http://%s:%d (%s; docs /docs, /metrics, /healthz)",
+                 info.model, len(self.classifiers[0].labels), host, cfg.port, routes)
+        if cfg.grpc_port:
+            log.info("ready: %s over gRPC on %s:%d (%s)", info.model, host, cfg.grpc_port,
+                     "prefixscore.v1.PrefixScore")
 
     def classifier_names(self) -> list[str]:
         """The classifiers this server serves, the default first: one named like the served model

@@ -27,6 +27,7 @@ sent to the whole process group (systemd, a terminal), they would cut the drain 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import multiprocessing as mp
@@ -74,13 +75,15 @@ def bind(host: str, port: int) -> socket.socket:
 def single_process(fcfg: FrontendConfig, ecfg: EngineConfig, sock=None) -> None:
     from .classifiers import log_memory
     from .client import InprocClient
-    from .engine_loop import classifier_info
+    from .protocol import classifier_info
     from .engine_proc import build, first, spin_seconds
     from .frontend import Frontend
     from .http import create_app
     from .metrics import Metrics
 
+    logging.basicConfig(level=fcfg.log_level.upper(), format="%(levelname)s:     %(message)s")
     sock = sock or bind(fcfg.host, fcfg.port)
+    fcfg = dataclasses.replace(fcfg, port=sock.getsockname()[1])  # --port 0: the "ready" line's
     classifiers, scorer = build(ecfg)
     clf = first(classifiers)
     cpu = engine_cpu(ecfg.engine_cpu, clf.engine.device.type)
@@ -214,8 +217,10 @@ class Launcher:
 
     def start_worker(self, i: int):
         cpu = engine_cpu(self.ecfg.engine_cpu, "cuda") if self.ecfg.engine_cpu != "none" else None
+        # the bound port (--port 0: the kernel's pick) for its "ready" line, said by worker 0 only
+        fcfg = dataclasses.replace(self.fcfg, port=self.sock.getsockname()[1], announce=i == 0)
         p = self.ctx.Process(target=worker_main, name=f"prefixscore-worker-{i}", daemon=False,
-                             args=(self.fcfg, i, self.addresses, self.sock, cpu))
+                             args=(fcfg, i, self.addresses, self.sock, cpu))
         p.start()
         return p
 
@@ -375,8 +380,6 @@ def local_model(ecfg: EngineConfig) -> EngineConfig:
     """ecfg with its model as a checked local path: a hub name is resolved (downloaded) here, in
     the launcher, so that a missing model is one line and exit 2 rather than an engine process
     dying, and the engine (and a restarted one) loads those same files without asking the hub."""
-    import dataclasses
-
     from ..weights.loading import check, resolve
 
     if ecfg.spec.model is None:  # the bundled model: the engine finds it as every command does

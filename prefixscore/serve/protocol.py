@@ -197,3 +197,28 @@ def unpack_score(m: ScoreReq, vocab_size: int) -> tuple[list[list[int]], list[in
                                 f"vocabulary (0 <= id < {vocab_size})")
     flat = flat.tolist()
     return [flat[a:b] for a, b in zip(o, o[1:])], shared.tolist()
+
+
+# -- a Ready's parts, from the engine's Classifier and Scorer
+
+def classifier_info(name: str, clf) -> ClassifierInfo:
+    """What a front end needs of one classifier (its Prompt rebuilt over the shared tokenizer)."""
+    prompt = clf.prompt
+    return ClassifierInfo(
+        name=name, template=prompt.template, chat=prompt.chat,
+        special_tokens=getattr(prompt, "special_tokens", False), labels=list(clf.labels),
+        mode=clf.mode, truncate=clf.truncate, prefix_ids=list(prompt.prefix_ids),
+        context_limit=prompt.context_limit or 0, memory=dict(getattr(clf, "memory", None) or {}))
+
+
+def scorer_info(sc) -> ScorerInfo | None:
+    """What a front end needs of the Scorer to check and tokenize score requests itself
+    (score_input.ScoreInput over its Prompt rebuilt from the template)."""
+    if sc is None:
+        return None
+    prompt, inp = sc.prompt, sc.input
+    return ScorerInfo(
+        template=None if prompt is None else prompt.template,
+        chat=bool(prompt and prompt.chat), special_tokens=bool(prompt and prompt.special_tokens),
+        labels=list(sc.labels), item_first=sc.item_first, prefix_ids=list(sc.prefix_ids),
+        vocab_size=inp.vocab_size, context_limit=inp.context_limit, max_items=inp.max_items)

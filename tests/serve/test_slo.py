@@ -311,8 +311,9 @@ def test_start_up_stall_is_not_read_as_a_backlog(monkeypatch):
     async def go():
         fe = F.Frontend.__new__(F.Frontend)  # sync() reads only these
         fe.client = type("C", (), {"info": None, "loop": asyncio.get_running_loop()})()
-        fe.prompt_factory, fe.metrics, fe.info, fe.loop_lag, fe.created = lambda i: [None], None, None, None, 0
+        fe.prompt_factory, fe.info, fe.loop_lag, fe.created = lambda i: [None], None, None, 0
         fe.metrics = type("M", (), {"served": lambda *a: None})()
+        fe.cfg = type("C", (), {"announce": False})()
         fe.sync()
         assert fe.loop_lag is None  # no catalog yet: nothing to time
         fe.client.info = type("I", (), {"classifiers": [], "model": "m", "pid": 1})()

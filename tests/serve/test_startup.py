@@ -113,3 +113,32 @@ def test_serve_a_hub_name(tiny_model, tmp_path):
         proc.terminate()
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ready_lines_name_each_endpoint_once(tiny_model, tmp_path, workers):
+    """Once the engine is ready, one line per endpoint: "ready", the model, its URL (the bound
+    port), said once whatever the number of front ends."""
+    pytest.importorskip("grpc")
+    from tests.serve.procs import free_port, wait_healthy
+
+    port, grpc_port = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "prefixscore.cli", "serve", "--device", "cpu",
+                                 "--model", str(tiny_model("llama")), "--port", str(port),
+                                 "--grpc-port", str(grpc_port), "--workers", workers,
+                                 "--served-model-name", "tiny-intent"], env=env, stderr=err)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc)
+            time.sleep(0.5)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    text = log.read_text()
+    http = [l for l in text.splitlines() if "ready: tiny-intent" in l and f"http://127.0.0.1:{port}" in l]
+    grpc = [l for l in text.splitlines() if "ready: tiny-intent over gRPC" in l and f":{grpc_port}" in l]
+    assert len(http) == 1 and len(grpc) == 1, text[-3000:]
+    assert "POST /v1/classify" in http[0]
