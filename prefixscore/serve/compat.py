@@ -4,14 +4,23 @@ http.create_app, answered by the same Frontend (limits, admission, cache, metric
     POST /classify                      vLLM's (and Infinity's request):  {"model", "input": str | [str]}
                                         -> {"id", "object": "list", "created", "model",
                                             "data": [{"index", "label", "probs", "num_classes"}], "usage"}
-    POST /predict                       TEI's: {"inputs": str | [[str], ...], "raw_scores"}
-                                        -> [{"score", "label"}] sorted (a batch: one list per input)
+                                        and on /v1/classify (SGLang documents vLLM's body there),
+                                        told from ours ({"query"}) by its fields
+    POST /score, /v1/score              vLLM's: {"text_1", "text_2"} (or "queries" and "documents" or
+                                        "items", or "data_1" and "data_2"), 1:1, 1:N or N:N ->
+                                        {"id", "object": "list", "created", "model",
+                                         "data": [{"index", "object": "score", "score"}], "usage"};
+                                        SGLang's {"query", "items"} on the same paths: /v1/score's
     POST /rerank, /v1/rerank, /v2/rerank  vLLM's (Jina's, Cohere's): {"query", "documents", "top_n"}
                                         -> {"id", "model", "usage",
-                                            "results": [{"index", "document": {"text"}, "relevance_score"}]}
+                                            "results": [{"index", "document": {"text"}, "relevance_score"}]};
+                                        TEI's {"query", "texts"}: compat_tei.py
     GET  /v1/models                     OpenAI's list: {"object": "list", "data": [{"id", "object": "model",
                                             "created", "owned_by", ...}]}: the model, then each
                                             classifier (as vLLM lists LoRA adapters)
+    GET  /v1/models/{id}                one card (OpenAI's models.retrieve; an id with "/" either raw
+                                        or %2F-encoded), 404 NotFoundError for another
+    TEI's /predict, POST /, /info        compat_tei.py
     GET  /health (and HEAD)             /healthz under vLLM's and TEI's name; GET /version: {"version"}
 
 `model` (and our `classifier`) in a request name a served classifier, or the served model for the
@@ -47,19 +56,25 @@ model without a rerank API: 400 BadRequestError.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 import uuid
 from http import HTTPStatus
 
+from . import compat_tei
 from .answers import label_probs
+from .compat_tei import TEI
 from .frontend import ApiError, Frontend
-from .schemas import (ModelList, RerankRequest, RerankResponse, TeiError, TeiPredictRequest,
-                      TeiPrediction, VllmClassifyRequest, VllmClassifyResponse, VllmError)
+from .schemas import (VLLM_SCORE_FIELDS, AnyRerankRequest, AnyScoreRequest, ModelCard, ModelList,
+                      RerankRequest, RerankResponse, ScoreResponse, TeiError, TeiRerankRequest,
+                      VllmClassifyRequest, VllmClassifyResponse, VllmError, VllmScoreRequest,
+                      VllmScoreResponse)
 
 RERANK = ("/rerank", "/v1/rerank", "/v2/rerank")
-AUTHED = ("/classify", "/predict", *RERANK)  # besides /v1/*: what computes needs the API key
+# besides /v1/*: what computes, or tells about the model, needs the API key
+AUTHED = ("/classify", "/score", "/predict", "/", "/info", *RERANK)
 PATHS = (*AUTHED, "/v1/models", "/health", "/version")
 NO_SCORER = ("The model does not support Rerank (Score) API: no multi-item scorer is configured on "
              "this server (start it with --score-template TEMPLATE, whose {query} and {item} slots "
@@ -84,133 +99,176 @@ class VllmShape:
                                "param": None, "code": 400}}
 
 
-class TeiShape:
-    """TEI's {"error", "error_type"}; the status keeps ours (TEI's for the same kinds)."""
-
-    def error(self, status: int, detail: str, param: str | None = None) -> tuple[int, dict]:
-        kind = {429: "Overloaded", 503: "Unhealthy"}.get(status) or (
-            "Backend" if status >= 500 else "Validation")
-        return status, {"error": detail, "error_type": kind}
-
-    def invalid(self, detail: str) -> tuple[int, dict]:
-        return 422, {"error": detail, "error_type": "Validation"}
+VLLM = VllmShape()
+SHAPES = {**{p: VLLM for p in ("/classify", "/score", *RERANK, "/v1/models")},
+          **{p: TEI for p in ("/predict", "/", "/info")}}
 
 
-VLLM, TEI = VllmShape(), TeiShape()
-SHAPES = {**{p: VLLM for p in ("/classify", *RERANK, "/v1/models")}, "/predict": TEI}
+def shape_of(path: str, body=None):
+    """The error shape of a request: its route's peer's, or on a route several peers share, the
+    peer whose body it is (None: ours, {"detail": ...})."""
+    fields = body if isinstance(body, dict) else {}
+    if path == "/v1/classify":
+        return VLLM if "input" in fields and "query" not in fields else None
+    if path in ("/v1/score", "/score"):
+        return VLLM if path == "/score" or any(k in fields for k in VLLM_SCORE_FIELDS) else None
+    if path in RERANK and "texts" in fields and "documents" not in fields:
+        return TEI
+    if path.startswith("/v1/models/"):
+        return VLLM
+    return SHAPES.get(path)
 
 
 def error_body(path: str, status: int, detail: str, param: str | None = None):
     """(status, JSON bytes) of an error in the shape of the peer whose route `path` is; None for
     our own routes ({"detail": ...})."""
-    shape = SHAPES.get(path)
+    shape = shape_of(path)
     if shape is None:
         return None
     status, body = shape.error(status, detail, param)
     return status, json.dumps(body, ensure_ascii=False).encode()
 
 
+def reply(body, status: int = 200, headers=None):
+    from fastapi.responses import Response
+
+    return Response(json.dumps(body, ensure_ascii=False).encode(), status,
+                    headers=headers or None, media_type="application/json")
+
+
+def fail(e: ApiError):
+    status, body = VLLM.error(e.status, e.detail, e.param)
+    return reply(body, status, e.headers)
+
+
+def usage(tokens: int, cached: int | None = None) -> dict:
+    return {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+            "prompt_tokens_details": None if cached is None else {"cached_tokens": cached}}
+
+
+async def vllm_classify(fe: Frontend, req: VllmClassifyRequest):
+    """vLLM's classification API (SGLang's and Infinity's request too): per input, the label and
+    the probabilities of every label (`labels` gives their order)."""
+    inputs = [req.input] if isinstance(req.input, str) else req.input
+    try:
+        ans = await fe.classify(inputs, req.model, req.classifier, field="input")
+    except ApiError as e:
+        return fail(e)
+    data = []
+    for i, (_, label, scores, _) in enumerate(ans.results):
+        probs, logprobs = label_probs(scores)
+        data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs),
+                     "logprobs": logprobs})
+    return reply({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                  "model": ans.classifier, "data": data,
+                  "usage": usage(ans.prompt_tokens, ans.cached_tokens), "labels": ans.labels})
+
+
+async def vllm_score(fe: Frontend, req: VllmScoreRequest):
+    """vLLM's score API: one score per (text_1, text_2) pair, 1:1, 1:N or N:N (vLLM's rules), the
+    probability of the scorer's first label (yes), softmax over its labels; the pairs of one
+    text_1 run as one multi-item request."""
+    sides = req.sides()
+    try:
+        if sides is None:
+            raise ApiError(400, "text_1 and text_2 (or queries and documents) are required",
+                           param="text_2")
+        one, two = sides
+        if not one or not two:
+            raise ApiError(400, "At least one text element must be given" if not one else
+                           "At least one text_pair element must be given")
+        if len(one) > 1 and len(one) != len(two):
+            raise ApiError(400, f"Input lengths must be either 1:1, 1:N or N:N, got {len(one)}:"
+                                f"{len(two)}", param="text_2")
+        if len(one) == 1:
+            one = one * len(two)
+        by_query: dict[str, list[int]] = {}
+        for i, q in enumerate(one):
+            by_query.setdefault(q, []).append(i)
+        outs = await asyncio.gather(*(
+            fe.score({"query": q, "items": [two[i] for i in idx], "apply_softmax": True,
+                      "priority": req.priority}, field="text_2", model=req.model)
+            for q, idx in by_query.items()))
+    except ApiError as e:
+        if e.status == 501:
+            e = ApiError(400, NO_SCORER)
+        return fail(e)
+    scores, tokens = [None] * len(two), 0
+    for (q, idx), out in zip(by_query.items(), outs):
+        tokens += out["usage"]["prompt_tokens"]
+        for i, row in zip(idx, out["scores"]):
+            scores[i] = None if row is None else row[0]
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
+    return reply({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                  "model": fe.info.model, "data": data, "usage": usage(tokens)})
+
+
+async def vllm_rerank(fe: Frontend, req: RerankRequest):
+    texts = [d if isinstance(d, str) else d.text for d in req.documents]
+    try:
+        if not texts:
+            raise ApiError(400, "documents must not be empty", param="documents")
+        out = await fe.score({"query": req.query, "items": texts, "apply_softmax": True},
+                             field="documents", model=req.model)
+    except ApiError as e:
+        if e.status == 501:
+            e = ApiError(400, NO_SCORER)
+        return fail(e)
+    results = []
+    for i, (t, row) in enumerate(zip(texts, out["scores"])):
+        p = None if row is None else row[0]  # None: past the depth (--target-p99-ms)
+        results.append({"index": i, "document": {"text": t}, "relevance_score": p,
+                        "logprob": None if p is None else math.log(max(p, 1e-45))})  # float32's floor
+    # best first (stable: ties keep request order); unscored last
+    results.sort(key=lambda r: (r["relevance_score"] is None, -(r["relevance_score"] or 0.0)))
+    if req.top_n:
+        results = results[:req.top_n]
+    if not req.return_documents:
+        for r in results:
+            del r["document"]
+    n = out.get("usage", {}).get("prompt_tokens", 0)
+    return reply({"id": f"rerank-{uuid.uuid4().hex}", "model": fe.info.model,
+                  "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results})
+
+
 def register(app, fe: Frontend, deps) -> None:
-    """The routes above, on `app` (deps: the OpenAPI bearer dependency when there is an API key)."""
-    from fastapi.responses import JSONResponse, Response
-
-    def reply(body, status: int = 200, headers=None) -> Response:
-        return Response(json.dumps(body, ensure_ascii=False).encode(), status,
-                        headers=headers or None, media_type="application/json")
-
-    def fail(path: str, e: ApiError) -> Response:
-        status, body = SHAPES[path].error(e.status, e.detail, e.param)
-        return reply(body, status, e.headers)
+    """The routes above, on `app` (deps: the OpenAPI bearer dependency when there is an API key);
+    /v1/classify's and /v1/score's other shapes are told apart in http.py's routes."""
+    from fastapi.responses import JSONResponse
 
     vllm_errors = {s: {"model": VllmError} for s in (400, 401, 404, 413, 429, 503)}
-    tei_errors = {s: {"model": TeiError} for s in (400, 401, 413, 422, 429, 503)}
+    tei_errors = {s: {"model": TeiError} for s in (400, 401, 413, 422, 424, 429, 503)}
 
     @app.post("/classify", response_model=VllmClassifyResponse, responses=vllm_errors,
               dependencies=deps, tags=["compatible"])
     async def classify(req: VllmClassifyRequest):
         """vLLM's classification API (Infinity's request too): per input, the label and the
         probabilities of every label (`labels` gives their order)."""
-        inputs = [req.input] if isinstance(req.input, str) else req.input
-        try:
-            ans = await fe.classify(inputs, req.model, req.classifier, field="input")
-        except ApiError as e:
-            return fail("/classify", e)
-        data = []
-        for i, (_, label, scores, _) in enumerate(ans.results):
-            probs, logprobs = label_probs(scores)
-            data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs),
-                         "logprobs": logprobs})
-        usage = {"prompt_tokens": ans.prompt_tokens, "total_tokens": ans.prompt_tokens,
-                 "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": ans.cached_tokens}}
-        return reply({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
-                      "created": int(time.time()), "model": ans.classifier, "data": data,
-                      "usage": usage, "labels": ans.labels})
+        return await vllm_classify(fe, req)
 
-    @app.post("/predict", response_model=list[TeiPrediction] | list[list[TeiPrediction]],
-              responses=tei_errors, dependencies=deps, tags=["compatible"])
-    async def predict(req: TeiPredictRequest):
-        """TEI's predict API: every label with its score, best first; a batch [[text], ...]
-        answers one such list per text."""
-        inputs, single = req.inputs, True
-        if isinstance(inputs, list):
-            if not inputs:
-                return reply({"error": "`inputs` cannot be empty", "error_type": "Empty"}, 400)
-            if isinstance(inputs[0], str):  # TEI: [text] is one text, [text, text] one pair
-                inputs = [inputs]
-            else:
-                single = False
-            for seq in inputs:
-                if len(seq) != 1:
-                    what = ("a pair of texts is for a cross-encoder; this server's prompt has one "
-                            "text slot" if len(seq) == 2 else f"a sequence of {len(seq)} texts")
-                    return reply(TEI.error(422, f"inputs: {what}: send a text, or a batch "
-                                                f"[[text], [text], ...]")[1], 422)
-            inputs = [seq[0] for seq in inputs]
-        else:
-            inputs = [inputs]
+    @app.post("/score", response_model=VllmScoreResponse | ScoreResponse, responses=vllm_errors,
+              dependencies=deps, tags=["compatible"])
+    async def score(req: AnyScoreRequest):
+        """vLLM's score API: text_1 against text_2 (1:1, 1:N or N:N), a score per pair: the
+        probability of the scorer's first label (yes). SGLang's body is /v1/score's. Needs
+        --score-template."""
+        if isinstance(req, VllmScoreRequest):
+            return await vllm_score(fe, req)
         try:
-            ans = await fe.classify(inputs, req.model, req.classifier, field="inputs")
+            out = await fe.score(req.model_dump(exclude_unset=True))
         except ApiError as e:
-            return fail("/predict", e)
-        out = []
-        for _, _, scores, _ in ans.results:
-            probs, logprobs = label_probs(scores)
-            row = [{"score": s if req.raw_scores else p, "label": label, "logprob": lp}
-                   for label, s, p, lp in zip(ans.labels, scores, probs, logprobs)]
-            row.sort(key=lambda r: -r["score"])
-            out.append(row)
-        return reply(out[0] if single else out)
-
-    async def rerank(req: RerankRequest, path: str) -> Response:
-        texts = [d if isinstance(d, str) else d.text for d in req.documents]
-        try:
-            if not texts:
-                raise ApiError(400, "documents must not be empty", param="documents")
-            out = await fe.score({"query": req.query, "items": texts, "apply_softmax": True},
-                                 field="documents", model=req.model)
-        except ApiError as e:
-            if e.status == 501:
-                e = ApiError(400, NO_SCORER)
-            return fail(path, e)
-        results = [{"index": i, "document": {"text": t}, "relevance_score": row[0],
-                    "logprob": math.log(max(row[0], 1e-45))}  # a float32 probability's floor
-                   for i, (t, row) in enumerate(zip(texts, out["scores"]))]
-        results.sort(key=lambda r: -r["relevance_score"])  # stable: ties keep request order
-        if req.top_n:
-            results = results[:req.top_n]
-        if not req.return_documents:
-            for r in results:
-                del r["document"]
-        n = out.get("usage", {}).get("prompt_tokens", 0)
-        return reply({"id": f"rerank-{uuid.uuid4().hex}", "model": fe.info.model,
-                      "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results})
+            return fail(e)
+        return reply({**out, "model": fe.info.model})
 
     def rerank_route(path: str):
-        async def route(req: RerankRequest):
-            """Rerank documents for a query (vLLM's rerank API; Jina's and Cohere's shape), best
-            first: relevance_score is the probability that the scorer's first label (yes) follows
-            query + document. Needs --score-template."""
-            return await rerank(req, path)
+        async def route(req: AnyRerankRequest):
+            """Rerank documents for a query, best first (vLLM's rerank API; Jina's and Cohere's
+            shape): relevance_score is the probability that the scorer's first label (yes)
+            follows query + document. TEI's body ({"query", "texts"}) gets TEI's answer. Needs
+            --score-template."""
+            if isinstance(req, TeiRerankRequest):
+                return await compat_tei.rerank(fe, req)
+            return await vllm_rerank(fe, req)
 
         return route
 
@@ -227,8 +285,23 @@ def register(app, fe: Frontend, deps) -> None:
         try:
             await fe.wait_ready()
         except ApiError as e:
-            return fail("/v1/models", e)
+            return fail(e)
         return reply({"object": "list", "data": fe.catalog.model_cards(fe.created)})
+
+    @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=vllm_errors,
+             dependencies=deps, tags=["compatible"])
+    async def model(model: str):
+        """One card of the list (OpenAI's models.retrieve), or 404."""
+        try:
+            await fe.wait_ready()
+        except ApiError as e:
+            return fail(e)
+        for card in fe.catalog.model_cards(fe.created):
+            if card["id"] == model:
+                return reply(card)
+        return fail(ApiError(404, f"The model `{model}` does not exist.", param="model"))
+
+    compat_tei.register(app, fe, deps, tei_errors)
 
     @app.get("/health", responses={503: {"description": "starting, unhealthy, or shutting down"}},
              tags=["compatible"])

@@ -18,8 +18,9 @@ from . import compat, fanout
 from .answers import label_probs
 from .config import MAX_TIMEOUT_S
 from .frontend import DEADLINE, ApiError, Frontend
-from .schemas import (ERRORS, ClassifyManyResponse, ClassifyRequest, ClassifyResponse, ScoreRequest,
-                      ScoreResponse)
+from .schemas import (ERRORS, AnyClassifyRequest, AnyScoreRequest, ClassifyManyResponse,
+                      ClassifyRequest, ClassifyResponse, ScoreResponse, VllmClassifyRequest,
+                      VllmClassifyResponse, VllmScoreRequest, VllmScoreResponse)
 
 PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi.json", *compat.PATHS)
 UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer KEY'"
@@ -246,7 +247,7 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         ctype = request.headers.get("content-type", "")
         if "json" not in ctype:
             detail += f" (the body must be JSON sent with content-type: application/json, got {ctype!r})"
-        shape = compat.SHAPES.get(request.url.path)
+        shape = compat.shape_of(request.url.path, getattr(exc, "body", None))
         if shape is not None:  # a compatible route: its peer's shape and status
             status, body = shape.invalid(detail)
             return JSONResponse(body, status_code=status)
@@ -259,22 +260,29 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
         return classify_body(await fe.classify(queries, req.model, req.classifier,
                                                priority=req.priority))
 
-    @app.post("/v1/classify", response_model=ClassifyResponse | ClassifyManyResponse,
+    @app.post("/v1/classify", response_model=ClassifyResponse | ClassifyManyResponse | VllmClassifyResponse,
               responses=ERRORS, dependencies=deps)
-    async def classify(req: ClassifyRequest):
+    async def classify(req: AnyClassifyRequest):
         """Label and per-label scores for one query or a list of queries, by the classifier the
         request names (`classifier` or `model`; default: the first served), or by several
-        (`classifiers`: a ClassifyManyResponse, per query a result per classifier)."""
+        (`classifiers`: a ClassifyManyResponse, per query a result per classifier). vLLM's body
+        (`input`, as SGLang documents this route) gets vLLM's answer (/classify's)."""
+        if isinstance(req, VllmClassifyRequest):
+            return await compat.vllm_classify(fe, req)
         try:
             return Response(await answer_classify(req), media_type="application/json")
         except ApiError as e:
             raise http_error(e) from None
 
-    @app.post("/v1/score", response_model=ScoreResponse, responses=ERRORS, dependencies=deps)
-    async def score(req: ScoreRequest):
+    @app.post("/v1/score", response_model=ScoreResponse | VllmScoreResponse, responses=ERRORS,
+              dependencies=deps)
+    async def score(req: AnyScoreRequest):
         """SGLang-compatible multi-item scoring: per item, the labels' scores after query + item.
         apply_softmax=true: softmax over the labels; false: each label token's probability under the
-        whole vocabulary (SGLang's default)."""
+        whole vocabulary (SGLang's default). vLLM's body (text_1/text_2) gets vLLM's answer
+        (/score's)."""
+        if isinstance(req, VllmScoreRequest):
+            return await compat.vllm_score(fe, req)
         try:  # only the fields the client sent: the scorer tells "item_first absent" from "false"
             out = await fe.score(req.model_dump(exclude_unset=True))
         except ApiError as e:

@@ -1,9 +1,9 @@
 """The HTTP routes' request and response shapes (pydantic: validation and the OpenAPI schema)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
 
 
 def model_field():
@@ -163,6 +163,14 @@ class VllmClassifyResponse(BaseModel):
     labels: list[str] = Field(description="ours: the label order of probs and logprobs")
 
 
+class HfParameters(BaseModel):
+    """huggingface_hub's text-classification parameters."""
+    top_k: int | None = Field(None, ge=1, description="the best k labels (default: all)")
+    function_to_apply: Literal["softmax", "sigmoid", "none"] | None = Field(
+        None, description="softmax (default: over the labels), sigmoid or none (of the label's "
+                          "log-probability)")
+
+
 class TeiPredictRequest(Lenient):
     """TEI's POST /predict: one text, or a batch [[text], [text], ...]. A pair [text, text] (for a
     cross-encoder) is refused: the prompt has one text slot."""
@@ -172,6 +180,9 @@ class TeiPredictRequest(Lenient):
     raw_scores: bool = Field(False, description="score: the raw scores (log-probabilities, or logits "
                                                 "in mode logits) instead of probabilities")
     truncate: bool | None = Field(None, description="accepted; the server's --truncate decides")
+    parameters: HfParameters | None = Field(
+        None, description="the Hugging Face Inference API's (huggingface_hub.InferenceClient sends "
+                          "it): the answer is then a list of lists, as that API's")
 
 
 class TeiPrediction(BaseModel):
@@ -192,6 +203,27 @@ class RerankRequest(Lenient):
     documents: list[str | RerankDocumentIn]
     top_n: int | None = Field(None, ge=0, description="the best n (0 or absent: all)")
     return_documents: bool = Field(True, description="false: results without the document")
+
+
+class TeiRerankRequest(Lenient):
+    """TEI's /rerank: `texts` for the documents; the answer is TEI's bare list, best first."""
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"query": "wool coat", "texts": ["a long camel coat", "flip flops"], "return_text": True}]})
+    query: str
+    texts: list[str]
+    raw_scores: bool = Field(False, description="score: the log-probability instead of the probability")
+    return_text: bool = Field(False, description="each result with its text")
+    truncate: bool | None = Field(None, description="accepted; a request over the limits is refused")
+
+
+def _rerank_kind(v) -> str:
+    if isinstance(v, dict):
+        return "tei" if "texts" in v and "documents" not in v else "cohere"
+    return "tei" if isinstance(v, TeiRerankRequest) else "cohere"
+
+
+AnyRerankRequest = Annotated[Union[Annotated[RerankRequest, Tag("cohere")],
+                                   Annotated[TeiRerankRequest, Tag("tei")]], Discriminator(_rerank_kind)]
 
 
 class RerankResult(BaseModel):
@@ -245,3 +277,90 @@ class VllmError(BaseModel):
 class TeiError(BaseModel):
     error: str
     error_type: Literal["Unhealthy", "Backend", "Overloaded", "Validation", "Tokenizer", "Empty"]
+
+
+# -- vLLM's /score, and the shared routes' request unions (told apart by their fields)
+
+class VllmScoreRequest(Lenient):
+    """vLLM's /score and /v1/score: text_1 against text_2, 1:1, 1:N or N:N (newer vLLM names the
+    sides queries and documents or items, or data_1 and data_2). A pair's score is the probability
+    of the scorer's first label (yes), softmax over its labels."""
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"text_1": "wool coat", "text_2": ["a long camel coat", "flip flops"]}]})
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    priority: int = priority_field()
+
+    def sides(self) -> tuple[list[str], list[str]] | None:
+        """The two sides as lists (a text is a list of one); None without a whole pair."""
+        for a, b in (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
+                     ("data_1", "data_2")):
+            one, two = getattr(self, a), getattr(self, b)
+            if one is not None and two is not None:
+                return _listed(one), _listed(two)
+        return None
+
+
+def _listed(v) -> list[str]:
+    return [v] if isinstance(v, str) else list(v)
+
+
+VLLM_SCORE_FIELDS = ("text_1", "text_2", "queries", "documents", "data_1", "data_2")
+
+
+def _score_kind(v) -> str:
+    keys = v if isinstance(v, dict) else v.model_fields_set if isinstance(v, BaseModel) else ()
+    return "vllm" if isinstance(v, VllmScoreRequest) or any(k in keys for k in VLLM_SCORE_FIELDS) \
+        else "sglang"
+
+
+def _classify_kind(v) -> str:
+    if isinstance(v, dict):
+        return "vllm" if "input" in v and "query" not in v else "ours"
+    return "vllm" if isinstance(v, VllmClassifyRequest) else "ours"
+
+
+AnyScoreRequest = Annotated[Union[Annotated[ScoreRequest, Tag("sglang")],
+                                  Annotated[VllmScoreRequest, Tag("vllm")]], Discriminator(_score_kind)]
+AnyClassifyRequest = Annotated[Union[Annotated[ClassifyRequest, Tag("ours")],
+                                     Annotated[VllmClassifyRequest, Tag("vllm")]],
+                               Discriminator(_classify_kind)]
+
+
+class VllmScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float | None = Field(description="null: not scored (past the depth, --target-p99-ms)")
+
+
+class VllmScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[VllmScoreData] = Field(description="in pair order")
+    usage: VllmUsage
+
+
+class TeiInfo(BaseModel):
+    """TEI's GET /info: a classifier's."""
+    model_id: str
+    model_sha: str | None = None
+    model_dtype: str
+    served_model_name: str
+    model_type: dict = Field(description='{"classifier": {"id2label", "label2id"}}')
+    max_concurrent_requests: int
+    max_input_length: int
+    max_batch_tokens: int
+    max_batch_requests: int | None = None
+    max_client_batch_size: int
+    auto_truncate: bool
+    tokenization_workers: int
+    version: str
+    sha: str | None = None
+    docker_label: str | None = None
