@@ -22,7 +22,8 @@ from .schemas import (ERRORS, AnyClassifyRequest, AnyScoreRequest, ClassifyManyR
                       ClassifyRequest, ClassifyResponse, ScoreResponse, VllmClassifyRequest,
                       VllmClassifyResponse, VllmScoreRequest, VllmScoreResponse)
 
-PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/openapi.json", *compat.PATHS)
+PATHS = ("/v1/classify", "/v1/score", "/healthz", "/metrics", "/docs", "/redoc", "/openapi.json",
+         *compat.PATHS)
 UNAUTHORIZED = "missing or wrong API key: send 'Authorization: Bearer KEY'"
 
 
@@ -229,8 +230,9 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
             else:
                 await super().__call__(scope, receive, send)
 
-    app = App(title="prefixscore", version="0.1.0", lifespan=lifespan,
+    app = App(title="prefixscore", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
               description="Which of N labels does this causal LLM pick for this text.")
+    offline_docs(app)
     inner = super(App, app).__call__
     app.state.frontend = fe
     # Guard is the one auth check; this only documents the scheme in the OpenAPI schema.
@@ -320,6 +322,35 @@ def create_app(frontend: Frontend, on_startup=None, on_shutdown=None):
     app.openapi = openapi
     app.front = Guard(FastClassify(inner, answer=answer_classify), fe)
     return app
+
+
+DOCS_ASSETS = "/docs-assets"
+
+
+def offline_docs(app) -> None:
+    """/docs (Swagger UI) and /redoc with their scripts served from here (fastapi-offline's copies):
+    FastAPI's own pages load them from a CDN, blank on a host without the internet."""
+    from pathlib import Path
+
+    import fastapi_offline
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=Path(fastapi_offline.__file__).parent / "static"),
+              name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} - Swagger UI",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc():
+        return get_redoc_html(openapi_url=app.openapi_url, title=f"{app.title} - ReDoc",
+                              redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+                              redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png", with_google_fonts=False)
 
 
 def replay(body: bytes, receive):

@@ -4,6 +4,7 @@ model, CPU. The multi-process server: test_serve_procs.py; hardening: test_serve
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,7 +46,14 @@ def test_classify_one_and_many(server, clf):
 def test_healthz_docs_metrics(server, clf):
     h = httpx.get(server + "/healthz")
     assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["labels"] == clf.labels
-    assert httpx.get(server + "/docs").status_code == 200
+    for page in ("/docs", "/redoc"):  # offline: every script, sheet and icon from this server
+        r = httpx.get(server + page)
+        assert r.status_code == 200, r.text
+        refs = re.findall(r'(?:src|href)="([^"]+)"', r.text) + re.findall(r"https?://[^\s'\"<>]+", r.text)
+        assert refs and all(u.startswith("/docs-assets/") for u in refs), refs
+        for u in refs:
+            a = httpx.get(server + u)
+            assert a.status_code == 200 and len(a.content) > 1000, u
     schema = httpx.get(server + "/openapi.json").json()
     assert {"/v1/classify", "/healthz", "/metrics"} <= set(schema["paths"])
     httpx.post(server + "/v1/classify", json={"query": "red dress"})
