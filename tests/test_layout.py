@@ -146,3 +146,15 @@ def test_serving_path_loads_no_training_or_cli_code():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "", out.stdout
+
+
+def test_license_file_matches_the_package_metadata():
+    """pyproject.toml's license is the LICENSE file's: the Apache License 2.0, whole."""
+    import tomllib
+
+    root = PKG.parent
+    license = tomllib.loads((root / "pyproject.toml").read_text())["project"]["license"]
+    text = (root / "LICENSE").read_text()
+    assert license == "Apache-2.0"
+    assert "Apache License" in text[:200] and "Version 2.0, January 2004" in text[:200]
+    assert "END OF TERMS AND CONDITIONS" in text
