@@ -341,7 +341,12 @@ def seed_adapter_default(a) -> None:
         if a.adapter is not None:
             raise ConfigError("--adapter and --no-adapter: pass one")
         return
-    if a.adapter is not None or any(getattr(a, k, None) is not None for k in _OWN_TASK):
+    own = [k for k in _OWN_TASK if getattr(a, k, None) is not None]
+    if own == ["score_template"] and a.adapter is None:  # the seed task, but the weights are shared
+        err("note: --score-template: classify and /v1/score run the raw model (an adapter is merged "
+            "into the weights both share, so the seed adapter would change /v1/score's scores too); "
+            "--adapter seed keeps it for both")
+    if a.adapter is not None or own:
         return
     if not SEED_ADAPTER.is_file():
         err(f"note: the shipped seed adapter is missing ({SEED_ADAPTER}); the raw model runs")

@@ -86,7 +86,7 @@ class Catalog:
         out = []
         for c in self.classifiers:
             m = c.memory
-            out.append({"name": c.name, "labels": c.labels, "mode": c.mode,
+            out.append({"name": c.name, "labels": c.labels, "mode": c.mode, "adapter": c.adapter,
                         "prefix_tokens": len(c.prefix_ids),
                         "memory": {**m, "added_bytes": sum(v for k, v in m.items() if k != "model_bytes")}})
         return out

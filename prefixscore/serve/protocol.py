@@ -88,6 +88,7 @@ class ClassifierInfo(msgspec.Struct, array_like=True, kw_only=True):
     prefix_ids: list[int]
     context_limit: int  # of the prompt: the model's, less the longest label
     memory: dict[str, int]  # bytes it adds to the shared weights (Classifier.memory)
+    adapter: str | None = None  # the LoRA adapter merged into the weights ("seed": the shipped one)
 
 
 class ScorerInfo(msgspec.Struct, array_like=True, kw_only=True):
@@ -208,7 +209,15 @@ def classifier_info(name: str, clf) -> ClassifierInfo:
         name=name, template=prompt.template, chat=prompt.chat,
         special_tokens=getattr(prompt, "special_tokens", False), labels=list(clf.labels),
         mode=clf.mode, truncate=clf.truncate, prefix_ids=list(prompt.prefix_ids),
-        context_limit=prompt.context_limit or 0, memory=dict(getattr(clf, "memory", None) or {}))
+        context_limit=prompt.context_limit or 0, memory=dict(getattr(clf, "memory", None) or {}),
+        adapter=_adapter_name(getattr(getattr(clf, "spec", None), "adapter", None)))
+
+
+def _adapter_name(adapter) -> str | None:
+    """How /healthz names a merged adapter: "seed", or its file's name."""
+    import os
+
+    return None if adapter is None else adapter if adapter == "seed" else os.path.basename(str(adapter))
 
 
 def scorer_info(sc) -> ScorerInfo | None:

@@ -176,3 +176,4 @@ def test_classify_gets_as_much_time_as_the_score_pass_before_it():
     lanes2.took(0.5)
     lanes2.add_row(row(3), 0)
     assert lanes2.next_pass(10)[0] == "classify"  # a row that came during it goes next
+

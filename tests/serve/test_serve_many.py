@@ -188,6 +188,7 @@ def test_models_and_healthz_list_the_classifiers(multi, many):
         mem = many[card["name"]].memory
         assert card["labels"] == many[card["name"]].labels
         assert card["prefix_tokens"] == many[card["name"]].prefix_len
+        assert card["adapter"] is None  # none merged (the seed adapter's is "seed")
         assert card["memory"] == {**mem, "added_bytes": mem["prefix_kv"] + mem["label_rows"] + mem["graphs"]}
         assert 0 < card["memory"]["added_bytes"] < mem["model_bytes"]
     schema = httpx.get(multi + "/openapi.json").json()
@@ -378,3 +379,18 @@ def test_shed_lag_follows_the_latency_target():
     assert configs("--shed-lag-ms", "30")[0].shed_lag_ms == 30.0
     with pytest.raises(ConfigError, match="--shed-lag-ms"):
         configs("--shed-lag-ms", "-1")
+
+
+def test_ready_names_the_merged_adapter():
+    """/healthz says which adapter a classifier's weights carry: "seed", a file's name, or none."""
+    from types import SimpleNamespace
+
+    from prefixscore.serve.protocol import classifier_info
+
+    prompt = SimpleNamespace(template="t {query}", chat=False, special_tokens=False, prefix_ids=[1],
+                             context_limit=9)
+    for adapter, want in ((None, None), ("seed", "seed"), ("/runs/my.adapter.safetensors",
+                                                           "my.adapter.safetensors")):
+        clf = SimpleNamespace(prompt=prompt, labels=["a"], mode="logprobs", truncate=False, memory={},
+                              spec=SimpleNamespace(adapter=adapter))
+        assert classifier_info("c", clf).adapter == want
