@@ -29,6 +29,8 @@ try:
 except ImportError:  # pragma: no cover
     raise ConfigError("--grpc-port needs grpcio and protobuf: pip install 'prefixscore[grpc]'") from None
 
+from google.protobuf.message import DecodeError
+
 from .frontend import DEADLINE, ApiError, Frontend
 from .http import UNAUTHORIZED, authorized
 from .proto import prefixscore_pb2 as pb
@@ -132,8 +134,10 @@ def handlers(fe: Frontend):
     }
 
 
-def unary(fe: Frontend, endpoint: str, handle, auth: bool):
-    """The gRPC method around handle: API key, ApiError -> status, the requests metric."""
+def unary(fe: Frontend, endpoint: str, handle, auth: bool, parse):
+    """The gRPC method around handle: API key, the request's bytes parsed (here, not by grpc,
+    whose failed deserializer answers UNKNOWN: a malformed message is INVALID_ARGUMENT), ApiError
+    -> status, the requests metric."""
     api_key = fe.cfg.api_key if auth else None
     requests = fe.metrics.requests
 
@@ -149,7 +153,7 @@ def unary(fe: Frontend, endpoint: str, handle, auth: bool):
                 if remaining is not None:  # the call's deadline is the request's (frontend.DEADLINE)
                     DEADLINE.set(time.monotonic() + remaining)
                 try:
-                    reply = await handle(request)
+                    reply = await handle(_parsed(parse, request))
                 except ApiError as e:
                     error = e
                 else:
@@ -173,6 +177,13 @@ def unary(fe: Frontend, endpoint: str, handle, auth: bool):
                 requests.labels(endpoint, "499").inc()
 
     return call
+
+
+def _parsed(parse, data: bytes):
+    try:
+        return parse(data)
+    except DecodeError as e:
+        raise ApiError(400, f"a malformed request message: {e}") from None
 
 
 def bearer(context) -> list[tuple[bytes, bytes]]:
@@ -212,8 +223,8 @@ async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Serve
     for service, methods in handlers(frontend).items():
         table = {name: grpc.unary_unary_rpc_method_handler(
                      unary(frontend, f"grpc:{name}" if service == SERVICE else f"grpc:Health/{name}",
-                           handle, auth),
-                     request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+                           handle, auth, req.FromString),
+                     response_serializer=resp.SerializeToString)
                  for name, (handle, req, resp, auth) in methods.items()}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, table),))
         if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: a faster lookup

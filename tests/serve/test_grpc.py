@@ -289,6 +289,12 @@ def test_bad_requests_as_http(clf, scorer):
             assert counts == {("grpc:Classify", 200): 0, ("grpc:Classify", 413): 1,
                               ("grpc:Classify", 422): 4, ("grpc:Score", 200): 0,
                               ("grpc:Score", 413): 2, ("grpc:Score", 422): 3}
+            # bytes that are no ClassifyRequest: INVALID_ARGUMENT (grpc's own deserializer: UNKNOWN)
+            raw = s.channel.unary_unary("/prefixscore.v1.PrefixScore/Classify",
+                                        lambda b: b, pb.ClassifyResponse.FromString)
+            code, details, trailers = await failure(raw(b"\x0a\xff\xff\xff\xff\x0f"))
+            assert code == C.INVALID_ARGUMENT and "malformed" in details, details
+            assert trailers == {"http-status": "400"} and s.count("grpc:Classify", 400) == 1
             # the bad requests did no harm: a good one still answers
             ok = await s.classify(pb.ClassifyRequest(queries=["red dress"]))
             assert ok.results[0].label in clf.labels
