@@ -17,10 +17,11 @@ disagrees is dropped for the plain (slower, exact) form.
 """
 from __future__ import annotations
 
+import functools
 import re
 
 from .errors import ConfigError, InputError
-from .weights.tokenizer import plain, rust_backend, second_to_last_word
+from .weights.tokenizer import common_prefix_len, plain, rust_backend, second_to_last_word, token_chars
 
 SEED_TEMPLATE = (
     "Analyze the category intent of the given query. Output exactly one label from: Dress, Jeans, "
@@ -347,6 +348,10 @@ class Prompt:
         return (self._encode_resumed(texts, *self.resume) if self.resume is not None
                 else self.encode_texts(texts))
 
+    @functools.cached_property
+    def token_chars(self) -> int:  # the most characters a token stands for (the length bound)
+        return token_chars(self.tokenizer)
+
     def encode(self, truncate: bool = False, **values) -> Encoded:
         return self.encode_many([values], truncate)[0]
 
@@ -360,6 +365,13 @@ class Prompt:
                     raise _at(InputError(f"{s} must be a string, got {type(v).__name__}"), i)
                 if not v.strip():
                     raise _at(InputError(f"empty {s}"), i)
+                cap = self.context_limit and self.context_limit * self.token_chars
+                if cap and len(v) > cap:  # over the limit whatever it says: not tokenized (a 50 MB
+                    if not truncate:  # line took a minute and 5 GB), or cut before truncating
+                        raise _at(InputError(f"{s} is {len(v)} characters: over the model's context "
+                                             f"limit of {self.context_limit} tokens whatever its text; "
+                                             f"shorten it or enable truncation"), i)
+                    values_list = [*values_list[:i], {**values, s: v[:cap]}, *values_list[i + 1:]]
         all_ids = self.encode_ids(values_list)
         out = []
         for i, (values, ids) in enumerate(zip(values_list, all_ids)):
@@ -403,15 +415,3 @@ class Prompt:
 def _at(e: InputError, index: int) -> InputError:
     e.index = index
     return e
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
-    if a[:len(b)] == b:  # the usual case, compared at C speed
-        return min(len(a), len(b))
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

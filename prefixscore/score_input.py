@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError, InputError
 from .labels import check_labels
-from .prompt import common_prefix_len
+from .weights.tokenizer import common_prefix_len
 
 SLOTS = ("query", "item")
 

@@ -32,7 +32,7 @@ import torch
 from .batch import Plan
 from .weights.model_config import ModelConfig
 from .labels import LabelTrie
-from .prompt import common_prefix_len
+from .weights.tokenizer import common_prefix_len
 
 # Cost of one (query row, in-batch key) pair scanned by attention relative to its FLOPs in a GEMM:
 # masked tiles, online softmax and small dots run well below the matmul rate.

@@ -219,3 +219,25 @@ def test_bos_and_a_shared_backend_left_splitting(smol_tokenizer):
         assert today.encode(query=FORGED).ids.count(2) == 1  # today's form still parses it
     finally:
         tok.backend_tokenizer.encode_special_tokens = False
+
+
+def test_far_over_the_limit_by_length_alone(smol_tokenizer):
+    """A value longer than the limit times the longest vocabulary entry cannot fit whatever it says:
+    refused before tokenizing (naming its length), or cut to that length and then truncated
+    exactly; a value just under that bound is tokenized as before."""
+    p = Prompt(smol_tokenizer, SEED_TEMPLATE, context_limit=len(Prompt(smol_tokenizer, SEED_TEMPLATE).prefix_ids) + 20)
+    k = p.token_chars
+    assert k == max(len(t) for t in smol_tokenizer.get_vocab()) and k >= 2
+    cap = p.context_limit * k
+    seen = []
+    real = p.encode_ids
+    p.encode_ids = lambda vl: seen.extend(len(v["query"]) for v in vl) or real(vl)
+    with pytest.raises(InputError, match=f"query is {cap + 1} characters: over the model's context limit"):
+        p.encode(query="a" * (cap + 1))
+    assert seen == []
+    with pytest.raises(InputError, match="prompt is .* tokens, over"):  # at the bound: the tokenizer says
+        p.encode(query="a " * (cap // 2))
+    assert seen == [cap // 2 * 2]
+    e = p.encode(truncate=True, query="red dress " * 10 ** 6)
+    assert len(e.ids) <= p.context_limit and "red dress".startswith(e.values["query"].split()[0])
+    assert max(seen) <= cap

@@ -56,11 +56,23 @@ def encode_rows(clf, rows: list[Row], strict: bool, where) -> list:
             if strict:
                 raise InputError(f"{where(todo[i])}: {e}") from None
             out += clf.encode_many([r.query for r in todo[:i]]) if i else []
+            _clip(todo[i])
             todo[i].query, todo[i].error = None, str(e)
             todo = todo[i + 1:]
     if first_bad < len(rows):
         raise InputError(f"{where(rows[first_bad])}: {rows[first_bad].error}")
     return out
+
+
+ECHO = 300  # characters of a refused query that its error row echoes
+
+
+def _clip(row: Row) -> None:
+    """A refused query's echo in its error row: its first ECHO characters and its length (a 50 MB
+    line was written out whole)."""
+    for k, v in row.fields.items():
+        if v == row.query and isinstance(v, str) and len(v) > ECHO:
+            row.fields[k] = f"{v[:ECHO]}... ({len(v)} characters)"
 
 
 def tokenized_chunks(clf, rows, reader: RowReader, chunk_rows: int, strict: bool, start: int = 0):

@@ -63,3 +63,21 @@ def second_to_last_word(backend, text: str):
     except Exception:  # a pre-tokenizer that cannot run alone
         return None
     return words[-2][1][0] if len(words) >= 3 else None
+
+
+def token_chars(tokenizer) -> int:
+    """The most characters one token of this tokenizer can stand for: its longest vocabulary
+    entry (a byte-level entry has a character per byte, so that bounds the text it decodes to)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    if a[:len(b)] == b:  # the usual case, compared at C speed
+        return min(len(a), len(b))
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

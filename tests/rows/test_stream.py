@@ -283,6 +283,27 @@ def test_error_rows_keep_their_place(main, clf, tmp_path):
         ("1", "red dress", ""), ("2", "", "blank line"), ("3", "   ", "blank line"), ("4", "levis", "")]
 
 
+def test_a_huge_line_is_refused_untokenized_and_echoed_short(main, clf, tmp_path, monkeypatch):
+    """A line far over the context limit (by its length alone: the limit times the longest token
+    of the vocabulary) is an error row without reaching the tokenizer (a 50 MB line took a
+    minute and 5 GB), and its error row echoes the first 300 characters of it and its length."""
+    huge = "wool coat " * 400_000  # 4 MB
+    src = tmp_path / "q.csv"
+    src.write_text(f"query\nred dress\n{huge}\nlevis 501\n", encoding="utf-8")
+    seen = []
+    encode_ids = type(clf.prompt).encode_ids
+    monkeypatch.setattr(type(clf.prompt), "encode_ids",
+                        lambda self, vl: seen.extend(len(v["query"]) for v in vl) or encode_ids(self, vl))
+    out = tmp_path / "out.jsonl"
+    rc, err = main("-i", src, "-o", out)
+    assert rc == 0 and "rows not classified: 1" in err, err
+    got = jsonl(out)
+    assert got[1]["error"].startswith(f"query is {len(huge)} characters: over the model's context limit")
+    assert got[1]["query"] == f"{huge[:300]}... ({len(huge)} characters)"
+    assert got[0]["label"] in LABELS and got[2]["label"] in LABELS and got[0]["query"] == "red dress"
+    assert seen and max(seen) < 1000  # the tokenizer never saw it
+
+
 def test_keep_columns(main, tmp_path):
     src = tmp_path / "q.csv"
     src.write_text("id,query,label,ts\n7,red dress,Dress,t1\n8,levis,Jeans,t2\n", encoding="utf-8")
