@@ -603,16 +603,17 @@ def test_parquet_input_is_the_jsonl_input(run, tmp_path):
 
 @needs_pyarrow
 def test_parquet_stop_leaves_a_complete_file(run, clfs, tmp_path, monkeypatch):
-    """SIGINT finishes the chunk in flight and closes the writer: the file is readable and holds the
-    rows written; it cannot be resumed, and says so."""
+    """SIGINT stops at the next pass boundary and closes the writer: the file is readable and
+    holds the rows written (the first chunk, one pass, completed); it cannot be resumed, and says
+    so."""
     clf = clfs["logprobs"]
-    real = clf.classify_encoded
+    real = clf.classify_iter
 
     def interrupted(encoded, *a, **kw):  # the signal arrives during the first chunk
         os.kill(os.getpid(), signal.SIGINT)
         return real(encoded, *a, **kw)
 
-    monkeypatch.setattr(clf, "classify_encoded", interrupted)
+    monkeypatch.setattr(clf, "classify_iter", interrupted)
     src = tmp_path / "q.txt"
     src.write_text("\n".join(QUERIES * 20) + "\n")
     out = tmp_path / "o.parquet"

@@ -164,6 +164,57 @@ def test_interrupt_then_resume_is_byte_identical(model, logs, tmp_path, sig):
     assert (tmp_path / "out.jsonl.meta.json").read_bytes() == meta
 
 
+def test_a_stop_lands_between_passes_and_drops_the_chunk(main, clf, tmp_path, monkeypatch):
+    """The first SIGINT stops at the engine's next pass boundary, not the chunk's end: the chunk in
+    flight is not written (no later pass of it runs), the chunks before it are, and --resume
+    redoes it to the same bytes as an uninterrupted run."""
+    src = tmp_path / "q.txt"
+    src.write_text("\n".join(random_queries(96, 5)) + "\n", encoding="utf-8")
+    flags = ("--chunk-rows", 32)
+    monkeypatch.setattr(clf, "max_batch_tokens", 64)  # several passes a chunk (the shared classifier)
+    real, calls, stop_at = type(clf).classify_iter, [], [None]
+
+    def counted(self, encoded, *a, **kw):
+        calls.append(0)
+        for batch in real(self, encoded, *a, **kw):
+            calls[-1] += 1
+            if sum(calls) == stop_at[0]:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield batch
+
+    monkeypatch.setattr(type(clf), "classify_iter", counted)
+    clean = tmp_path / "clean.jsonl"
+    assert main("-i", src, "-o", clean, *flags)[0] == 0
+    per_chunk = calls[:]
+    assert len(per_chunk) == 3 and per_chunk[1] >= 2, per_chunk
+    calls.clear()
+    stop_at[0] = per_chunk[0] + 1  # the first pass of the second chunk
+    out = tmp_path / "out.jsonl"
+    rc, err = main("-i", src, "-o", out, *flags)
+    assert rc == 130 and "stopped by SIGINT: rows 1-32 are written" in err, err
+    assert calls == [per_chunk[0], 1]  # not one pass more
+    assert out.read_bytes() == clean.read_bytes()[:len(out.read_bytes())]
+    assert out.read_bytes().count(b"\n") == 32
+    stop_at[0] = None
+    assert main("-i", src, "-o", out, *flags, "--resume")[0] == 0
+    assert out.read_bytes() == clean.read_bytes()
+
+
+def test_a_second_signal_ends_the_process_at_once():
+    script = ("import os, signal, time\n"
+              "from prefixscore.rows.stream import StopSignals\n"
+              "with StopSignals() as stop:\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(0.1)\n"
+              "    assert stop.signum == signal.SIGINT\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(60)\n"
+              "print('not stopped')\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert p.returncode == 130 and "stopped at once by a second SIGINT" in p.stderr, p.stderr
+    assert "not stopped" not in p.stdout and "Traceback" not in p.stderr
+
+
 def test_torn_output_resumes_byte_identical(main, tmp_path):
     """A crash (SIGKILL, power) can leave half a line or half a chunk: --resume drops the torn chunk
     and redoes it whole. CSV, with a query spanning lines, so a cut can fall inside a record."""
