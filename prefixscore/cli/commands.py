@@ -18,6 +18,7 @@ from ..rows.io import labels_option
 from ..rows.report import confusion_report, format_confusion, format_per_label, rows_digest
 from ..prompt import SEED_LABELS
 from ..rows.resume import CHUNK_ROWS, model_record
+from .resume_args import fill_from_sidecar
 
 
 def cmd_classify(a) -> int:
@@ -28,6 +29,9 @@ def cmd_classify(a) -> int:
 
     if a.queries and a.input:
         raise InputError("give queries as arguments or --input, not both")
+    filled = fill_from_sidecar(a)  # --resume alone: the options the output was written with
+    if filled:
+        err(f"--resume: as {a.output} was written: {', '.join('--' + k.replace('_', '-') for k in filled)}")
     if a.top_k is not None and a.top_k < 1:
         raise InputError(f"--top-k must be at least 1, got {a.top_k}")
     if a.show_prompt:
@@ -268,10 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse a blank or invalid row (exit 2, naming its line) instead of writing "
                         "it as a row with an error")
     c.add_argument("--resume", action="store_true",
-                   help="continue the interrupted output file -o from the first input row it lacks")
+                   help="continue the interrupted output file -o from the first input row it "
+                        "lacks, with the options it was written with (its OUT.meta.json)")
     c.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS,
                    help=f"rows read, classified and written at a time (default {CHUNK_ROWS}; the "
-                        "first chunks are shorter); --resume needs the same value")
+                        "first chunks are shorter); --resume keeps the value it was written with")
     c.add_argument("--ray", action="store_true",
                    help="classify on Ray Data (pip install 'prefixscore[ray]'): one actor per GPU of "
                         "the cluster (RAY_ADDRESS, else a local one), one output file per input file; "

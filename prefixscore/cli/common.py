@@ -303,6 +303,7 @@ def apply_sources(a, parser, environ=None) -> list[str]:
     for k, v in vars(merged).items():
         setattr(a, k, v)
     a.config = config
+    a.source_words = [w for _, words in sources for w in words]  # what they said (resume_args.said)
     return [f"{' '.join(w.split('=', 1)[0] for w in words)} from {where}" for where, words in sources if words]
 
 

@@ -69,8 +69,8 @@ def check_meta(output: str, options: dict) -> None:
         old = meta["options"].get(k, ADDED_OPTIONS.get(k))
         if old != v:
             raise InputError(f"--resume: {output} was written with {k} {_short(old)}, not {_short(v)} "
-                             f"(see {path}): give the options it was written with, or drop --resume "
-                             f"to start it over")
+                             f"(see {path}): leave the option out (--resume takes the one it was "
+                             f"written with), or drop --resume to start it over")
 
 
 def model_record(clf, adapter=None, head=None) -> dict:

@@ -157,18 +157,19 @@ def test_input_columns_named_like_the_new_outputs_keep_their_data(run, tmp_path)
 
 
 def test_resume_with_probs_and_top_k(run, tmp_path, capsys):
-    """--probs and --top-k are recorded with the output; a resume with others is refused, and a
-    record from before they existed resumes as their defaults."""
+    """--probs and --top-k are recorded with the output; a resume that leaves them out takes them
+    from the record, one that gives another is refused, and a record from before they existed
+    resumes as their defaults."""
     src = tmp_path / "q.txt"
     src.write_text("".join(f"{q} {i}\n" for i in range(40) for q in QUERIES[:1]))
     out = tmp_path / "out.jsonl"
     assert run("classify", "-i", src, "-o", out, "--chunk-rows", 8, "--probs")[0] == 0
     full = out.read_bytes()
     out.write_bytes(full[: len(full) // 2])
+    rc, _, err = run("classify", "-i", src, "-o", out, "--chunk-rows", 8, "--resume", "--top-k", 2)
+    assert rc == 2 and "written with top_k None, not 2" in err
     rc, _, err = run("classify", "-i", src, "-o", out, "--chunk-rows", 8, "--resume")
-    assert rc == 2 and "written with probs True, not False" in err
-    assert run("classify", "-i", src, "-o", out, "--chunk-rows", 8, "--resume", "--probs")[0] == 0
-    assert out.read_bytes() == full
+    assert rc == 0 and "--probs" in err and out.read_bytes() == full
     plain = tmp_path / "plain.jsonl"
     assert run("classify", "-i", src, "-o", plain, "--chunk-rows", 8)[0] == 0
     meta = json.loads((tmp_path / "plain.jsonl.meta.json").read_text())

@@ -215,6 +215,30 @@ def test_a_second_signal_ends_the_process_at_once():
     assert "not stopped" not in p.stdout and "Traceback" not in p.stderr
 
 
+def test_resume_alone_takes_the_recorded_options(main, tmp_path):
+    """--resume with none of the job's options continues it with those its sidecar recorded (the
+    input, chunk size, --probs...): byte-identical to one uninterrupted run; an option said and in
+    conflict is refused, naming it; one said and equal is fine."""
+    src = tmp_path / "q.txt"
+    src.write_text("\n".join(random_queries(120, 9)) + "\n", encoding="utf-8")
+    clean, out = tmp_path / "clean.jsonl", tmp_path / "out.jsonl"
+    job = ("-i", src, "--chunk-rows", 16, "--probs", "--top-k", 2)
+    assert main(*job, "-o", clean)[0] == 0
+    full = clean.read_bytes()
+    (tmp_path / "out.jsonl.meta.json").write_bytes((tmp_path / "clean.jsonl.meta.json").read_bytes())
+    ends = [i + 1 for i, b in enumerate(full) if b == ord("\n")]
+    out.write_bytes(full[:ends[40] + 5])  # 41 rows and a torn one
+    rc, err = main("-o", out, "--resume")
+    assert rc == 0, err
+    assert "--resume: as" in err and "--input" in err and "--chunk-rows" in err and "--probs" in err
+    assert "resumed after row 32" in err and out.read_bytes() == full
+    out.write_bytes(full[:ends[40]])
+    rc, err = main("-o", out, "--resume", "--chunk-rows", 8)
+    assert rc == 2 and "written with chunk_rows 16, not 8" in err and "leave the option out" in err
+    rc, err = main("-o", out, "--resume", "--chunk-rows", 16, "-i", src)
+    assert rc == 0 and out.read_bytes() == full, err
+
+
 def test_torn_output_resumes_byte_identical(main, tmp_path):
     """A crash (SIGKILL, power) can leave half a line or half a chunk: --resume drops the torn chunk
     and redoes it whole. CSV, with a query spanning lines, so a cut can fall inside a record."""
