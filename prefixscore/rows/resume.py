@@ -37,12 +37,14 @@ META_FORMAT = "prefixscore.classify.output"
 ADDED_OPTIONS = {"probs": False, "top_k": None}
 
 
-def write_meta(output: str, options: dict, done: dict | None = None) -> None:
+def write_meta(output: str, options: dict, done: dict | None = None, chunks: list | None = None) -> None:
     """The sidecar of `output`; `done` (files.py: the rows written and the input's size and mtime)
-    marks an output that is complete."""
+    marks an output that is complete; `chunks`: per chunk written, [its last row, its end in
+    bytes, the digest of its bytes], so a resume keeps only rows exactly as they were written."""
     path = meta_path(output)
     tmp = f"{path}.tmp{os.getpid()}"
-    meta = {"format": META_FORMAT, "version": 1, "options": options} | ({"done": done} if done else {})
+    meta = {"format": META_FORMAT, "version": 1, "options": options} | ({"done": done} if done else {}) \
+        | ({"chunks": chunks} if chunks else {})
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=1)
@@ -52,8 +54,9 @@ def write_meta(output: str, options: dict, done: dict | None = None) -> None:
         raise InputError(f"cannot write output file {path}: {e.strerror or e}") from None
 
 
-def check_meta(output: str, options: dict) -> None:
-    """Refuse to resume `output` if it was written with other options than these."""
+def check_meta(output: str, options: dict) -> list:
+    """Refuse to resume `output` if it was written with other options than these; -> the chunks
+    its sidecar records (write_meta)."""
     path = meta_path(output)
     try:
         with open(path, encoding="utf-8") as f:
@@ -71,6 +74,30 @@ def check_meta(output: str, options: dict) -> None:
             raise InputError(f"--resume: {output} was written with {k} {_short(old)}, not {_short(v)} "
                              f"(see {path}): leave the option out (--resume takes the one it was "
                              f"written with), or drop --resume to start it over")
+    chunks = meta.get("chunks") or []
+    return chunks if isinstance(chunks, list) else []
+
+
+def verified(output: str, chunks: list) -> int | None:
+    """The last row of the chunks of `output` whose bytes are what the sidecar recorded; an edited
+    one is refused, naming its rows. None: nothing recorded (a record from before digests), and
+    the row check alone stands."""
+    if not chunks:
+        return None
+    from .writer import chunk_digest
+
+    last_row, start = 0, 0
+    with open(output, "rb") as f:
+        for end_row, end, digest in chunks:
+            raw = f.read(end - start)
+            if len(raw) < end - start:  # the file ends inside it: torn, redone
+                break
+            if chunk_digest(raw) != digest:
+                raise InputError(f"--resume: rows {last_row + 1}-{end_row} of {output} are not what "
+                                 f"was written there (edited since?): drop --resume to write it "
+                                 f"again, or restore them")
+            last_row, start = end_row, end
+    return last_row
 
 
 def model_record(clf, adapter=None, head=None) -> dict:
@@ -88,11 +115,11 @@ def _short(v) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str):
+def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str, upto: int | None = None):
     """Check what an interrupted run wrote against the input, row by row by the `row` column and the
     input columns: -> (rows kept, bytes kept, input rows read past them). Only whole chunks are
-    kept: a chunk a crash tore is redone from its first row, so its flat batches, and its bytes,
-    are those of an uninterrupted run."""
+    kept, up to row `upto` (those whose bytes were verified): a chunk a crash tore is redone from
+    its first row, so its flat batches, and its bytes, are those of an uninterrupted run."""
     rows, keep_rows, keep_bytes, redo = iter(rows), 0, 0, []
     ends = chunk_ends(chunk_rows)
     end_row = next(ends)
@@ -113,7 +140,7 @@ def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str):
                                  f"the input gives {_short(want)}; resume with the input it was "
                                  f"written from")
             redo.append(row)
-            if n == end_row:
+            if n == end_row and (upto is None or n <= upto):
                 keep_rows, keep_bytes, redo, end_row = n, end, [], next(ends)
     return keep_rows, keep_bytes, redo
 

@@ -26,7 +26,7 @@ from ..errors import InputError
 from .io import Row, RowReader
 from .writer import check_output, output_format
 from ..overlap import run_ahead
-from .resume import CHUNK_ROWS, check_meta, chunk_ends, scan_output, write_meta
+from .resume import CHUNK_ROWS, check_meta, chunk_ends, scan_output, verified, write_meta
 from .writer import ResultWriter, RowFormat
 
 PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
@@ -232,11 +232,13 @@ class ClassifyJob:
         self.options |= model | {"labels": clf.labels}
         form = RowFormat(self.fmt, clf.labels, self.reader.column, self.keep, self.reader.columns,
                          self.options.get("probs", False), self.options.get("top_k"))
-        done, keep_bytes = 0, 0
+        done, keep_bytes, chunks = 0, 0, []
         if self.resuming:
-            check_meta(self.output, self.options)
+            chunks = check_meta(self.output, self.options)
             done, keep_bytes, redo = scan_output(self.output, form, self.rows, self.chunk_rows,
-                                                 self.reader.where)
+                                                 self.reader.where, verified(self.output, chunks))
+            # a record from before digests, or past the rows kept: only those of the rows kept
+            chunks = [c for c in chunks if c[0] <= done] if chunks or not done else None
             os.truncate(self.output, keep_bytes)  # a torn chunk goes, and a torn last line with it
             self.rows = itertools.chain(redo, self.rows)
             if keep_bytes == 0:
@@ -250,9 +252,9 @@ class ClassifyJob:
             writer = ParquetResultWriter(self.output, form, self.reader)
         else:
             writer = ResultWriter(self.output, form, append=keep_bytes > 0)
-        return self._stream(clf, writer, done, err, warn or err)
+        return self._stream(clf, writer, done, err, warn or err, keep_bytes, chunks)
 
-    def _stream(self, clf, writer, done: int, err, warn) -> int:
+    def _stream(self, clf, writer, done: int, err, warn, end: int = 0, digests: list | None = None) -> int:
         """The main thread runs the engine; a chunk's rows are formatted and written on a writer
         thread while the engine runs the next chunk (JSON and CSV formatting are Python, a few us a
         row: in the engine's thread they were its rate's loss). One chunk's write at a time, in
@@ -262,9 +264,13 @@ class ClassifyJob:
         pending = None  # (the write in flight, its chunk, its results)
 
         def written():
-            nonlocal pending, done, errors
+            nonlocal pending, done, errors, end
             (write, chunk, out), pending = pending, None
-            write.result()  # its error (a full disk, a closed pipe) is raised here, as it was
+            wrote = write.result()  # its error (a full disk, a closed pipe) is raised here, as it was
+            if self.resumable and digests is not None:  # the chunk's bytes (a resume verifies them)
+                end += wrote[0]
+                digests.append([chunk.rows[-1].n, end, wrote[1]])
+                write_meta(self.output, self.options, chunks=digests)
             log.debug("rows %d-%d written, %.2f s in", chunk.rows[0].n, chunk.rows[-1].n,
                       time.perf_counter() - t0)
             done = chunk.rows[-1].n

@@ -3,6 +3,7 @@ parquet.py takes CSV's columns from it) and ResultWriter, a chunk of rows per fl
 from __future__ import annotations
 
 import csv
+import hashlib
 import errno
 import io
 import json
@@ -215,8 +216,16 @@ class ResultWriter(Output):
         self.form = form
         super().__init__(path, "a" if append else "w")
 
-    def write_rows(self, rows: list[Row], results) -> None:
-        self.write(self.form.lines(rows, results))
+    def write_rows(self, rows: list[Row], results) -> tuple[int, str]:
+        """-> the bytes written and their digest (a resume checks the rows it keeps by it)."""
+        data = self.form.lines(rows, results)
+        self.write(data)
+        raw = data.encode("utf-8")
+        return len(raw), chunk_digest(raw)
+
+
+def chunk_digest(raw: bytes) -> str:
+    return hashlib.sha256(raw).hexdigest()[:32]
 
 
 def _result(r, row: Row, labels) -> dict:

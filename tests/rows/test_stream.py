@@ -156,12 +156,13 @@ def test_interrupt_then_resume_is_byte_identical(model, logs, tmp_path, sig):
     assert 0 < done < len(expect) and done in set(itertools.islice(chunk_ends(50), 200))
     part = out.read_bytes()
     assert part == full[:len(part)] and part.count(b"\n") == done
-    meta = (tmp_path / "out.jsonl.meta.json").read_bytes()
     p = run_cli(model, *args, "-o", out, "--resume")
     assert p.returncode == 0, p.stderr
     assert f"resumed after row {done}" in p.stderr
     assert out.read_bytes() == full
-    assert (tmp_path / "out.jsonl.meta.json").read_bytes() == meta
+    # the sidecar too is an uninterrupted run's (options, and each chunk's end and digest)
+    assert (tmp_path / "out.jsonl.meta.json").read_text().replace(str(out), "") == \
+        (clean.parent / "clean.jsonl.meta.json").read_text().replace(str(clean), "")
 
 
 def test_a_stop_lands_between_passes_and_drops_the_chunk(main, clf, tmp_path, monkeypatch):
@@ -236,6 +237,29 @@ def test_resume_alone_takes_the_recorded_options(main, tmp_path):
     rc, err = main("-o", out, "--resume", "--chunk-rows", 8)
     assert rc == 2 and "written with chunk_rows 16, not 8" in err and "leave the option out" in err
     rc, err = main("-o", out, "--resume", "--chunk-rows", 16, "-i", src)
+    assert rc == 0 and out.read_bytes() == full, err
+
+
+def test_an_edited_row_is_refused_on_resume(main, tmp_path):
+    """The sidecar holds each written chunk's end and digest: a resume keeps rows only as they were
+    written, and an edited one is refused naming its chunk's rows."""
+    src = tmp_path / "q.txt"
+    src.write_text("\n".join(random_queries(100, 4)) + "\n", encoding="utf-8")
+    out = tmp_path / "out.csv"
+    assert main("-i", src, "-o", out, "--chunk-rows", 16)[0] == 0
+    full = out.read_bytes()
+    meta = json.loads((tmp_path / "out.csv.meta.json").read_text())
+    assert [c[0] for c in meta["chunks"]] == [16, 32, 48, 64, 80, 96, 100] and meta["chunks"][-1][1] == len(full)
+    lines = full.split(b"\n")
+    row20 = lines[20].split(b",")  # the header is line 0: row 20
+    label = row20[2]
+    other = next(l.encode() for l in LABELS if l.encode() != label)
+    edited = b"\n".join(lines[:20] + [b",".join(row20[:2] + [other] + row20[3:])] + lines[21:60])
+    out.write_bytes(edited)
+    rc, err = main("-i", src, "-o", out, "--chunk-rows", 16, "--resume")
+    assert rc == 2 and "rows 17-32 of" in err and "not what was written" in err, err
+    out.write_bytes(full[:len(full) // 2])  # untouched: resumes
+    rc, err = main("-i", src, "-o", out, "--chunk-rows", 16, "--resume")
     assert rc == 0 and out.read_bytes() == full, err
 
 
