@@ -538,3 +538,22 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
     progress.update(1000, 3, 0)
     assert out.getvalue() == "classify: 1000 rows (3 errors), 100 rows/s\n"
     reader.close()
+
+
+def test_progress_moves_with_each_engine_pass(main, clf, tmp_path, monkeypatch):
+    """Progress moves after every engine pass, not only when a chunk is written (on a CPU a
+    4,096-row chunk is minutes), and never backwards."""
+    from prefixscore.rows import stream
+
+    src = tmp_path / "q.txt"
+    src.write_text("\n".join(random_queries(64, 2)) + "\n", encoding="utf-8")
+    seen = []
+    real = stream.Progress.update
+    monkeypatch.setattr(stream.Progress, "update",
+                        lambda self, rows, errors, pos: seen.append((rows, pos)) or real(self, rows, errors, pos))
+    monkeypatch.setattr(clf, "max_batch_tokens", 64)  # several passes a chunk
+    assert main("-i", src, "-o", tmp_path / "o.jsonl", "--chunk-rows", 64)[0] == 0
+    inside = [r for r, _ in seen if 0 < r < 32]  # during the first chunk (32 rows), before its write
+    assert len(inside) >= 2, seen
+    size = src.stat().st_size
+    assert all(0 <= p <= size for _, p in seen) and seen[-1] == (64, size)
