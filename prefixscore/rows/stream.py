@@ -105,7 +105,8 @@ class Progress:
         self.reader, self.start, self.every, self.clock = reader, start, every, clock
         self.stream = sys.stderr if stream is None else stream
         self.t0 = self.last = clock()
-        self.f0 = self._fraction(start, reader.pos)
+        # the share done when this run started (a resume's kept rows); the reader has read ahead
+        self.f0 = 0.0 if start == 0 else self._fraction(start, reader.pos)
         self.rows, self.pos = start, 0  # the most reported: never backwards
         self.bar, self.quiet = None, quiet
         if self.stream.isatty() and not quiet:
