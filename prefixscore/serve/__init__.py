@@ -16,7 +16,9 @@
     http.py         the FastAPI app and its ASGI guard (auth, body, X-Request-Timeout)
     connections.py  the uvicorn server (draining shutdown) and its bounded protocol: header
                     limits, the oldest idle connections closed at the connection limit
-    compat.py       routes in other servers' shapes: vLLM /classify, TEI /predict, /rerank, /v1/models
+    compat.py       routes in other servers' shapes (vLLM, SGLang, OpenAI, Cohere: /classify, /score,
+                    /rerank, /v1/models/{id}; on shared paths the body says whose), compat_tei.py
+                    TEI's and the Hugging Face Inference API's (/predict, POST /, /info, texts)
     metrics.py      Prometheus series, summed over processes
     launch.py       --workers 1 (one process) or launcher + front ends + engine process
 
