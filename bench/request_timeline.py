@@ -124,7 +124,7 @@ def main():
     configs = []
     for config in a.configs.split(","):
         configs.append(run_config(config, a, queries))
-        print(f"done: --workers {config}", flush=True)
+        print(f"--workers {config}: {json.dumps(configs[-1]['rows'])}", flush=True)
     print_table(inproc["inproc"], configs)
     out = {"args": {k: v for k, v in vars(a).items() if k != "server_cpus"}, "engine": inproc["engine"],
            "inproc": inproc["inproc"], "configs": configs}
