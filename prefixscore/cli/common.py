@@ -312,10 +312,9 @@ def classify_batches(clf, queries: list[str]):
     long inputs on a terminal). The next queries are tokenized while a batch runs, so a query only
     the tokenizer can fault (over the context limit) fails after the batches before it
     (Classifier.classify_batch_iter)."""
-    from tqdm import tqdm
+    from ..rows.progress import Bar
 
-    with tqdm(total=len(queries), unit="q", disable=None if len(queries) > 256 and not quiet() else True,
-              file=sys.stderr, desc="classify") as bar:
+    with Bar(len(queries), "query", "classify", disable=len(queries) <= 256 or quiet()) as bar:
         yield from clf.classify_batch_iter(queries, progress=bar.update)
 
 

@@ -43,7 +43,7 @@ def _read_requests(path: str) -> list[tuple[int, dict]]:
 
 
 def cmd_score(a) -> int:
-    from tqdm import tqdm
+    from ..rows.progress import Bar
 
     from ..rows.io import labels_option, template_option
     from ..rows.writer import Output, check_output
@@ -83,8 +83,7 @@ def cmd_score(a) -> int:
     chunks = [(c, min(c + a.chunk, len(rows))) for c in range(0, len(rows), a.chunk)]
     n_items = sum(len(items) for _, items in checked)
     t0 = time.perf_counter()
-    with Output(a.output) as out, tqdm(total=n_items, unit="item", file=sys.stderr, desc="score",
-                                       disable=None if n_items > 1024 and not quiet() else True) as bar, \
+    with Output(a.output) as out, Bar(n_items, "item", "score", disable=n_items <= 1024 or quiet()) as bar, \
             contextlib.closing(run_ahead(prepare, chunks)) as prepared:
         for (lo, hi), chunk in zip(chunks, prepared):  # each chunk written (and flushed) when done
             lines = []

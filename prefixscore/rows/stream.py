@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from .io import Row, RowReader
+from .progress import EVERY, duration
 from .writer import check_output, output_format
 from ..overlap import run_ahead
 from .resume import CHUNK_ROWS, check_meta, chunk_ends, scan_output, verified, write_meta
 from .writer import ResultWriter, RowFormat
 
-PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
 log = logging.getLogger(__name__)
 
 
@@ -100,7 +100,7 @@ class Progress:
     with an ETA when the input's size or row count is known: a file's bytes read over its size).
     Never backwards: a chunk's write is confirmed after the next chunk's passes reported."""
 
-    def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float = PROGRESS_EVERY,
+    def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float = EVERY,
                  clock=time.monotonic, quiet: bool = False):
         self.reader, self.start, self.every, self.clock = reader, start, every, clock
         self.stream = sys.stderr if stream is None else stream
@@ -133,17 +133,12 @@ class Progress:
         rate = (rows - self.start) / secs if secs > 0 else 0.0
         line = f"classify: {rows} rows ({errors} errors), {rate:.0f} rows/s"
         if f is not None and f > self.f0:
-            line += f", {100 * f:.0f}%, ETA {_duration(secs * (1 - f) / (f - self.f0))}"
+            line += f", {100 * f:.0f}%, ETA {duration(secs * (1 - f) / (f - self.f0))}"
         print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _duration(s: float) -> str:
-    s = round(s)
-    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 class StopSignals:

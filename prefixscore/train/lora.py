@@ -310,7 +310,7 @@ def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, s
     stopping on validation accuracy (then loss), the best epoch's weights kept."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from tqdm.auto import tqdm
+    from ..rows.progress import Bar
 
     cuda = [spec.device] if spec.device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):  # seeded init and order, the global RNGs untouched
@@ -353,7 +353,7 @@ def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, s
 
         best = (-1.0, math.inf)
         best_state, best_head, best_epoch, stale, hist = None, None, 0, 0, []
-        bar = tqdm(total=steps, desc="fine-tune", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+        bar = Bar(steps, "step", "fine-tune", disable=not progress)
         for epoch in range(1, epochs + 1):
             t_epoch = time.perf_counter()
             net.train()

@@ -557,3 +557,31 @@ def test_progress_moves_with_each_engine_pass(main, clf, tmp_path, monkeypatch):
     assert len(inside) >= 2, seen
     size = src.stat().st_size
     assert all(0 <= p <= size for _, p in seen) and seen[-1] == (64, size)
+
+
+def test_bar_is_lines_off_a_terminal(tmp_path):
+    """score, eval and fine-tuning: a tqdm bar on a terminal, else a line every 5 s with the share
+    and an ETA (tqdm wrote one growing line of carriage returns into a log); disabled: nothing."""
+    from prefixscore.rows.progress import Bar
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    clock, out = Clock(), io.StringIO()
+    bar = Bar(1000, "item", "score", stream=out, clock=clock)
+    for i in range(1, 11):  # 100 items a second
+        clock.t = float(i)
+        bar.update(100)
+        bar.set_postfix(loss="0.250", refresh=False)
+    assert out.getvalue().splitlines() == [
+        "score: 500/1000 items, 100.0 items/s, 50%, ETA 0m05s, loss 0.250",
+        "score: 1000/1000 items, 100.0 items/s, 100%, ETA 0m00s, loss 0.250"]
+    quiet = io.StringIO()
+    Bar(10, "item", "score", disable=True, stream=quiet, every=0.0).update(5)
+    assert quiet.getvalue() == ""
+    tty = Tty()
+    with Bar(10, "item", "score", stream=tty) as b:
+        assert b.bar is not None
+        b.update(10)
+    assert Bar(10, "item", "score", stream=Tty(), disable=True).bar is None
