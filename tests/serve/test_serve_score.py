@@ -159,3 +159,15 @@ def test_engines_must_agree_on_the_scorer():
     assert disagreement(ready(None), ready(None)) is None
     assert disagreement(ready(None), ready(s)).startswith("scorer")
     assert disagreement(ready(s), ready(msgspec.structs.replace(s, template="{item}{query}")))
+
+
+def test_healthz_says_whether_score_is_served(clf, scorer):
+    """/healthz's "scorer" is what /v1/score does: true with a scorer (--workers 1 once said false
+    while /v1/score answered), false without one (/v1/score: 501)."""
+    body = {"query": "wool coat", "items": ["a camel coat"], "apply_softmax": True}
+    with running(create_app(clf, scorer, **LIMITS)) as (base, _):
+        assert httpx.get(base + "/healthz").json()["scorer"] is True
+        assert httpx.post(base + "/v1/score", json=body).status_code == 200
+    with running(create_app(clf, **LIMITS)) as (base, _):
+        assert httpx.get(base + "/healthz").json()["scorer"] is False
+        assert httpx.post(base + "/v1/score", json=body).status_code == 501
