@@ -65,7 +65,7 @@ from http import HTTPStatus
 
 from . import compat_tei
 from .answers import label_probs
-from .compat_tei import TEI
+from .compat_tei import TEI, reply
 from .frontend import ApiError, Frontend
 from .schemas import (VLLM_SCORE_FIELDS, AnyRerankRequest, AnyScoreRequest, ModelCard, ModelList,
                       RerankRequest, RerankResponse, ScoreResponse, TeiError, TeiRerankRequest,
@@ -129,16 +129,8 @@ def error_body(path: str, status: int, detail: str, param: str | None = None):
     return status, json.dumps(body, ensure_ascii=False).encode()
 
 
-def reply(body, status: int = 200, headers=None):
-    from fastapi.responses import Response
-
-    return Response(json.dumps(body, ensure_ascii=False).encode(), status,
-                    headers=headers or None, media_type="application/json")
-
-
 def fail(e: ApiError):
-    status, body = VLLM.error(e.status, e.detail, e.param)
-    return reply(body, status, e.headers)
+    return compat_tei.fail(e, VLLM)
 
 
 def usage(tokens: int, cached: int | None = None) -> dict:

@@ -44,14 +44,16 @@ TEI = TeiShape()
 
 
 def reply(body, status: int = 200, headers=None):
+    """A JSON response (compat.py's routes too)."""
     from fastapi.responses import Response
 
     return Response(json.dumps(body, ensure_ascii=False).encode(), status,
                     headers=headers or None, media_type="application/json")
 
 
-def fail(e: ApiError):
-    status, body = TEI.error(e.status, e.detail, e.param)
+def fail(e: ApiError, shape=TEI):
+    """An ApiError in a peer's error shape (compat.py passes vLLM's)."""
+    status, body = shape.error(e.status, e.detail, e.param)
     return reply(body, status, e.headers)
 
 

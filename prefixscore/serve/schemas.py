@@ -216,14 +216,19 @@ class TeiRerankRequest(Lenient):
     truncate: bool | None = Field(None, description="accepted; a request over the limits is refused")
 
 
-def _rerank_kind(v) -> str:
-    if isinstance(v, dict):
-        return "tei" if "texts" in v and "documents" not in v else "cohere"
-    return "tei" if isinstance(v, TeiRerankRequest) else "cohere"
+def told_by(field: str, unless: str, cls, tag: str, default: str):
+    """A discriminator for a route peers share: `tag` for a body that has `field` and not `unless`
+    (or a `cls` already), else `default`."""
+    def kind(v) -> str:
+        if isinstance(v, dict):
+            return tag if field in v and unless not in v else default
+        return tag if isinstance(v, cls) else default
+    return kind
 
 
 AnyRerankRequest = Annotated[Union[Annotated[RerankRequest, Tag("cohere")],
-                                   Annotated[TeiRerankRequest, Tag("tei")]], Discriminator(_rerank_kind)]
+                                   Annotated[TeiRerankRequest, Tag("tei")]],
+                             Discriminator(told_by("texts", "documents", TeiRerankRequest, "tei", "cohere"))]
 
 
 class RerankResult(BaseModel):
@@ -319,17 +324,11 @@ def _score_kind(v) -> str:
         else "sglang"
 
 
-def _classify_kind(v) -> str:
-    if isinstance(v, dict):
-        return "vllm" if "input" in v and "query" not in v else "ours"
-    return "vllm" if isinstance(v, VllmClassifyRequest) else "ours"
-
-
 AnyScoreRequest = Annotated[Union[Annotated[ScoreRequest, Tag("sglang")],
                                   Annotated[VllmScoreRequest, Tag("vllm")]], Discriminator(_score_kind)]
 AnyClassifyRequest = Annotated[Union[Annotated[ClassifyRequest, Tag("ours")],
                                      Annotated[VllmClassifyRequest, Tag("vllm")]],
-                               Discriminator(_classify_kind)]
+                               Discriminator(told_by("input", "query", VllmClassifyRequest, "vllm", "ours"))]
 
 
 class VllmScoreData(BaseModel):
