@@ -99,7 +99,7 @@ class Frontend(ClassifyMany, ScoreRoute):
         self.held = ([0, 0], [0, 0])  # per lane (real-time, batch): those queries, their tokens
         self.draining = False
         self.loop_lag: LoopLag | None = None  # started on the event loop with the engine's Ready
-        self.created_logged = False  # the "ready" lines said (cfg.announce)
+        self.announced = False  # the "ready" lines said (cfg.announce)
         client.metrics = metrics
         # The prompt is built when the engine's Ready arrives (at start-up), not by the first
         # request this process takes: that built the tokenizer inside a request and, in a worker
@@ -119,8 +119,8 @@ class Frontend(ClassifyMany, ScoreRoute):
             self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
-            if self.cfg.announce and not self.created_logged:
-                self.created_logged = True
+            if self.cfg.announce and not self.announced:
+                self.announced = True
                 self._announce(info)
             # Building the prompts (the tokenizer) holds the loop for seconds; a tick that late
             # read as a backlog and shed every request for as long (H200: the first requests
