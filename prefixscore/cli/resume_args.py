@@ -48,7 +48,8 @@ def fill_from_sidecar(a) -> list[str]:
         return []
     options, given, filled = meta["options"], said(a), []
     if not a.queries and "input" not in given and options.get("input") not in (None, "-", "arguments"):
-        a.input, _ = options["input"], filled.append("input")
+        a.input = options["input"]
+        filled.append("input")
     for k, v in options.items():
         if k in given or not hasattr(a, k) or (k not in SAME and k not in AS_FLAG):
             continue
