@@ -27,7 +27,7 @@ capacity phase.
   score     classify at 50% for --score-s; --score-n /v1/score requests of ~--score-tokens tokens
             (usage.prompt_tokens, sized by probing it), spaced: classify p99 of the requests sent
             while one runs against the rest's; the score requests' latency
-            (SGLang's default apply_softmax false, eager on the GPU; --score-softmax 1: graphs)
+            (SGLang's default apply_softmax false; --score-softmax 1: softmax over the labels)
   step      50% -> 150% -> 50% of capacity, --step-s each: classify + /v1/score requests of
             --step-items items, at level x (0.5, 1.5) x * --step-score-share / (a lone step request's
             latency, timed first: the score traffic is sized by what the server does for it, not by
@@ -456,8 +456,8 @@ def parse_args():
             ("--overload-conns", int, 16384, "client connections at most, overload phases"),
             ("--timeout", float, 10.0, "client timeout (s)"), ("--spin-ms", float, 1.0, "the pacer's spin"),
             ("--queries", str, None, "CSV with a query column"), ("--ready-timeout", float, 600.0, "s"),
-            ("--score-softmax", int, 0, "1: score and step bodies ask apply_softmax (the scorer's own "
-             "labels in CUDA graphs); 0: SGLang's default, each label's share of the vocabulary (eager)")):
+            ("--score-softmax", int, 0, "1: score and step bodies ask apply_softmax (softmax over "
+             "the scorer's labels); 0: SGLang's default, each label's share of the vocabulary")):
         ap.add_argument(flag, type=kind, default=default, help=text)
     ap.add_argument("serve_flags", nargs=argparse.REMAINDER, help="-- then flags for prefixscore serve")
     a = ap.parse_args()
