@@ -17,15 +17,26 @@ a fresh server. Stages, medians over --n requests after warm-up, from the client
                grpcio), loopback, HTTP parsing, routing and validation, the response's encoding
                (round trip - timing.total_ms)
   in process   Classifier.classify(q) with no server: the floor (bench.http's child, pinned alike)
-A row's stages add up to its round trip. Writes $OUT/request_timeline.json.
+A row's stages add up to its round trip.
+
+With --wrk PATH (Debian's wrk; its libluajit beside it or on LD_LIBRARY_PATH), each layout also
+runs wrk on --load-cpus, POSTing real queries to /v1/classify (bench/wrk_classify.lua):
+  wrk 1      one connection, one request at a time, for --wrk-seconds: p50/p99 from a client
+             that costs microseconds, not Python's ~0.2 ms (the "outside" stage above includes it)
+  wrk N      closed loop on --wrk-conns connections (issue 32's capacity: 256): req/s and p99
+Writes $OUT/request_timeline.json.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import os
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 from .http import (OUT, free_port, inprocess, load_queries, parse_cpus, start_server, stop_server,
                    warm_count, workers_flags)
@@ -82,6 +93,30 @@ def grpc_serial(port: int, queries, n: int) -> dict:
     return timeline(rtts, timings)
 
 
+LUA = Path(__file__).with_name("wrk_classify.lua")
+
+
+def wrk(a, port: int, conns: int, bodies: str) -> dict:
+    """One wrk run against /v1/classify: its done() line, parsed, plus req/s and the error count."""
+    binary = Path(a.wrk).resolve()
+    env = {**os.environ, "WRK_BODIES": bodies,
+           "LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    threads = max(1, min(conns, len(a.load_cpus) if a.load_cpus else 2))
+    cmd = [str(binary), "-t", str(threads), "-c", str(conns), "-d", f"{a.wrk_seconds:g}s",
+           "--timeout", "10s", "-s", str(LUA), f"http://127.0.0.1:{port}"]
+    if a.load_cpus:
+        cmd = ["taskset", "-c", ",".join(map(str, sorted(a.load_cpus))), *cmd]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.wrk_seconds + 60)
+    line = next((l for l in run.stdout.splitlines() if l.startswith("WRK_JSON ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no result (exit {run.returncode}): {run.stdout[-500:]} {run.stderr[-500:]}")
+    r = json.loads(line[len("WRK_JSON "):])
+    r["errors"] = sum(r[k] for k in ("connect", "read", "write", "status", "timeout"))
+    return {"conns": conns, "req_s": r["requests"] / (r["duration_us"] / 1e6),
+            "p50_ms": r["p50_us"] / 1e3, "p99_ms": r["p99_us"] / 1e3, "max_ms": r["max_us"] / 1e3,
+            "errors": r["errors"], "raw": r}
+
+
 def run_config(config: str, a, queries) -> dict:
     port = free_port()
     grpc_port = free_port() if a.grpc else None
@@ -91,6 +126,15 @@ def run_config(config: str, a, queries) -> dict:
         rows = {"http": http_serial(port, queries, a.n)}
         if a.grpc:
             rows["grpc"] = grpc_serial(grpc_port, queries, a.n)
+        if a.wrk:
+            with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+                f.writelines(json.dumps({"query": q}) + "\n" for q in queries)
+            try:
+                for conns in (1, a.wrk_conns):
+                    rows[f"wrk {conns}"] = wrk(a, port, conns, f.name)
+                    print(f"--workers {config} wrk {conns}: {json.dumps(rows[f'wrk {conns}'])}", flush=True)
+            finally:
+                os.unlink(f.name)
     finally:
         rows_exit = stop_server(proc)
     return {"config": config, "rows": rows, "exit": rows_exit}
@@ -102,7 +146,14 @@ def print_table(inproc: dict, configs: list[dict]) -> None:
     print(f"{'in process':>16} " + " ".join(f"{'':>14}" for _ in cols[:4])
           + f" {inproc['p50_ms']:>14.3f} {inproc['p99_ms']:>14.3f}")
     for c in configs:
+        for name, row in c["rows"].items():
+            if name.startswith("wrk"):
+                print(f"{name + ' --workers ' + c['config']:>16} {row['req_s']:>10.0f} req/s  p50 "
+                      f"{row['p50_ms']:.3f}  p99 {row['p99_ms']:.3f} ms  errors {row['errors']}")
+    for c in configs:
         for proto, row in c["rows"].items():
+            if proto.startswith("wrk"):
+                continue
             name = f"{proto} --workers {c['config']}"
             print(f"{name:>16} " + " ".join(f"{row[k]:>14.3f}" for k in cols))
 
@@ -115,10 +166,14 @@ def main():
     ap.add_argument("--server-cpus", default=None, help="pin the server and the in-process phase")
     ap.add_argument("--queries", default=None, help="CSV with a query column (default: intent_dev)")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--wrk", default=None, help="path of a wrk binary: also its serial and closed-loop runs")
+    ap.add_argument("--wrk-conns", type=int, default=256, help="connections of the closed-loop wrk run")
+    ap.add_argument("--wrk-seconds", type=float, default=10.0, help="seconds of each wrk run")
+    ap.add_argument("--load-cpus", default=None, help="pin wrk: 10-15")
     ap.add_argument("serve_flags", nargs=argparse.REMAINDER, help="-- then flags for prefixscore serve")
     a = ap.parse_args()
     a.serve_flags = a.serve_flags[1:] if a.serve_flags[:1] == ["--"] else a.serve_flags
-    a.server_cpus = parse_cpus(a.server_cpus)
+    a.server_cpus, a.load_cpus = parse_cpus(a.server_cpus), parse_cpus(a.load_cpus)
     queries = load_queries(a.queries)
     inproc = inprocess(a.serve_flags, queries, a.n, a.server_cpus)
     configs = []
@@ -126,7 +181,7 @@ def main():
         configs.append(run_config(config, a, queries))
         print(f"--workers {config}: {json.dumps(configs[-1]['rows'])}", flush=True)
     print_table(inproc["inproc"], configs)
-    out = {"args": {k: v for k, v in vars(a).items() if k != "server_cpus"}, "engine": inproc["engine"],
+    out = {"args": {k: v for k, v in vars(a).items() if k not in ("server_cpus", "load_cpus")}, "engine": inproc["engine"],
            "inproc": inproc["inproc"], "configs": configs}
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / "request_timeline.json"

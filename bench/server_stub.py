@@ -20,6 +20,13 @@ same POST refused (a deadline already past: 504 before tokenizing, what shedding
                 (`worker`), as bench.http does: server overhead = HTTP serial p50 - inproc p50.
                 Each round times every phase; the report is the median of the rounds' p50s.
                 The server polls for work as `prefixscore serve` does on a GPU (--engine-spin-ms).
+--real-prompt   the bundled model's tokenizer and the seed prompt in place of the stub's (the
+                front end's real tokenizing cost; no model is loaded), and prometheus-client in
+                its multiprocess mode (files), as every `prefixscore serve` with an engine process
+                writes its metrics.
+--wrk PATH      also a closed loop of Debian's wrk on --wrk-conns connections (pinned to the last
+                CPU, the server to the others): requests/s = what one front end process can do,
+                its CPU per request being the inverse (with the instant stub).
 Writes $OUT/server_stub.json (bench/results/server_stub.json without OUT).
 """
 from __future__ import annotations
@@ -35,7 +42,7 @@ from pathlib import Path
 
 from prefixscore.serve.engine_proc import spin_seconds
 
-from .http import call_times, free_port, pct
+from .http import call_times, free_port, load_queries, pct
 from .loadgen import LoadGen
 
 OUT = Path(os.environ.get("OUT") or "bench/results")
@@ -76,7 +83,7 @@ class InstantStub:
         return Encoded(q)
 
     def decide_encoded(self, encoded):
-        return [0] * len(encoded), [[-0.1, -2.3]] * len(encoded)
+        return [0] * len(encoded), [[-0.1] + [-2.3] * (len(self.labels) - 1)] * len(encoded)
 
     def classify(self, q):
         return self.decide_encoded(self.prompt.encode_many([{"query": q}]))
@@ -129,13 +136,31 @@ def calibrate(tok_us: float, plan_us: float, wait_us: float) -> dict:
 
 # ---------------------------------------------------------------- server and client
 
-def serve(port, sizes, spin_ms):
+def real_prompt_stub(stub):
+    """stub with the bundled model's seed prompt and labels (the model is loaded for its prompt,
+    then only the prompt is used)."""
+    from prefixscore.classifier import Classifier
+
+    clf = Classifier()
+    stub.prompt, stub.labels, stub.prefix_len = clf.prompt, list(clf.labels), len(clf.prompt.prefix_ids)
+    return stub
+
+
+def serve(port, sizes, spin_ms, real=False, cpus=None):
     import sys
+    import tempfile
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    if real:  # as `prefixscore serve` with an engine process: prometheus' multiprocess files
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="stub_metrics")
 
     from prefixscore.serve import create_app
     from prefixscore.serve.launch import bind, uvicorn_server
 
     stub = GpuStub(**sizes) if sizes else InstantStub()
+    if real:
+        stub = real_prompt_stub(stub)
     app = create_app(stub, max_tokens=512, engine_spin_ms=spin_ms, log_level="error")
     fe = app.state.frontend
     sys.setswitchinterval(0.0005)  # as prefixscore serve --workers 1
@@ -176,6 +201,19 @@ def local_phases(stub, n) -> dict:
     return out
 
 
+def wrk_phase(a, port) -> dict:
+    import tempfile
+
+    from .request_timeline import wrk
+
+    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+        f.writelines(json.dumps({"query": q}) + "\n" for q in load_queries(None))
+    try:
+        return wrk(a, port, a.wrk_conns, f.name)
+    finally:
+        os.unlink(f.name)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stub", choices=["instant", "gpu"], default="instant")
@@ -187,7 +225,14 @@ def main():
     ap.add_argument("--engine-spin-ms", type=float, default=None,
                     help="the server's --engine-spin-ms (default: as `prefixscore serve` on a GPU "
                          "for the gpu stub, 2; 0 for the instant stub)")
+    ap.add_argument("--real-prompt", action="store_true", help="the bundled model's tokenizer and seed prompt")
+    ap.add_argument("--wrk", default=None, help="wrk binary: also a closed-loop capacity run")
+    ap.add_argument("--wrk-conns", type=int, default=16)
+    ap.add_argument("--wrk-seconds", type=float, default=5.0)
     a = ap.parse_args()
+    ncpu = len(os.sched_getaffinity(0))
+    a.load_cpus = {max(os.sched_getaffinity(0))} if a.wrk and ncpu > 1 else None
+    server_cpus = set(os.sched_getaffinity(0)) - a.load_cpus if a.load_cpus else None
     try:
         import uvloop  # the client's own overhead, kept small (as bench.http)
 
@@ -198,7 +243,7 @@ def main():
     port = free_port()
     spin = (a.engine_spin_ms if a.engine_spin_ms is not None  # as `prefixscore serve`
             else 1e3 * spin_seconds("auto", "cuda" if sizes else "cpu"))
-    p = mp.Process(target=serve, args=(port, sizes, spin), daemon=True)
+    p = mp.Process(target=serve, args=(port, sizes, spin, a.real_prompt, server_cpus), daemon=True)
     p.start()
     rounds = []
     gen = LoadGen(1, "http", QUERIES)
@@ -207,6 +252,10 @@ def main():
             r = http_phases(gen, port, a.requests, warm=300)
             if sizes:
                 r.update(local_phases(GpuStub(**sizes), a.requests))
+            if a.wrk:
+                r["wrk"] = wrk_phase(a, port)
+                print(f"wrk {a.wrk_conns} connections: {r['wrk']['req_s']:.0f} req/s, p50 "
+                      f"{r['wrk']['p50_ms']:.2f} ms, errors {r['wrk']['errors']}", flush=True)
             rounds.append(r)
     finally:
         gen.close()

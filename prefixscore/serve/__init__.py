@@ -5,9 +5,10 @@
     classifiers.py  several classifiers over one model: --classifier / [classifiers.NAME], memory
     engine_loop.py  the engine loop: queued requests -> passes of bounded cost -> answers
     scheduler.py    its lanes (real-time, batch), pass budgets, deadlines between passes
-    engine_proc.py  the engine process: the model, the loop, a ZeroMQ ROUTER socket
-    client.py       front end -> engine: InprocClient (a thread) and ZmqClient (a process)
-    dp_client.py    --data-parallel: one ZmqClient per engine, each pass to the least loaded
+    engine_proc.py  the engine process: the model, the loop, its socket (wire.EngineSocket)
+    client.py       front end -> engine: InprocClient (the engine on a thread)
+    wire.py         front end <-> engine process: a Unix socket each (SocketClient, EngineSocket)
+    dp_client.py    --data-parallel: one SocketClient per engine, each pass to the least loaded
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit,
                     deadlines; scoring.py its multi-item route (/v1/score, /rerank)
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards

@@ -1,8 +1,8 @@
 """Front end -> engine clients, one interface over two transports (vLLM's EngineCoreClient shape).
 
 - InprocClient: the engine loop on a thread of this process (`--workers 1`; the tests' seam).
-- ZmqClient: an engine process over a ZeroMQ DEALER socket (several front-end processes).
-- DataParallelClient (dp_client.py): several engine processes, a ZmqClient each (--data-parallel).
+- SocketClient (wire.py): an engine process over a Unix socket (several front-end processes).
+- DataParallelClient (dp_client.py): several engine processes, a SocketClient each (--data-parallel).
 
 Both batch: every request submitted during one event-loop pass leaves in one message, and each
 engine batch comes back as one message per front end. Both watch the engine: when it dies every
@@ -302,77 +302,3 @@ class InprocClient(BaseClient):
             log.warning("restarting the engine thread (restart %d)", self.restarts)
             self.engine.source = type(self.engine.source)()
             self.start(self.loop)
-
-
-class ZmqClient(BaseClient):
-    """An engine process behind a ZeroMQ DEALER socket. The socket's FD is watched by the event
-    loop (no thread); a socket monitor reports the engine's connection going away (the process
-    died) within milliseconds, and while not ready the client says Hello until a Ready comes."""
-
-    def __init__(self, address: str, client_id: int):
-        super().__init__(client_id)
-        import zmq
-
-        self.zmq = zmq
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, client_id.to_bytes(2, "big"))
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.sock.connect(address)
-        self.address = address
-        self.connected = False
-        self.hello_task = None
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        loop.add_reader(self.sock.getsockopt(self.zmq.FD), self._readable)
-        loop.add_reader(self.monitor.getsockopt(self.zmq.FD), self._monitor_event)
-        self.hello_task = loop.create_task(self._hello_loop())
-        self._readable()
-        self._monitor_event()
-
-    def stop(self) -> None:
-        if self.loop is not None:
-            for s in (self.sock, self.monitor):
-                try:
-                    self.loop.remove_reader(s.getsockopt(self.zmq.FD))
-                except Exception:
-                    pass
-        if self.hello_task is not None:
-            self.hello_task.cancel()
-        self.monitor.close()
-        self.sock.close()
-        self.ctx.term()
-
-    async def _hello_loop(self) -> None:
-        while True:
-            if self.error is not None:
-                self._send(P.HelloReq(self.id))
-            await asyncio.sleep(0.2)
-
-    def _send(self, msg) -> None:
-        try:
-            self.sock.send(P.encoder.encode(msg), self.zmq.NOBLOCK)
-        except self.zmq.Again:  # the engine's queue is full or it is gone: nothing may hang on it
-            self._fail_rids(getattr(msg, "rids", None) or [getattr(msg, "rid", None)],
-                            "the engine's input queue is full; retry later")
-        self._readable()  # the FD is edge-triggered: a send can consume the readable edge
-
-    def _readable(self) -> None:
-        zmq = self.zmq
-        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._on_out(P.out_decoder.decode(self.sock.recv(zmq.NOBLOCK)))
-
-    def _monitor_event(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        zmq = self.zmq
-        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            ev = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            if ev["event"] == zmq.EVENT_CONNECTED:
-                self.connected = True
-                self._send(P.HelloReq(self.id))
-            elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                self.connected = False
-                self._fail_all("engine process went away; the server is unhealthy until it is back")

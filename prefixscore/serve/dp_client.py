@@ -1,5 +1,5 @@
 """Front end -> several engine processes, one per GPU (`--data-parallel N`, vLLM's
-DPLBAsyncMPClient shape): one ZmqClient (DEALER socket) per engine, and a router in front of them.
+DPLBAsyncMPClient shape): one SocketClient (wire.py) per engine, and a router in front of them.
 
 The front end already batches every request of one event-loop pass into one message; the router
 sends each such message whole to the engine with the fewest rows in flight from this front end
@@ -62,9 +62,9 @@ class DataParallelClient(BaseClient):
     its requests' jobs to the chosen engine's client, whose answers resolve them as before."""
 
     def __init__(self, addresses: list[str], client_id: int, connect=None):
-        from .client import ZmqClient
+        from .wire import SocketClient
 
-        connect = connect or (lambda address: ZmqClient(address, client_id))
+        connect = connect or (lambda address: SocketClient(address, client_id))
         self.engines = [connect(a) for a in addresses]
         super().__init__(client_id)
         for i, e in enumerate(self.engines):

@@ -25,10 +25,10 @@ import signal
 import sys
 import time
 
-from . import protocol as P
 from ..values import ModelSpec
 from .config import EngineConfig
 from .engine_loop import STOP, EngineLoop, Stopped
+from .wire import EngineSocket
 
 log = logging.getLogger("prefixscore.engine")
 
@@ -114,69 +114,6 @@ def engine_config(ecfg: EngineConfig, index: int, engines: int) -> EngineConfig:
     return ecfg
 
 
-class ZmqSource:
-    """The engine loop's messages from a ROUTER socket: (message, reply-to-its-front-end)."""
-
-    def __init__(self, address: str):
-        import zmq
-
-        self.zmq = zmq
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 1000)  # a fault's last answers still leave
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self.address = address
-        self.ready: P.ReadyOut | None = None
-        self.stop = False
-        self.replies: dict[bytes, object] = {}
-
-    def bind(self, ready: P.ReadyOut) -> None:
-        self.ready = ready
-        self.sock.bind(self.address)
-
-    def _reply(self, ident: bytes):
-        fn = self.replies.get(ident)
-        if fn is None:
-            sock, enc = self.sock, P.encoder.encode
-
-            def fn(out):
-                sock.send_multipart([ident, enc(out)], copy=False)
-
-            self.replies[ident] = fn
-        return fn
-
-    def take(self, spin: float) -> list:
-        zmq, sock = self.zmq, self.sock
-        items = []
-        deadline = time.perf_counter() + spin
-        while not items:
-            if self.stop:
-                return [(STOP, None)]
-            if not sock.poll(0 if time.perf_counter() < deadline else 100):
-                continue
-            while True:
-                try:
-                    ident, data = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                msg = P.req_decoder.decode(data)
-                if isinstance(msg, P.HelloReq):
-                    self._reply(ident)(self.ready)
-                else:
-                    items.append((msg, self._reply(ident)))
-        return items
-
-    def pending(self) -> int:
-        return int(bool(self.sock.getsockopt(self.zmq.EVENTS) & self.zmq.POLLIN))
-
-    def put(self, msg, reply) -> None:  # only STOP, from the signal handler
-        self.stop = True
-
-    def close(self, linger: int) -> None:
-        self.sock.close(linger=linger)
-        self.ctx.term()
-
-
 def save_tokenizer(tokenizer, run_dir: str) -> str:
     """The tokenizer files, for the front ends (a GGUF model's tokenizer exists only in memory)."""
     path = os.path.join(run_dir, f"tokenizer-{os.getpid()}")
@@ -192,7 +129,7 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
     logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     {name}: %(message)s")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    source = ZmqSource(address)
+    source = EngineSocket(address)
     _stop_on_signal(source)
     try:
         if engines > 1 and str(cfg.spec.device).startswith("cuda:"):  # engine i: cuda:i
@@ -241,7 +178,7 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
 STOP_SIGNAL = signal.SIGUSR1  # the launcher's order to stop now (SIGTERM may reach every process)
 
 
-def _stop_on_signal(source: ZmqSource) -> None:
+def _stop_on_signal(source) -> None:
     def stop(signum, frame):
         signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # once: the way out is not interrupted
         source.put(STOP, None)

@@ -2,9 +2,9 @@
 
     --workers 1:  one process: uvicorn's event loop + the engine loop on a thread (InprocClient)
     --workers N:  launcher ── N front-end processes (HTTP, sharing one listening socket)
-                         └── 1 engine process (the device), ZeroMQ between them (ipc://)
+                         └── 1 engine process (the device), a Unix socket to each (wire.py)
     --data-parallel D > 1: the same, with D engine processes (engine i on cuda:i; all on cpu for
-                  the tests), an ipc address each; every front end holds a socket per engine and
+                  the tests), a socket path each; every front end holds a socket per engine and
                   sends each pass's message to the least-loaded one (dp_client.py). --workers 1
                   then means one front-end process, not the single-process layout: the engines
                   need processes of their own, and refusing would break the default on a host of
@@ -141,7 +141,7 @@ def worker_main(fcfg: FrontendConfig, index: int, addresses: list[str], sock, av
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {avoid_cpu})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards SIGTERM
     logging.basicConfig(level=fcfg.log_level.upper(), format=f"%(levelname)s:     worker {index}: %(message)s")
-    from .client import ZmqClient
+    from .wire import SocketClient
     from .frontend import Frontend
     from .http import create_app
     from .metrics import Metrics
@@ -151,7 +151,7 @@ def worker_main(fcfg: FrontendConfig, index: int, addresses: list[str], sock, av
     import transformers.models.auto.tokenization_auto  # noqa: F401
 
     if len(addresses) == 1:
-        client = ZmqClient(addresses[0], index)
+        client = SocketClient(addresses[0], index)
     else:
         from .dp_client import DataParallelClient
 
@@ -196,8 +196,8 @@ class Launcher:
         # Before any child imports prometheus_client: every process writes its metrics there.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(self.run_dir, "metrics")
         n = fcfg.data_parallel
-        self.addresses = [f"ipc://{self.run_dir}/engine"] if n == 1 else \
-            [f"ipc://{self.run_dir}/engine-{i}" for i in range(n)]
+        self.addresses = [f"{self.run_dir}/engine.sock"] if n == 1 else \
+            [f"{self.run_dir}/engine-{i}.sock" for i in range(n)]
         self.engines: list = [None] * n
         self.engine_ready = [self.ctx.Event() for _ in range(n)]
         self.ever_ready = [False] * n

@@ -17,7 +17,6 @@ from prefixscore.serve import protocol as P
 from prefixscore.serve.client import BaseClient, EngineDead
 from prefixscore.serve.dp_client import DataParallelClient, least_loaded
 
-pytest.importorskip("zmq")
 
 
 # ---------------------------------------------------------------- the choice (no processes)

@@ -15,7 +15,6 @@ import pytest
 from tests.helpers import random_queries
 from tests.serve.procs import check, free_port, metric_sum, post_all, serve, wait_healthy
 
-pytest.importorskip("zmq")
 
 
 def test_workers_answer_like_in_process(model, clf):

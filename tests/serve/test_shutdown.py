@@ -13,7 +13,6 @@ import pytest
 
 from tests.serve.procs import metric_sum, serve
 
-pytest.importorskip("zmq")
 
 TIMEOUT = 2.0  # --shutdown-timeout
 # Nothing refused before SIGTERM: the backlog is admitted whole and waits in the engine's queue.

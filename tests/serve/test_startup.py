@@ -15,7 +15,6 @@ import pytest
 
 from tests.serve.procs import one_error, serve_cmd
 
-pytest.importorskip("zmq")
 
 
 @pytest.fixture
