@@ -103,7 +103,7 @@ class BaseClient:
         for row, rid in enumerate(rids):
             self.jobs[rid] = (job, row)
         self._track(job.future, rids)
-        data, offsets = P.pack_ids(ids)
+        data, offsets = P.pack_ids(ids, starts)  # the prefix's tokens are the engine's own
         self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * len(ids),
                                   classifiers or [], [priority] * len(ids) if priority else []))
         return job.future

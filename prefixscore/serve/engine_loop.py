@@ -95,6 +95,7 @@ class EngineLoop:
         self.source = source or QueueSource()
         self.metrics = metrics
         self.N = max(len(c.labels) for c in self.clfs)  # score columns of an answer row
+        self.prefixes = [list(c.prompt.prefix_ids) for c in self.clfs]  # a ClassifyReq's starts
         # a bank of every classifier: one set of graphs whichever classifiers a batch asks for
         self.fuse = len(self.clfs) > 1 and fusable(self.clfs)
         self.schedule = schedule = schedule or ScheduleOptions()
@@ -252,12 +253,18 @@ class EngineLoop:
         ids = P.unpack_ids(m.ids, m.offsets)
         n_clf, cl, pr = len(self.clfs), m.classifiers, m.priorities
         bad = {}
+        prefixes = self.prefixes
         for i, rid in enumerate(m.rids):
-            if cl and not 0 <= cl[i] < n_clf:  # a front end of another engine's Ready
-                bad[rid] = f"no classifier {cl[i]} on this engine"
+            c, start = cl[i] if cl else 0, m.starts[i]
+            if not 0 <= c < n_clf:  # a front end of another engine's Ready
+                bad[rid] = f"no classifier {c} on this engine"
                 continue
-            self.lanes.add_row(Row(m.client, rid, ids[i], m.starts[i], m.deadlines[i],
-                                   cl[i] if cl else 0, reply), pr[i] if pr else 0)
+            if not 0 <= start <= len(prefixes[c]):
+                bad[rid] = f"a start of {start} past classifier {c}'s {len(prefixes[c])} prefix tokens"
+                continue
+            row_ids = prefixes[c][:start] + ids[i] if start else ids[i]  # the prompt, as sent
+            self.lanes.add_row(Row(m.client, rid, row_ids, start, m.deadlines[i], c, reply),
+                               pr[i] if pr else 0)
         if bad:
             reply(self._out(list(bad), [P.BAD_INPUT] * len(bad), errors=bad))
 

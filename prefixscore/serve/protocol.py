@@ -9,6 +9,8 @@ batch, not per request. Token ids and scores travel as raw int32 / float32 bytes
 """
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import numpy as np
 
@@ -29,8 +31,10 @@ class HelloReq(msgspec.Struct, tag=True, array_like=True):
 
 
 class ClassifyReq(msgspec.Struct, tag=True, array_like=True):
-    """Many tokenized classify requests. Request i is ids[offsets[i]:offsets[i+1]] (the whole
-    prompt, int32), of which the engine computes ids[offsets[i] + starts[i]:]. deadlines are
+    """Many tokenized classify requests. Request i's prompt is its classifier's first starts[i]
+    prefix tokens (the pinned prefix, or none: 0), which are not sent, then
+    ids[offsets[i]:offsets[i+1]] (int32), the tokens the engine computes: a front end packed the
+    whole prompt, 5x the ids, for nothing (the seed prompt pins 73 tokens). deadlines are
     time.monotonic() values (one clock for every process of a host): a request still queued then
     is answered EXPIRED instead of being run (the earlier of its start-by time, --max-queue-ms, and
     its own deadline). classifiers[i]: the index (in ReadyOut.classifiers)
@@ -167,12 +171,15 @@ req_decoder = msgspec.msgpack.Decoder(REQ)
 out_decoder = msgspec.msgpack.Decoder(OUT)
 
 
-def pack_ids(ids_list: list[list[int]]) -> tuple[bytes, list[int]]:
-    """Many id lists as one int32 byte string and its offsets (len + 1)."""
+def pack_ids(ids_list: list[list[int]], starts: list[int] | None = None) -> tuple[bytes, list[int]]:
+    """Many id lists (each from starts[i] on, if given) as one int32 byte string and its
+    offsets (len + 1)."""
+    if starts is not None:
+        ids_list = [ids[s:] for ids, s in zip(ids_list, starts)]
     offsets = [0]
     for ids in ids_list:
         offsets.append(offsets[-1] + len(ids))
-    flat = np.fromiter((i for ids in ids_list for i in ids), dtype=np.int32, count=offsets[-1])
+    flat = np.fromiter(itertools.chain.from_iterable(ids_list), dtype=np.int32, count=offsets[-1])
     return flat.tobytes(), offsets
 
 

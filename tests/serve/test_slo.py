@@ -31,7 +31,7 @@ def score_req(full, shared, rid=1, priority=0, **kw):
 
 def classify_req(clf, queries, rids, priority=0):
     enc = [clf.encode(q) for q in queries]
-    data, offsets = P.pack_ids([e.ids for e in enc])
+    data, offsets = P.pack_ids([e.ids for e in enc], [e.start for e in enc])
     return P.ClassifyReq(0, rids, data, offsets, [e.start for e in enc], [1e18] * len(enc), [],
                          [priority] * len(enc) if priority else [])
 
