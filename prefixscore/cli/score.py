@@ -8,7 +8,7 @@ import json
 import sys
 import time
 
-from .common import err, quiet
+from .common import batch_tokens, err, quiet
 from ..errors import ConfigError, InputError, error_at
 from ..overlap import run_ahead
 from ..scorer import LAYOUTS, MODES, Scorer
@@ -61,7 +61,7 @@ def cmd_score(a) -> int:
     rows = _read_requests(src)
     t0 = time.perf_counter()
     spec = ModelSpec(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype,
-                     chat=a.chat, mode=a.mode, max_batch_tokens=a.batch_tokens,
+                     chat=a.chat, mode=a.mode, max_batch_tokens=batch_tokens(a),
                      allow_special_tokens=a.allow_special_tokens, adapter=a.adapter,
                      batch_invariant=getattr(a, "batch_invariant", None) or None)
     sc = Scorer(spec=spec, layout=a.layout, max_items=a.max_items)

@@ -124,7 +124,7 @@ def add_command(subparsers, model_args) -> None:
 def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     """The flags as the two processes' configs (every value checked here, before any model loads)."""
     from ..classifier import classifier_labels
-    from .common import seed_adapter_default, warn, warn_seed_prompt
+    from .common import batch_tokens, seed_adapter_default, warn, warn_seed_prompt
     from ..errors import ConfigError
     from ..rows.io import labels_option, template_option
     from ..prompt import check_template
@@ -153,7 +153,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
             a.model, template, labels,
             device=a.device if dp == 1 else _device_type(a.device),  # engine i: cuda:i (launch)
             dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate,
-            max_batch_tokens=a.batch_tokens, head=getattr(a, "head", None),
+            max_batch_tokens=batch_tokens(a), head=getattr(a, "head", None),
             adapter=getattr(a, "adapter", None),
             allow_special_tokens=getattr(a, "allow_special_tokens", False),
             batch_invariant=getattr(a, "batch_invariant", None) or None),

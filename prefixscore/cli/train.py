@@ -10,7 +10,7 @@ from collections import Counter
 
 import torch
 
-from .common import err, make_classifier, run_batches
+from .common import batch_tokens, err, make_classifier, run_batches
 from ..errors import ConfigError, InputError
 from ..heads import KINDS, save_head
 from ..weights.adapter import ADAPTER_OBJECTIVES
@@ -148,7 +148,7 @@ def cmd_fit_head(a) -> int:
 
             tt = read_text(a.teacher_template_file, "teacher template").rstrip("\n")
         teacher = Classifier(clf.loaded, tt, labels, chat=a.teacher_chat, truncate=a.truncate,
-                             max_batch_tokens=a.batch_tokens)
+                             max_batch_tokens=batch_tokens(a))
         err(f"teacher: prompt mode, prefix {teacher.prefix_len} tokens; labeling {len(queries)} queries")
         results, _ = run_batches(teacher, queries)
         # scores are log-probabilities under label-constrained decoding: softmax = that distribution
@@ -188,7 +188,7 @@ def cmd_eval_modes(a) -> int:
                         head_template=a.head_template, head_chat=a.head_chat, shots=shots,
                         folds=a.folds, seed=a.seed, opts=opts,
                         latency_queries=a.latency_queries, log=err, truncate=a.truncate,
-                        max_batch_tokens=a.batch_tokens)
+                        max_batch_tokens=batch_tokens(a))
     print(format_confusion_all(rep))
     if a.json:
         with Output(a.json) as f:

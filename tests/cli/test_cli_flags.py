@@ -438,7 +438,7 @@ def options(monkeypatch, capsys):
 def test_environment_under_the_command_line(options, monkeypatch, tmp_path, capsys):
     env = monkeypatch.setenv
     a = options("classify", "x")
-    assert (a.model, a.device, a.batch_tokens, a.chat, a.truncate) == (None, None, 16384, None, False)
+    assert (a.model, a.device, a.batch_tokens, a.chat, a.truncate) == (None, None, None, None, False)
     env("PREFIXSCORE_MODEL", "/models/m")
     env("PREFIXSCORE_DEVICE", "cpu")
     env("PREFIXSCORE_BATCH_TOKENS", "123")
@@ -450,7 +450,7 @@ def test_environment_under_the_command_line(options, monkeypatch, tmp_path, caps
     a = options("classify", "x")
     assert (a.model, a.device, a.batch_tokens, a.chat, a.truncate, a.labels, a.dtype) == \
         ("/models/m", "cpu", 123, False, True, "-a,+b", None)
-    # the command line wins, even where it gives the default
+    # the command line wins
     a = options("classify", "x", "--batch-tokens", 16384, "--chat", "--device", "cuda:1", "--model", "/m2")
     assert (a.batch_tokens, a.chat, a.device, a.model, a.truncate) == (16384, True, "cuda:1", "/m2", True)
     # every command: eval's own flags too
@@ -748,3 +748,16 @@ def test_eval_input_errors(tmp_path, monkeypatch, capsys):
         (tmp_path / "d.csv").write_text("query,label\na,Dress\n")
         assert fails(capsys, "eval", *args, *no_model) == \
             "prefixscore: error: Parquet needs pyarrow: pip install 'prefixscore[parquet]'"
+
+
+def test_batch_tokens_default_by_device(options):
+    """A CPU's passes are 2,048 tokens (a 16,384-token pass took 8 s: Ctrl-C waits for one), a
+    GPU's 16,384; a number given is kept whatever the device."""
+    from prefixscore.cli.common import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, batch_tokens, model_spec
+
+    assert model_spec(options("classify", "x", "--device", "cpu")).max_batch_tokens == CPU_BATCH_TOKENS == 2048
+    assert batch_tokens(options("classify", "x", "--device", "cuda:3")) == GPU_BATCH_TOKENS  # said, if absent
+    import torch
+    want = GPU_BATCH_TOKENS if torch.cuda.is_available() else CPU_BATCH_TOKENS
+    assert batch_tokens(options("classify", "x")) == want
+    assert batch_tokens(options("classify", "x", "--device", "cpu", "--batch-tokens", 512)) == 512
