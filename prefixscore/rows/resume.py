@@ -9,7 +9,7 @@ import json
 import os
 
 from ..errors import InputError
-from .writer import RowFormat, plain
+from .writer import RowFormat, json_text
 
 CHUNK_ROWS = 4096  # rows per chunk: thousands keep the GPU's flat batches full, the memory small
 FIRST_CHUNK_ROWS = 32  # the first chunks are short, so the first rows are out moments after the model
@@ -131,7 +131,7 @@ def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str, 
                                  f"written from another input")
             want = form.input_part(row)
             if form.fmt == "jsonl":  # as written: a Parquet timestamp is its ISO text there
-                want = json.loads(json.dumps(want, default=plain))
+                want = json.loads(json_text(want))
             same = got[:len(want)] == want if form.fmt == "csv" else \
                 all(got.get(k, ...) == v for k, v in want.items())
             if not same:

@@ -215,8 +215,8 @@ def expected_output(results, labels, fmt):
     import io
 
     if fmt == "jsonl":
-        return "".join(json.dumps({"row": n, **r.to_dict(), "error": None}, ensure_ascii=False) + "\n"
-                       for n, r in enumerate(results, 1))
+        return "".join(json.dumps({"row": n, **r.to_dict(), "error": None}, ensure_ascii=False,
+                                  separators=(",", ":")) + "\n" for n, r in enumerate(results, 1))
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["row", "query", "label"] + [f"score:{l}" for l in labels] + ["error"])
