@@ -146,6 +146,7 @@ class Row:
     fields: dict              # its columns as read; {column: text} for plain lines
     query: str | None = None  # None when `error` says why there is nothing to classify
     error: str | None = None
+    end: int = 0              # input bytes read up to its end (progress; 0 without a file size)
 
 
 class RowReader:
@@ -189,7 +190,15 @@ class RowReader:
             if column not in self.columns:
                 raise InputError(f"{self.name}: no column {column!r} (columns: "
                                  f"{', '.join(self.columns) or 'none, the file is empty'})")
-        self._rows = {"txt": self._txt, "csv": self._csv, "jsonl": self._jsonl}[self.fmt]()
+        self._rows = self._ends({"txt": self._txt, "csv": self._csv, "jsonl": self._jsonl}[self.fmt]())
+
+    def _ends(self, rows):
+        """Each row with the bytes read up to its end: the progress of the rows up to it. The
+        reader's own `pos` runs ahead of what is done (a job reads its first chunk of rows at
+        start: a 20,000-row log read "20%" before a row was classified)."""
+        for row in rows:
+            row.end = self.pos
+            yield row
 
     def __iter__(self):
         return self._rows

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class Chunk:
     rows: list[Row]
     encoded: list  # Encoded of the rows without an error, in order
-    pos: int  # input bytes read when it was cut
+    pos: int  # input bytes up to its last row's end
 
 
 def encode_rows(clf, rows: list[Row], strict: bool, where) -> list:
@@ -83,7 +83,7 @@ def tokenized_chunks(clf, rows, reader: RowReader, chunk_rows: int, strict: bool
 
     def next_chunk(size):  # on the worker; run_ahead calls it in order, one at a time
         batch = list(itertools.islice(rows, size))
-        return Chunk(batch, encode_rows(clf, batch, strict, reader.where), reader.pos) if batch else None
+        return Chunk(batch, encode_rows(clf, batch, strict, reader.where), batch[-1].end) if batch else None
 
     ends = (end for end in chunk_ends(chunk_rows) if end > start)
     sizes = ((b - a,) for a, b in itertools.pairwise(itertools.chain([start], ends)))
@@ -101,12 +101,14 @@ class Progress:
     Never backwards: a chunk's write is confirmed after the next chunk's passes reported."""
 
     def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float = EVERY,
-                 clock=time.monotonic, quiet: bool = False):
+                 clock=time.monotonic, quiet: bool = False, pos: int | None = None):
+        """start: rows done before this run (a resume's kept rows), pos: their input bytes (the
+        reader has read past them)."""
         self.reader, self.start, self.every, self.clock = reader, start, every, clock
         self.stream = sys.stderr if stream is None else stream
         self.t0 = self.last = clock()
-        # the share done when this run started (a resume's kept rows); the reader has read ahead
-        self.f0 = 0.0 if start == 0 else self._fraction(start, reader.pos)
+        # the share done when this run started, which the ETA's rate leaves out
+        self.f0 = 0.0 if start == 0 else self._fraction(start, reader.pos if pos is None else pos)
         self.rows, self.pos = start, 0  # the most reported: never backwards
         self.bar, self.quiet = None, quiet
         if self.stream.isatty() and not quiet:
@@ -231,11 +233,11 @@ class ClassifyJob:
         self.options |= model | {"labels": clf.labels}
         form = RowFormat(self.fmt, clf.labels, self.reader.column, self.keep, self.reader.columns,
                          self.options.get("probs", False), self.options.get("top_k"))
-        done, keep_bytes, chunks = 0, 0, []
+        done, keep_bytes, chunks, read = 0, 0, [], 0
         if self.resuming:
             chunks = check_meta(self.output, self.options)
-            done, keep_bytes, redo = scan_output(self.output, form, self.rows, self.chunk_rows,
-                                                 self.reader.where, verified(self.output, chunks))
+            done, keep_bytes, redo, read = scan_output(self.output, form, self.rows, self.chunk_rows,
+                                                       self.reader.where, verified(self.output, chunks))
             # a record from before digests, or past the rows kept: only those of the rows kept
             chunks = [c for c in chunks if c[0] <= done] if chunks or not done else None
             os.truncate(self.output, keep_bytes)  # a torn chunk goes, and a torn last line with it
@@ -251,15 +253,17 @@ class ClassifyJob:
             writer = ParquetResultWriter(self.output, form, self.reader)
         else:
             writer = ResultWriter(self.output, form, append=keep_bytes > 0)
-        return self._stream(clf, writer, done, err, warn or err, keep_bytes, chunks)
+        return self._stream(clf, writer, done, err, warn or err, keep_bytes, chunks, read)
 
-    def _stream(self, clf, writer, done: int, err, warn, end: int = 0, digests: list | None = None) -> int:
+    def _stream(self, clf, writer, done: int, err, warn, end: int = 0, digests: list | None = None,
+                read: int | None = None) -> int:
         """The main thread runs the engine; a chunk's rows are formatted and written on a writer
         thread while the engine runs the next chunk (JSON and CSV formatting are Python, a few us a
         row: in the engine's thread they were its rate's loss). One chunk's write at a time, in
-        order; the rows count as done, and the progress moves, once their write returned."""
+        order; the rows count as done, and the progress moves, once their write returned. read:
+        the input bytes of the rows done before (a resume's)."""
         t0, start, counts, errors = time.perf_counter(), done, Counter(), 0
-        progress = Progress(self.reader, done, quiet=self.quiet)
+        progress = Progress(self.reader, done, quiet=self.quiet, pos=read)
         pending = None  # (the write in flight, its chunk, its results)
 
         def written():
@@ -277,7 +281,7 @@ class ClassifyJob:
             errors += sum(r is None for r in out)
             progress.update(done, errors, chunk.pos)
 
-        last_pos = 0  # bytes read before the chunk in flight (its rows' share of the rest: progress)
+        last_pos = read or 0  # input bytes up to the chunk in flight (progress: its rows share the rest)
         pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-write")
         with writer, StopSignals() as stop, contextlib.closing(tokenized_chunks(
                 clf, self.rows, self.reader, self.chunk_rows, self.strict, done)) as chunks:

@@ -557,6 +557,26 @@ def test_progress_moves_with_each_engine_pass(main, clf, tmp_path, monkeypatch):
     assert len(inside) >= 2, seen
     size = src.stat().st_size
     assert all(0 <= p <= size for _, p in seen) and seen[-1] == (64, size)
+    # The share is the rows done's, though the job read all 64 rows at its start (its first
+    # chunk_rows): during the first chunk at most the bytes of its 32 lines, never the file's.
+    first = len("".join(src.read_text(encoding="utf-8").splitlines(keepends=True)[:32]).encode())
+    assert all(p <= first for r, p in seen if r <= 32) and any(0 < p < first for r, p in seen), seen
+
+
+def test_each_row_knows_where_it_ends(tmp_path):
+    """Row.end: the input's bytes up to the end of that row (the progress of the rows up to it),
+    whatever the reader has read past it since."""
+    from prefixscore.rows.io import RowReader
+
+    lines = ["levis 501\n", "\n", "红色连衣裙\n", "oversized hoodie"]  # a blank, UTF-8, no last newline
+    for fmt, body in (("txt", "".join(lines)), ("jsonl", "".join(json.dumps({"query": l.strip()}) + "\n"
+                                                                    for l in lines))):
+        src = tmp_path / f"q.{fmt}"
+        src.write_bytes(body.encode())
+        with RowReader(str(src)) as reader:
+            rows = list(reader)
+        raw = body.encode().splitlines(keepends=True)
+        assert [r.end for r in rows] == list(itertools.accumulate(len(x) for x in raw)), fmt
 
 
 def test_bar_is_lines_off_a_terminal(tmp_path):
