@@ -605,3 +605,29 @@ def test_bar_is_lines_off_a_terminal(tmp_path):
         assert b.bar is not None
         b.update(10)
     assert Bar(10, "item", "score", stream=Tty(), disable=True).bar is None
+
+
+def test_eta_follows_the_recent_pace(tmp_path):
+    """The ETA takes the pace of the last minute: a job that ran slowly for its first 100 s and
+    four times faster since is told the time its present pace needs, not the whole run's average;
+    a pass that makes no progress for over a minute falls back to the run's pace (no division by
+    zero)."""
+    from prefixscore.rows.io import RowReader
+    from prefixscore.rows.stream import Progress
+
+    src = tmp_path / "q.txt"
+    src.write_text("x\n" * 10000)  # 20,000 bytes
+    reader, clock, out = RowReader(str(src)), Clock(), io.StringIO()
+    progress = Progress(reader, stream=out, clock=clock)
+    rows = 0
+    for t in range(5, 305, 5):  # 10 rows/s for 100 s, then 40 rows/s
+        rows += 50 if t <= 100 else 200
+        clock.t = float(t)
+        progress.update(rows, 0, 2 * rows)
+    last = out.getvalue().splitlines()[-1]
+    # at 300 s: 9,000 rows done, 1,000 left at 40 rows/s = 25 s (the run's average, 30 rows/s: 33 s)
+    assert last == "classify: 9000 rows (0 errors), 30 rows/s, 90%, ETA 0m25s", last
+    clock.t = 400.0  # no rows for 100 s
+    progress.update(rows, 0, 2 * rows)
+    assert out.getvalue().splitlines()[-1].endswith("ETA 0m44s")  # 400 s * 0.1 / 0.9
+    reader.close()
