@@ -10,7 +10,6 @@ engine rounds a row's scores by the flat batch it runs in, so a resumed run must
 exactly where the first run did to write the same bytes."""
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import logging
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import InputError
 from .io import Row, RowReader
-from .progress import EVERY, duration
+from .progress import EVERY, Pace, duration
 from .writer import check_output, output_format
 from ..overlap import run_ahead
 from .resume import CHUNK_ROWS, check_meta, chunk_ends, scan_output, verified, write_meta
@@ -95,9 +94,6 @@ def tokenized_chunks(clf, rows, reader: RowReader, chunk_rows: int, strict: bool
             yield chunk
 
 
-WINDOW = 60.0  # seconds of progress an ETA's pace is taken over
-
-
 class Progress:
     """Rows done, on stderr, after each engine pass (per chunk, lines came 11-48 s apart on a CPU):
     a tqdm bar on a terminal, else a line every `every` seconds (rows, rows/s, and the share done
@@ -114,7 +110,7 @@ class Progress:
         # the share done when this run started, which the ETA's rate leaves out
         self.f0 = 0.0 if start == 0 else self._fraction(start, reader.pos if pos is None else pos)
         self.rows, self.pos = start, 0  # the most reported: never backwards
-        self.seen = collections.deque([(self.t0, self.f0)])  # (time, share) of the lines printed
+        self.pace = Pace(self.t0, self.f0)
         self.bar, self.quiet = None, quiet
         if self.stream.isatty() and not quiet:
             from tqdm import tqdm
@@ -140,21 +136,8 @@ class Progress:
         rate = (rows - self.start) / secs if secs > 0 else 0.0
         line = f"classify: {rows} rows ({errors} errors), {rate:.0f} rows/s"
         if f is not None and f > self.f0:
-            line += f", {100 * f:.0f}%, ETA {duration(self._eta(now, f))}"
+            line += f", {100 * f:.0f}%, ETA {duration(self.pace.eta(now, f))}"
         print(line, file=self.stream, flush=True)
-
-    def _eta(self, now: float, f: float) -> float:
-        """Seconds left at the pace of the last WINDOW seconds. The pace since the start lagged:
-        the first chunks are small (32, 64 rows... make small passes), and on a 20,000-row log the
-        ETA at a quarter done was 46% over (bench/eta.py)."""
-        seen = self.seen
-        seen.append((now, f))
-        while len(seen) > 2 and now - seen[1][0] >= WINDOW:  # keep one sample at least WINDOW old
-            seen.popleft()
-        t, g = seen[0]
-        if f <= g:  # nothing done in the window (one long pass): the pace since the start
-            t, g = self.t0, self.f0
-        return (1 - f) * (now - t) / (f - g)
 
     def close(self) -> None:
         if self.bar is not None:
