@@ -10,7 +10,7 @@ import sys
 from .. import __version__
 from ..errors import InputError, PrefixScoreError
 from .common import (
-    apply_sources, classifier_kwargs, err, error, log, make_classifier, model_args, quiet,
+    apply_sources, batch_tokens, classifier_kwargs, err, error, log, make_classifier, model_args, quiet,
     run_batches, seed_adapter_default, verbosity,
 )
 from ..rows.files import is_many
@@ -98,8 +98,10 @@ def _classify_files(a) -> int:
 
 
 def _flags(a) -> dict:
-    return {k: getattr(a, k) for k in ("batch_tokens", "mode", "truncate", "allow_special_tokens",
-                                       "probs", "top_k")}
+    """The options a sidecar records: batch_tokens as run (its default is the device's), as the
+    Ray path records the classifier's."""
+    return {"batch_tokens": batch_tokens(a)} | {k: getattr(a, k) for k in (
+        "mode", "truncate", "allow_special_tokens", "probs", "top_k")}
 
 
 def _first_query(a) -> str:
