@@ -41,7 +41,7 @@ def engine_socket(path: str, spin: bool) -> None:
 
 async def client_socket(path: str, n: int) -> list[float]:
     from prefixscore.serve import protocol as P
-    from prefixscore.serve.wire import Frames
+    from prefixscore.serve.wire import Frames, frame
 
     for _ in range(100):
         try:
@@ -53,7 +53,7 @@ async def client_socket(path: str, n: int) -> list[float]:
     msg = P.encoder.encode(P.ClassifyReq(0, [1], MSG, [0, len(MSG) // 4], [0], [0.0]))
     for _ in range(n):
         t = time.perf_counter()
-        w.write(len(msg).to_bytes(4, "little") + msg)
+        w.write(frame(msg))
         got = []
         while not got:
             got = frames.feed(await r.read(1 << 20))

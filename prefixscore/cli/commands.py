@@ -10,8 +10,8 @@ import sys
 from .. import __version__
 from ..errors import InputError, PrefixScoreError
 from .common import (
-    apply_sources, batch_tokens, classifier_kwargs, err, error, log, make_classifier, model_args, quiet,
-    run_batches, seed_adapter_default, verbosity,
+    apply_sources, batch_tokens, classifier_kwargs, err, error, log, make_classifier, model_args,
+    quiet, run_batches, seed_adapter_default, verbosity,
 )
 from ..rows.files import is_many
 from ..rows.io import labels_option

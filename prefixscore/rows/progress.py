@@ -1,7 +1,8 @@
 """Progress of long work on stderr, as a user reads it where it runs: a tqdm bar on a terminal,
 else a line every few seconds (a log file, a CI job, `2> log`: tqdm's bar there is one growing
 line of carriage returns, written only as the bar sees fit). For `score`, `eval` and fine-tuning;
-`classify` has its own (rows/stream.py: its total comes from the bytes read)."""
+`classify` has its own (rows/stream.py: its share is the bytes of the rows done); both take
+their ETA from Pace."""
 from __future__ import annotations
 
 import collections

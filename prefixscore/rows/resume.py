@@ -117,10 +117,10 @@ def _short(v) -> str:
 
 def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str, upto: int | None = None):
     """Check what an interrupted run wrote against the input, row by row by the `row` column and the
-    input columns: -> (rows kept, bytes kept, input rows read past them, input bytes kept). Only whole chunks are
-    kept, up to row `upto` (those whose bytes were verified): a chunk a crash tore is redone from
-    its first row, so its flat batches, and its bytes, are those of an uninterrupted run. Also ->
-    the input bytes up to the last row kept (Row.end: where progress starts)."""
+    input columns: -> (rows kept, output bytes kept, input rows read past them, input bytes up to
+    the last row kept: Row.end, where progress starts). Only whole chunks are kept, up to row `upto`
+    (those whose bytes were verified): a chunk a crash tore is redone from its first row, so its
+    flat batches, and its bytes, are those of an uninterrupted run."""
     rows, keep_rows, keep_bytes, redo, keep_end = iter(rows), 0, 0, [], 0
     ends = chunk_ends(chunk_rows)
     end_row = next(ends)

@@ -97,8 +97,9 @@ def tokenized_chunks(clf, rows, reader: RowReader, chunk_rows: int, strict: bool
 class Progress:
     """Rows done, on stderr, after each engine pass (per chunk, lines came 11-48 s apart on a CPU):
     a tqdm bar on a terminal, else a line every `every` seconds (rows, rows/s, and the share done
-    with an ETA when the input's size or row count is known: a file's bytes read over its size).
-    Never backwards: a chunk's write is confirmed after the next chunk's passes reported."""
+    with an ETA when the input's size or row count is known: the bytes of the rows done over a
+    file's size). Never backwards: a chunk's write is confirmed after the next chunk's passes
+    reported."""
 
     def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float = EVERY,
                  clock=time.monotonic, quiet: bool = False, pos: int | None = None):

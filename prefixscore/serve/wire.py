@@ -42,6 +42,7 @@ MAX_BUFFERED = 256 << 20  # a front end's unsent bytes beyond which its requests
 
 
 def frame(data: bytes) -> bytes:
+    """One message on the stream: its length, then its bytes."""
     return HEADER.pack(len(data)) + data
 
 
@@ -118,7 +119,7 @@ class EngineSocket:
                 return
             data = enc(out)
             try:
-                _send_all(conn, HEADER.pack(len(data)) + data)
+                _send_all(conn, frame(data))
             except OSError as e:  # gone, or stalled past SEND_TIMEOUT: not worth the engine's time
                 log.warning("dropping a front end's connection: %s", e)
                 self._drop(conn)
@@ -238,7 +239,6 @@ class SocketClient(BaseClient):
         super().__init__(client_id)
         self.address = address
         self.stream: _Stream | None = None
-        self.connected = False
         self.task: asyncio.Task | None = None
         self.stopped = False
 
@@ -263,7 +263,6 @@ class SocketClient(BaseClient):
                 except OSError:  # not listening yet (starting, restarting)
                     await asyncio.sleep(self.RETRY)
                     continue
-                self.connected = True
                 self._send(P.HelloReq(self.id))
             elif self.error is not None:
                 self._send(P.HelloReq(self.id))
@@ -272,7 +271,7 @@ class SocketClient(BaseClient):
     def _lost(self, stream: _Stream) -> None:
         if stream is not self.stream:
             return
-        self.stream, self.connected = None, False
+        self.stream = None
         if not self.stopped:
             self._fail_all("engine process went away; the server is unhealthy until it is back")
 
@@ -282,8 +281,7 @@ class SocketClient(BaseClient):
             return self._fail_rids(_rids(msg), "the engine is not connected; retry later")
         if s.transport.get_write_buffer_size() > MAX_BUFFERED:  # the engine stopped reading
             return self._fail_rids(_rids(msg), "the engine's input queue is full; retry later")
-        data = P.encoder.encode(msg)
-        s.transport.write(HEADER.pack(len(data)) + data)
+        s.transport.write(frame(P.encoder.encode(msg)))
 
 
 def _rids(msg) -> list:

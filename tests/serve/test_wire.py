@@ -10,13 +10,13 @@ import pytest
 
 from prefixscore.serve import protocol as P
 from prefixscore.serve.client import EngineDead
-from prefixscore.serve.wire import HEADER, EngineSocket, Frames, SocketClient
+from prefixscore.serve.wire import EngineSocket, Frames, SocketClient, frame
 
 
 def test_frames_from_any_cut():
     rng = random.Random(0)
     msgs = [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 300))) for _ in range(50)]
-    stream = b"".join(HEADER.pack(len(m)) + m for m in msgs)
+    stream = b"".join(frame(m) for m in msgs)
     for _ in range(20):
         f, got, at = Frames(), [], 0
         while at < len(stream):
