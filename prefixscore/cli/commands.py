@@ -15,7 +15,7 @@ from .common import (
 )
 from ..rows.files import is_many
 from ..rows.io import labels_option
-from ..rows.report import confusion_report, format_confusion, format_per_label, rows_digest
+from ..rows.report import confusion_report, format_confusion, format_per_label, trained_on
 from ..prompt import SEED_LABELS
 from ..rows.resume import CHUNK_ROWS, model_record
 from .resume_args import fill_from_sidecar
@@ -172,9 +172,12 @@ def cmd_eval(a) -> int:
         rep = confusion_report(gold, [r.label for r in results], clf.labels)
         rep |= {"mode": name, "template": clf.prompt.template, "chat": clf.prompt.chat,
                 "ms_per_query": 1e3 * secs / len(rows)}
-        trained = clf.adapter_meta or {}
-        if trained.get("training", {}).get("data_sha256") == rows_digest(queries, gold):
-            rep["mode"] += " (trained on these rows)"  # a training-set score, not a held-out one
+        trained = (clf.adapter_meta or {}).get("training", {})
+        seen = trained_on(trained, queries, gold)
+        if seen:  # a training-set score (in part), not a held-out one
+            rep["mode"] += (" (trained on these rows)" if seen == len(rows) else
+                            f" (trained on {seen} of these {len(rows)} rows)")
+            rep["trained_rows"] = seen
         reps.append(rep)
         labels = clf.labels
         del clf  # one model in memory at a time

@@ -336,7 +336,7 @@ def classify_batches(clf, queries: list[str]):
     (Classifier.classify_batch_iter)."""
     from ..rows.progress import Bar
 
-    with Bar(len(queries), "query", "classify", disable=len(queries) <= 256 or quiet()) as bar:
+    with Bar(len(queries), "row", "classify", disable=len(queries) <= 256 or quiet()) as bar:
         yield from clf.classify_batch_iter(queries, progress=bar.update)
 
 

@@ -205,7 +205,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     from .fit_heads import split_indices
     from ..labels import LabelTrie, check_labels
     from ..weights.loading import base_hash, load, resolve_device, resolve_dtype, wants_fp8
-    from ..rows.report import rows_digest
+    from ..rows.report import row_keys, rows_digest
     from ..prompt import SEED_LABELS, SEED_TEMPLATE, Prompt, check_template
     from .write_adapter import from_peft, save_adapter
 
@@ -274,6 +274,7 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
                 "refit": refit_hist is not None, **({"refit_history": refit_hist} if refit_hist else {}),
                 "seconds": round(time.perf_counter() - t0, 1), "teacher": teacher is not None,
                 "data_sha256": rows_digest(queries, [labels[g] for g in gold]),
+                "row_keys": row_keys(queries, [labels[g] for g in gold]),
                 **({"val_acc": best[0], "val_loss": best[1]} if va else {})}
     meta = {"base_hash": ident, "base_model": name, "template": template, "chat": prompt.chat,
             "labels": labels, "objective": objective, "rank": rank, "alpha": float(alpha),

@@ -312,7 +312,9 @@ def test_eval_puts_zero_shot_and_adapter_side_by_side(llama, trained, tmp_path, 
     from prefixscore.cli.commands import main
 
     path, _ = trained
-    data = _csv(tmp_path / "d.csv", ROWS[:30])
+    seen = {tuple(r) for r in ROWS}
+    fresh = [r for r in keyword_rows(40, seed=1) if tuple(r) not in seen][:30]
+    data = _csv(tmp_path / "d.csv", fresh)
     rep = tmp_path / "rep.json"
     assert main(["eval", data, "--model", str(llama), "--device", "cpu", "--adapter", str(path),
                  "--json", str(rep)]) == 0
@@ -328,6 +330,10 @@ def test_eval_puts_zero_shot_and_adapter_side_by_side(llama, trained, tmp_path, 
     assert main(["eval", _csv(tmp_path / "all.csv", list(reversed(ROWS))), "--model", str(llama),
                  "--device", "cpu", "--adapter", str(path)]) == 0
     assert f"adapter {path} (trained on these rows)" in capsys.readouterr().out
+    # and on a file holding some of them, how many
+    assert main(["eval", _csv(tmp_path / "some.csv", ROWS[:7] + fresh), "--model", str(llama),
+                 "--device", "cpu", "--adapter", str(path)]) == 0
+    assert f"adapter {path} (trained on 7 of these {7 + len(fresh)} rows)" in capsys.readouterr().out
 
 
 def test_seed_adapter_is_the_default_task_only(tmp_path, monkeypatch, capsys):
