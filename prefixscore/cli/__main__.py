@@ -1,6 +1,4 @@
 """python -m prefixscore.cli ... runs the `prefixscore` command."""
-import sys
+from .commands import run
 
-from .commands import main
-
-sys.exit(main())
+run()

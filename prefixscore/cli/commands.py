@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
 
 from .. import __version__
@@ -343,5 +345,22 @@ def main(argv=None) -> int:
         return 141  # 128 + SIGPIPE: what a shell reports for a tool the signal stopped
 
 
+def run() -> None:
+    """The `prefixscore` program: main(), then exit with its status. A job a signal stopped has
+    closed its output and said where it stopped, so it leaves without the interpreter's teardown:
+    ~0.9 s of torch and the model's memory on a CPU, as long as the engine pass the stop waited
+    for (bench/stop.py)."""
+    rc = main()
+    if rc in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or file: nothing more to say there
+                pass
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

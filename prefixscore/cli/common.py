@@ -74,8 +74,10 @@ def common_args(p: argparse.ArgumentParser) -> None:
 
 
 # A CPU pass of 16,384 tokens of the bundled model took 7.9 s (2 cores), which is how long a
-# Ctrl-C waited; passes of 2,048 were also 5-8% faster there (no CUDA graphs to fill).
-GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 2048
+# Ctrl-C waited. bench/stop.py, the bundled model with the seed adapter on 2 cores: with passes of
+# 1,024 tokens a SIGINT exited within 1.3 s (3 signals), with 2,048 within 2.3 s; the rates were
+# 40 and 44 rows/s (36 and 34 in another run): 1,024 keeps Ctrl-C under 2 s.
+GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 1024
 
 
 def batch_tokens(a) -> int:

@@ -755,7 +755,7 @@ def test_batch_tokens_default_by_device(options):
     GPU's 16,384; a number given is kept whatever the device."""
     from prefixscore.cli.common import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, batch_tokens, model_spec
 
-    assert model_spec(options("classify", "x", "--device", "cpu")).max_batch_tokens == CPU_BATCH_TOKENS == 2048
+    assert model_spec(options("classify", "x", "--device", "cpu")).max_batch_tokens == CPU_BATCH_TOKENS == 1024
     assert batch_tokens(options("classify", "x", "--device", "cuda:3")) == GPU_BATCH_TOKENS  # said, if absent
     import torch
     want = GPU_BATCH_TOKENS if torch.cuda.is_available() else CPU_BATCH_TOKENS
