@@ -232,18 +232,48 @@ class Classifier:
             yield from self._in_order(self._batches(itertools.chain.from_iterable(chunks)), progress)
 
     def _in_order(self, batches, progress):
-        """Run each batch of (index, Encoded) pairs; yield the results each completes, in order."""
-        done, ready = {}, 0
-        for batch in batches:
-            done.update(zip((i for i, _ in batch), self._run([e for _, e in batch])))
+        """Run each batch of (index, Encoded) pairs; yield the results each completes, in order.
+        On a GPU the next batch is planned and queued before the one in flight is collected, so
+        the GPU does not wait while the host plans, copies and launches (and turns the last
+        batch's scores into Results): an eager pass of 16,384 tokens queues in the background
+        (Engine.launch). On a CPU a launch computes the pass, so there batches run one at a
+        time: a stop between passes waits for one pass, not two."""
+        done, ready, pending = {}, 0, None
+        ahead = self.engine.queues
+
+        def complete(batch, finish):
+            nonlocal ready
+            decision, label_scores = finish()
+            done.update((i, Result(e.values["query"], self.labels[d], dict(zip(self.labels, s))))
+                        for (i, e), d, s in zip(batch, decision, label_scores))
             if progress is not None:
                 progress(len(batch))
             out = []
             while ready in done:
                 out.append(done.pop(ready))
                 ready += 1
-            if out:
+            return out
+
+        batches = iter(batches)
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception:  # a query only tokenizing faults: what ran before it is answered first
+                if pending is not None and (out := complete(*pending)):
+                    yield out
+                raise
+            if batch is None:
+                break
+            launched = batch, self._launch([e for _, e in batch])
+            if pending is not None and (out := complete(*pending)):
                 yield out
+            pending = launched
+            if not ahead:  # a CPU pass has run by now: answer it before the next is planned
+                out, pending = complete(*pending), None
+                if out:
+                    yield out
+        if pending is not None and (out := complete(*pending)):
+            yield out
 
     def _batches(self, stream):
         """Flat batches (lists of (index, Encoded)) from a stream of tokenized requests, in its
@@ -363,6 +393,23 @@ class Classifier:
         if logprobs and len(batch) == 1:  # the latency path
             one, d = self.trie.assemble_one(scores, best)
             return [d], [one]
-        label_scores, decision = (self.trie.assemble(scores, best, len(batch)) if logprobs
+        return self._assemble(scores, best, len(batch), logprobs)
+
+    def _assemble(self, scores, best, n: int, logprobs: bool):
+        label_scores, decision = (self.trie.assemble(scores, best, n) if logprobs
                                   else self.trie.assemble_logits(scores, best))
         return decision.tolist(), label_scores.tolist()
+
+    def _launch(self, batch: list[Encoded]):
+        """_decide in two halves: plan and queue the batch's pass now; the returned finish() waits
+        for it and returns what _decide returns (a graph replay, a CPU pass and a head's scores
+        have finished by then: only an eager CUDA pass is still running)."""
+        logprobs = self.mode == "logprobs"
+        if self.head is not None or len(batch) == 1:
+            answer = self._decide(batch)
+            return lambda: answer
+        plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch], self.trie,
+                             branches=logprobs)
+        prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
+        collect = self.engine.launch(plan, prefix, self.weight, logprobs)
+        return lambda: self._assemble(*collect(), len(batch), logprobs)

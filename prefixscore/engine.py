@@ -125,6 +125,12 @@ class Engine:
         g = self._graph(plan, prefix_kv, weight, logprobs)
         return g.run(plan) if g is not None else self.launch(plan, prefix_kv, weight, logprobs)()
 
+    @property
+    def queues(self) -> bool:
+        """Whether launch() can return before its pass has run (an eager CUDA pass), so a caller
+        gains by launching the next pass before collecting this one. On a CPU it computes."""
+        return self.device.type == "cuda"
+
     def _graph(self, plan: Plan, prefix_kv, weight, logprobs) -> "GraphRunner | None":
         g = self.graphs.get((id(prefix_kv), id(weight), logprobs))
         return g if g is not None and plan.num_tokens <= g.max_tokens else None

@@ -100,7 +100,7 @@ def test_batches_ramp_up_and_keep_order(model, small_chunks, monkeypatch):
 
     monkeypatch.setattr(clf, "encode_many", some_exact)
     sizes, runs = [], []
-    run = clf._run
+    run = clf._launch
 
     def recorded(batch):
         if batch[0].start:  # the budget ramps for batches of the cached prefix
@@ -108,7 +108,7 @@ def test_batches_ramp_up_and_keep_order(model, small_chunks, monkeypatch):
         runs.append([e.start for e in batch])
         return run(batch)
 
-    monkeypatch.setattr(clf, "_run", recorded)
+    monkeypatch.setattr(clf, "_launch", recorded)
     streamed = list(clf.classify_batch_iter(queries))
     got = [r for b in streamed for r in b]
     assert [r.query for r in got] == queries
@@ -122,8 +122,8 @@ def test_batches_ramp_up_and_keep_order(model, small_chunks, monkeypatch):
 def test_errors_name_the_query(clf, small_chunks, monkeypatch):
     queries = random_queries(200, 11)
     ran = []
-    run = clf._run
-    monkeypatch.setattr(clf, "_run", lambda batch: ran.append(len(batch)) or run(batch))
+    run = clf._launch
+    monkeypatch.setattr(clf, "_launch", lambda batch: ran.append(len(batch)) or run(batch))
     for bad, msg in (("  ", "empty query"), (7, "query must be a string, got int")):
         with pytest.raises(InputError, match=f"^query 37: {msg}$"):
             clf.classify_batch(queries[:36] + [bad] + queries[36:])
@@ -146,6 +146,44 @@ def test_errors_name_the_query(clf, small_chunks, monkeypatch):
     finally:
         clf.truncate = False
     assert len(res) == 201 and len(res[136].query) < len(long[136])
+
+
+def test_passes_queue_ahead_where_the_engine_queues(clf, small_chunks, monkeypatch):
+    """Where a launch returns before its pass has run (an eager CUDA pass), batch k+1 is launched
+    before batch k is collected, with the same batches and answers as one at a time; on a CPU,
+    where a launch computes, each batch is answered before the next is planned (a stop waits for
+    one pass). The order of launches and collections, not timing, is checked."""
+    queries = random_queries(200, 21)
+    one_at_a_time = clf.classify_batch(queries)
+    launch, events = clf._launch, []
+
+    def recorded(batch):
+        k = sum(e[0] == "launch" for e in events)
+        events.append(("launch", k))
+        finish = launch(batch)
+        return lambda: events.append(("collect", k)) or finish()
+
+    monkeypatch.setattr(clf, "_launch", recorded)
+    got = clf.classify_batch(queries)
+    assert got == one_at_a_time
+    n = sum(e[0] == "launch" for e in events)
+    assert n > 3 and events == [e for k in range(n) for e in (("launch", k), ("collect", k))]
+    events.clear()
+    monkeypatch.setattr(type(clf.engine), "queues", property(lambda self: True))
+    got = clf.classify_batch(queries)
+    assert [(r.query, r.label) for r in got] == [(r.query, r.label) for r in one_at_a_time]
+    assert all(a.scores == pytest.approx(b.scores, abs=1e-5) for a, b in zip(got, one_at_a_time))
+    assert events[:3] == [("launch", 0), ("launch", 1), ("collect", 0)]
+    assert events[-1] == ("collect", n - 1) and len(events) == 2 * n
+    for k in range(n - 1):  # each collected once, after its successor was launched
+        assert events.index(("launch", k + 1)) < events.index(("collect", k))
+    # a query only the tokenizer can fault: the batches before it are answered, then the error
+    long = queries[:136] + ["trench coat " * 400] + queries[136:]
+    done = []
+    with pytest.raises(InputError, match="^query 137: prompt is"):
+        for batch in clf.classify_batch_iter(long):
+            done += batch
+    assert 0 < len(done) < 137 and [r.query for r in done] == queries[:len(done)]
 
 
 def test_cli_file_mode_streams_and_names_the_query(model, tmp_path, capsys, small_chunks):
@@ -186,7 +224,7 @@ def test_tokenizer_runs_beside_the_engine(clf, small_chunks, monkeypatch):
     monkeypatch.setattr(classifier_mod, "FIRST_BATCH_TOKENS", 1)  # batch 0 closes inside chunk 0
     engine_busy, tokenized = threading.Event(), threading.Event()
     threads, during = set(), []
-    encode_many, run = clf.encode_many, clf._run
+    encode_many, run = clf.encode_many, clf._launch
 
     def encode(qs):
         threads.add(threading.current_thread().name)
@@ -204,7 +242,7 @@ def test_tokenizer_runs_beside_the_engine(clf, small_chunks, monkeypatch):
         return run(batch)
 
     monkeypatch.setattr(clf, "encode_many", encode)
-    monkeypatch.setattr(clf, "_run", engine)
+    monkeypatch.setattr(clf, "_launch", engine)
     queries = random_queries(100, 13)
     res = clf.classify_batch(queries)
     assert [r.query for r in res] == queries

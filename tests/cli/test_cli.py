@@ -245,7 +245,7 @@ def test_results_stream_to_the_output_file(model, tmp_path, monkeypatch, capsys)
     # Stopped hard (a second Ctrl-C) in the fourth flat batch: the whole chunks of 10 rows before it
     # are on disk, in the same format.
     chunked = [r for i in range(0, len(queries), 10) for r in clf.classify_batch(queries[i:i + 10])]
-    run_batch, calls = Classifier._run, []
+    run_batch, calls = Classifier._launch, []
 
     def interrupted(self, batch):
         calls.append(len(batch))
@@ -253,7 +253,7 @@ def test_results_stream_to_the_output_file(model, tmp_path, monkeypatch, capsys)
             raise KeyboardInterrupt
         return run_batch(self, batch)
 
-    monkeypatch.setattr(Classifier, "_run", interrupted)
+    monkeypatch.setattr(Classifier, "_launch", interrupted)
     out = tmp_path / "out.csv"
     assert main(args + ["-o", str(out), "--chunk-rows", "10"]) == 130
     done = out.read_bytes().count(b"\n") - 1
