@@ -327,6 +327,21 @@ class Classifier:
         batches = ([(i, encoded[i]) for i in chunk] for chunk in self._chunks(encoded))
         yield from self._in_order(batches, progress)
 
+    def classify_lists(self, lists):
+        """classify_iter over a stream of lists of Encoded (the CLI's chunks), each as if it were
+        its own call: a list's flat batches are cut from it alone (a resumed job cuts a file in the
+        same chunks, and a row's last bits depend on its batch). What one call adds: on a GPU the
+        next list's first pass is queued before the last pass of the one before is collected.
+        Yields the results each pass completes, in order across the lists."""
+        def batches():
+            base = 0
+            for encoded in lists:
+                for chunk in self._chunks(encoded):
+                    yield [(base + i, encoded[i]) for i in chunk]
+                base += len(encoded)
+
+        return self._in_order(batches(), None)
+
     def _chunks(self, encoded):
         """Group request indices by prefix use (cached / exact) and by a token budget per batch."""
         branch = self._branch_tokens()

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -283,31 +283,46 @@ class ClassifyJob:
             errors += sum(r is None for r in out)
             progress.update(done, errors, chunk.pos)
 
+        def finished(chunk, got):  # all its rows classified: its write goes to the writer thread
+            nonlocal pending
+            results = iter(got)
+            out = [None if row.error else next(results) for row in chunk.rows]
+            if pending is not None:
+                written()
+            pending = pool.submit(writer.write_rows, chunk.rows, out), chunk, out
+
         last_pos = read or 0  # input bytes up to the chunk in flight (progress: its rows share the rest)
         pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-write")
+        handed = deque()  # chunks the engine has been given and not finished, in order
         with writer, StopSignals() as stop, contextlib.closing(tokenized_chunks(
                 clf, self.rows, self.reader, self.chunk_rows, self.strict, done)) as chunks:
-            try:
+
+            def encoded():
                 for chunk in chunks:
-                    got, first = [], chunk.rows[0].n - 1
-                    with contextlib.closing(clf.classify_iter(chunk.encoded)) as passes:
-                        for batch in passes:  # a stop lands between the engine's passes
-                            got += batch
-                            if stop.signum is not None and len(got) < len(chunk.encoded):
-                                break
+                    handed.append(chunk)
+                    yield chunk.encoded
+
+            try:
+                got = []  # results of handed[0] so far
+                # One stream of passes over every chunk: a chunk's batches are its own, but the
+                # next chunk's first pass queues behind the last of this one (Classifier.classify_lists).
+                with contextlib.closing(clf.classify_lists(encoded())) as passes:
+                    for batch in passes:  # a stop lands between the engine's passes
+                        got += batch
+                        while handed and len(got) >= len(handed[0].encoded):
+                            chunk = handed.popleft()
+                            finished(chunk, got[:len(chunk.encoded)])
+                            got, last_pos = got[len(chunk.encoded):], chunk.pos
+                        if stop.signum is not None:  # the chunk in flight is not written
+                            break
+                        if handed:
+                            chunk = handed[0]
                             share = len(got) / max(1, len(chunk.encoded))  # of the chunk's bytes
-                            progress.update(first + round(share * len(chunk.rows)), errors,
-                                            last_pos + round(share * (chunk.pos - last_pos)))
-                    last_pos = chunk.pos
-                    if len(got) < len(chunk.encoded):  # stopped inside it: not written
-                        break
-                    results = iter(got)
-                    out = [None if row.error else next(results) for row in chunk.rows]
-                    if pending is not None:
-                        written()
-                    pending = pool.submit(writer.write_rows, chunk.rows, out), chunk, out
-                    if stop.signum is not None:
-                        break
+                            progress.update(chunk.rows[0].n - 1 + round(share * len(chunk.rows)),
+                                            errors, last_pos + round(share * (chunk.pos - last_pos)))
+                    else:  # chunks of error rows alone, at the end
+                        while handed:
+                            finished(handed.popleft(), [])
                 if pending is not None:
                     written()
             finally:

@@ -608,13 +608,13 @@ def test_parquet_stop_leaves_a_complete_file(run, clfs, tmp_path, monkeypatch):
     holds the rows written (the first chunk, one pass, completed); it cannot be resumed, and says
     so."""
     clf = clfs["logprobs"]
-    real = clf.classify_iter
+    real = clf.classify_lists
 
-    def interrupted(encoded, *a, **kw):  # the signal arrives during the first chunk
+    def interrupted(chunks):  # the signal arrives before the first pass
         os.kill(os.getpid(), signal.SIGINT)
-        return real(encoded, *a, **kw)
+        return real(chunks)
 
-    monkeypatch.setattr(clf, "classify_iter", interrupted)
+    monkeypatch.setattr(clf, "classify_lists", interrupted)
     src = tmp_path / "q.txt"
     src.write_text("\n".join(QUERIES * 20) + "\n")
     out = tmp_path / "o.parquet"

@@ -173,32 +173,68 @@ def test_a_stop_lands_between_passes_and_drops_the_chunk(main, clf, tmp_path, mo
     src.write_text("\n".join(random_queries(96, 5)) + "\n", encoding="utf-8")
     flags = ("--chunk-rows", 32)
     monkeypatch.setattr(clf, "max_batch_tokens", 64)  # several passes a chunk (the shared classifier)
-    real, calls, stop_at = type(clf).classify_iter, [], [None]
+    real, sizes, stop_at = type(clf)._launch, [], [None]
 
-    def counted(self, encoded, *a, **kw):
-        calls.append(0)
-        for batch in real(self, encoded, *a, **kw):
-            calls[-1] += 1
-            if sum(calls) == stop_at[0]:
-                os.kill(os.getpid(), signal.SIGINT)
-            yield batch
+    def counted(self, batch):  # each engine pass (on a CPU it has run when this returns)
+        sizes.append(len(batch))
+        if len(sizes) == stop_at[0]:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batch)
 
-    monkeypatch.setattr(type(clf), "classify_iter", counted)
+    monkeypatch.setattr(type(clf), "_launch", counted)
     clean = tmp_path / "clean.jsonl"
     assert main("-i", src, "-o", clean, *flags)[0] == 0
-    per_chunk = calls[:]
-    assert len(per_chunk) == 3 and per_chunk[1] >= 2, per_chunk
-    calls.clear()
-    stop_at[0] = per_chunk[0] + 1  # the first pass of the second chunk
+    ends = list(itertools.accumulate(sizes))  # rows done after each pass
+    first = ends.index(32) + 1  # the passes of the first chunk (a pass never spans two)
+    assert ends[-1] == 96 and 64 in ends and ends.index(64) + 1 - first >= 2, sizes
+    sizes.clear()
+    stop_at[0] = first + 1  # the first pass of the second chunk
     out = tmp_path / "out.jsonl"
     rc, err = main("-i", src, "-o", out, *flags)
     assert rc == 130 and "stopped by SIGINT: rows 1-32 are written" in err, err
-    assert calls == [per_chunk[0], 1]  # not one pass more
+    assert len(sizes) == first + 1  # not one pass more
     assert out.read_bytes() == clean.read_bytes()[:len(out.read_bytes())]
     assert out.read_bytes().count(b"\n") == 32
     stop_at[0] = None
     assert main("-i", src, "-o", out, *flags, "--resume")[0] == 0
     assert out.read_bytes() == clean.read_bytes()
+
+
+def test_passes_queue_across_chunks(main, clf, tmp_path, monkeypatch):
+    """Where the engine queues (a GPU; forced here), the next chunk's first pass is launched before
+    the last pass of the chunk before it is collected: the same bytes as one pass at a time, and
+    a stop still writes only whole chunks (the pass queued behind it is dropped)."""
+    src = tmp_path / "q.txt"
+    src.write_text("\n".join(random_queries(96, 5)) + "\n", encoding="utf-8")
+    flags = ("--chunk-rows", 32)
+    monkeypatch.setattr(clf, "max_batch_tokens", 64)
+    clean = tmp_path / "clean.jsonl"
+    assert main("-i", src, "-o", clean, *flags)[0] == 0
+    real, events, stop_at = type(clf)._launch, [], [None]
+
+    def recorded(self, batch):
+        k = sum(e[0] == "launch" for e in events)
+        events.append(("launch", k, len(batch)))
+        if k + 1 == stop_at[0]:
+            os.kill(os.getpid(), signal.SIGINT)
+        finish = real(self, batch)
+        return lambda: events.append(("collect", k, len(batch))) or finish()
+
+    monkeypatch.setattr(type(clf), "_launch", recorded)
+    monkeypatch.setattr(type(clf.engine), "queues", property(lambda self: True))
+    out = tmp_path / "out.jsonl"
+    assert main("-i", src, "-o", out, *flags)[0] == 0
+    assert out.read_bytes() == clean.read_bytes()
+    launches = [e for e in events if e[0] == "launch"]
+    ends = list(itertools.accumulate(n for _, _, n in launches))
+    first = ends.index(32)  # the last pass of the first chunk
+    assert events.index(("launch", first + 1, launches[first + 1][2])) < \
+        events.index(("collect", first, launches[first][2]))
+    events.clear()
+    stop_at[0] = first + 2  # the signal comes with the second chunk's first pass
+    rc, err = main("-i", src, "-o", out, *flags)
+    assert rc == 130 and "stopped by SIGINT: rows 1-32 are written" in err, err
+    assert out.read_bytes().count(b"\n") == 32 and clean.read_bytes().startswith(out.read_bytes())
 
 
 def test_a_second_signal_ends_the_process_at_once():
