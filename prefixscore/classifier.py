@@ -12,7 +12,7 @@ from .kernels.label_head import rms_norm
 from .errors import ConfigError, InputError, numbered
 from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
-from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
+from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, passes_in_order, run_ahead
 from .values import ModelSpec, Result
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
@@ -232,48 +232,14 @@ class Classifier:
             yield from self._in_order(self._batches(itertools.chain.from_iterable(chunks)), progress)
 
     def _in_order(self, batches, progress):
-        """Run each batch of (index, Encoded) pairs; yield the results each completes, in order.
-        On a GPU the next batch is planned and queued before the one in flight is collected, so
-        the GPU does not wait while the host plans, copies and launches (and turns the last
-        batch's scores into Results): an eager pass of 16,384 tokens queues in the background
-        (Engine.launch). On a CPU a launch computes the pass, so there batches run one at a
-        time: a stop between passes waits for one pass, not two."""
-        done, ready, pending = {}, 0, None
-        ahead = self.engine.queues
+        """Run each batch of (index, Encoded) pairs; yield the results each completes, in order
+        (on a GPU the next pass queued behind the one collected: overlap.passes_in_order)."""
+        def answer(batch, decided):
+            return [(i, Result(e.values["query"], self.labels[d], dict(zip(self.labels, s))))
+                    for (i, e), d, s in zip(batch, *decided)]
 
-        def complete(batch, finish):
-            nonlocal ready
-            decision, label_scores = finish()
-            done.update((i, Result(e.values["query"], self.labels[d], dict(zip(self.labels, s))))
-                        for (i, e), d, s in zip(batch, decision, label_scores))
-            if progress is not None:
-                progress(len(batch))
-            out = []
-            while ready in done:
-                out.append(done.pop(ready))
-                ready += 1
-            return out
-
-        batches = iter(batches)
-        while True:
-            try:
-                batch = next(batches, None)
-            except Exception:  # a query only tokenizing faults: what ran before it is answered first
-                if pending is not None and (out := complete(*pending)):
-                    yield out
-                raise
-            if batch is None:
-                break
-            launched = batch, self._launch([e for _, e in batch])
-            if pending is not None and (out := complete(*pending)):
-                yield out
-            pending = launched
-            if not ahead:  # a CPU pass has run by now: answer it before the next is planned
-                out, pending = complete(*pending), None
-                if out:
-                    yield out
-        if pending is not None and (out := complete(*pending)):
-            yield out
+        return passes_in_order(batches, lambda batch: self._launch([e for _, e in batch]), answer,
+                               self.engine.queues, progress)
 
     def _batches(self, stream):
         """Flat batches (lists of (index, Encoded)) from a stream of tokenized requests, in its

@@ -1,6 +1,7 @@
 """Host work overlapped with the engine (DESIGN.md §7): the batch APIs tokenize on one worker thread
 while the engine runs, in spans of queries that start small (the engine starts early) and double
-up to a cap (what is held ahead stays bounded)."""
+up to a cap (what is held ahead stays bounded); and on a GPU they plan and launch the next pass
+while the one before runs (passes_in_order)."""
 from __future__ import annotations
 
 import contextlib
@@ -54,6 +55,50 @@ def run_ahead(fn, spans, depth: int = TOKENIZE_AHEAD):
                 yield todo.popleft().result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def passes_in_order(batches, launch, answer, ahead: bool, progress=None):
+    """Run each batch of (index, item) pairs and yield the results in index order, as passes
+    complete them. launch(batch) queues the batch's pass and returns finish(), which waits for it;
+    answer(batch, finish()) -> its (index, result) pairs. ahead (a GPU, where a launch returns
+    before its pass has run): the next batch is planned, copied and launched before the one in
+    flight is collected, so the GPU does not wait on the host between passes. Otherwise (a CPU,
+    where a launch computes) each batch is answered before the next is planned: a stop between
+    passes waits for one pass, not two. A batch the stream fails to make (a query only the
+    tokenizer can fault) raises after the passes before it are answered."""
+    done, ready, pending = {}, 0, None
+
+    def complete(batch, finish):
+        nonlocal ready
+        done.update(answer(batch, finish()))
+        if progress is not None:
+            progress(len(batch))
+        out = []
+        while ready in done:
+            out.append(done.pop(ready))
+            ready += 1
+        return out
+
+    batches = iter(batches)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception:
+            if pending is not None and (out := complete(*pending)):
+                yield out
+            raise
+        if batch is None:
+            break
+        launched = batch, launch(batch)
+        if pending is not None and (out := complete(*pending)):
+            yield out
+        pending = launched
+        if not ahead:  # a CPU pass has run by now: answer it before the next is planned
+            out, pending = complete(*pending), None
+            if out:
+                yield out
+    if pending is not None and (out := complete(*pending)):
+        yield out
 
 
 class _Switch:
