@@ -27,17 +27,23 @@ OUT = Path(os.environ.get("OUT") or "bench/results")
 LINE = re.compile(r"classify: (\d+) rows \((\d+) errors\), (\d+) rows/s(?:, (\d+)%, ETA (\d+)m(\d+)s)?")
 
 
+def query_log(rows: int, prefix: str) -> tuple[Path, Path]:
+    """(a new work folder, the text log in it): intent_dev's queries cycled to `rows` lines."""
+    with open(DATA, newline="", encoding="utf-8") as f:
+        qs = [r["query"] for r in csv.DictReader(f)]
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    log = work / "log.txt"
+    log.write_text("".join(qs[i % len(qs)] + "\n" for i in range(rows)), encoding="utf-8")
+    return work, log
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=20000)
     ap.add_argument("cli_flags", nargs=argparse.REMAINDER, help="-- then flags for prefixscore classify")
     a = ap.parse_args()
     flags = a.cli_flags[1:] if a.cli_flags[:1] == ["--"] else a.cli_flags
-    with open(DATA, newline="", encoding="utf-8") as f:
-        qs = [r["query"] for r in csv.DictReader(f)]
-    work = Path(tempfile.mkdtemp(prefix="eta"))
-    log = work / "log.txt"
-    log.write_text("".join(qs[i % len(qs)] + "\n" for i in range(a.rows)), encoding="utf-8")
+    work, log = query_log(a.rows, "eta")
     cmd = [sys.executable, "-m", "prefixscore.cli", "classify", "-i", str(log), "-o", str(work / "out.jsonl"), *flags]
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)

@@ -14,7 +14,6 @@ Writes $OUT/stop.json.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -23,12 +22,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "intent_dev.csv"
+from bench.eta import query_log
+
 OUT = Path(os.environ.get("OUT") or "bench/results")
 
 
@@ -85,11 +84,7 @@ def main():
     ap.add_argument("cli_flags", nargs=argparse.REMAINDER, help="-- then flags for prefixscore classify")
     a = ap.parse_args()
     flags = a.cli_flags[1:] if a.cli_flags[:1] == ["--"] else a.cli_flags
-    with open(DATA, newline="", encoding="utf-8") as f:
-        qs = [r["query"] for r in csv.DictReader(f)]
-    work = Path(tempfile.mkdtemp(prefix="stop"))
-    log = work / "log.txt"
-    log.write_text("".join(qs[i % len(qs)] + "\n" for i in range(a.rows)), encoding="utf-8")
+    work, log = query_log(a.rows, "stop")
     runs = []
     print(f"{'batch tokens':>12} {'rows/s':>7} {'to stop line s':>15} {'to exit s':>10} {'resumed == whole':>17}")
     for bt in [int(x) for x in a.batch_tokens.split(",")]:

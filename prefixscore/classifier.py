@@ -235,8 +235,7 @@ class Classifier:
         """Run each batch of (index, Encoded) pairs; yield the results each completes, in order
         (on a GPU the next pass queued behind the one collected: overlap.passes_in_order)."""
         def answer(batch, decided):
-            return [(i, Result(e.values["query"], self.labels[d], dict(zip(self.labels, s))))
-                    for (i, e), d, s in zip(batch, *decided)]
+            return zip((i for i, _ in batch), self._results([e for _, e in batch], *decided))
 
         return passes_in_order(batches, lambda batch: self._launch([e for _, e in batch]), answer,
                                self.engine.queues, progress)
@@ -290,10 +289,9 @@ class Classifier:
         """classify_encoded batch by batch, for streaming: yields the results that each flat batch
         completes, in input order. Requests with the cached prefix run before those without it (rare:
         a query that merges into the prefix), so one of those holds back the results after it."""
-        batches = ([(i, encoded[i]) for i in chunk] for chunk in self._chunks(encoded))
-        yield from self._in_order(batches, progress)
+        yield from self.classify_lists([encoded], progress)
 
-    def classify_lists(self, lists):
+    def classify_lists(self, lists, progress=None):
         """classify_iter over a stream of lists of Encoded (the CLI's chunks), each as if it were
         its own call: a list's flat batches are cut from it alone (a resumed job cuts a file in the
         same chunks, and a row's last bits depend on its batch). What one call adds: on a GPU the
@@ -306,7 +304,7 @@ class Classifier:
                     yield [(base + i, encoded[i]) for i in chunk]
                 base += len(encoded)
 
-        return self._in_order(batches(), None)
+        return self._in_order(batches(), progress)
 
     def _chunks(self, encoded):
         """Group request indices by prefix use (cached / exact) and by a token budget per batch."""
@@ -342,7 +340,9 @@ class Classifier:
         return out
 
     def _run(self, batch: list[Encoded]) -> list[Result]:
-        decision, label_scores = self._decide(batch)
+        return self._results(batch, *self._decide(batch))
+
+    def _results(self, batch: list[Encoded], decision, label_scores) -> list[Result]:
         return [Result(e.values["query"], self.labels[d], dict(zip(self.labels, s)))
                 for e, d, s in zip(batch, decision, label_scores)]
 
