@@ -367,10 +367,7 @@ class Classifier:
 
             scores, best = head_scores(self, self.head, batch, logprobs)
             return best.tolist(), scores.tolist()
-        plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch], self.trie,
-                             branches=logprobs)
-        prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
-        scores, best = self.engine.run(plan, prefix, self.weight, logprobs)
+        scores, best = self.engine.run(*self._plan(batch, logprobs), self.weight, logprobs)
         if logprobs and len(batch) == 1:  # the latency path
             one, d = self.trie.assemble_one(scores, best)
             return [d], [one]
@@ -389,8 +386,11 @@ class Classifier:
         if self.head is not None or len(batch) == 1:
             answer = self._decide(batch)
             return lambda: answer
+        collect = self.engine.launch(*self._plan(batch, logprobs), self.weight, logprobs)
+        return lambda: self._assemble(*collect(), len(batch), logprobs)
+
+    def _plan(self, batch: list[Encoded], logprobs: bool):
+        """(the batch's flat plan, the prefix KV it reads: the cached one, or none)."""
         plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch], self.trie,
                              branches=logprobs)
-        prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
-        collect = self.engine.launch(plan, prefix, self.weight, logprobs)
-        return lambda: self._assemble(*collect(), len(batch), logprobs)
+        return plan, self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix

@@ -58,11 +58,14 @@ def row_keys(queries: list[str], labels: list[str]) -> list[str]:
     of this size): an adapter records its training rows' keys, sorted, so `eval` can say how many
     of the rows it scores the adapter has seen (the shipped adapter has seen intent_dev among
     others, which one digest of the whole set could not tell)."""
+    return sorted({_row_key(q, l) for q, l in zip(queries, labels)})
+
+
+def _row_key(query: str, label: str) -> str:
     import hashlib
     import json
 
-    return sorted({hashlib.sha256(json.dumps([q, l], ensure_ascii=False).encode()).hexdigest()[:12]
-                   for q, l in zip(queries, labels)})
+    return hashlib.sha256(json.dumps([query, label], ensure_ascii=False).encode()).hexdigest()[:12]
 
 
 def trained_on(training: dict, queries: list[str], labels: list[str]) -> int:
@@ -70,5 +73,5 @@ def trained_on(training: dict, queries: list[str], labels: list[str]) -> int:
     row keys; an adapter made before them records only the whole set's digest: all or none)."""
     if "row_keys" in training:
         keys = set(training["row_keys"])
-        return sum(k in keys for k in (row_keys([q], [l])[0] for q, l in zip(queries, labels)))
+        return sum(_row_key(q, l) in keys for q, l in zip(queries, labels))
     return len(queries) if training.get("data_sha256") == rows_digest(queries, labels) else 0
