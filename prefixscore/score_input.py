@@ -20,6 +20,9 @@ from .labels import check_labels
 from .weights.tokenizer import common_prefix_len
 
 SLOTS = ("query", "item")
+# An embedding item's soft token, where Prepared.full holds it: not a vocabulary id, so it matches
+# no text token (the query part an item shares ends before it) and no cache key of text.
+SOFT = -1
 
 
 @dataclass
@@ -28,6 +31,9 @@ class Prepared:
     items: list  # as given
     full: list[list[int]]  # per item, the whole prompt's tokens (what the model must see)
     shared: list[int]  # tokens of the text before the item slot: the candidate query part
+    # Per item, the soft token's vector [hidden] (an embedding item: its `full` holds SOFT there)
+    # or None (a text item); None for a request of text items only.
+    soft: list | None = None
 
 
 @dataclass
