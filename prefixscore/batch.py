@@ -40,6 +40,10 @@ class Plan:
     # the pinned keys each token sees, [prefix_start, prefix_end) int32 [T]; None: all of them.
     prefix_start: torch.Tensor | None = None
     prefix_end: torch.Tensor | None = None
+    # Per-token embedding overrides (the Scorer's embedding items): the flat rows [E] int64 whose
+    # input is soft [E, hidden] (any float dtype) instead of their token's embedding; None: none.
+    soft_rows: torch.Tensor | None = None
+    soft: torch.Tensor | None = None
 
     @property
     def prefix_range(self):

@@ -111,12 +111,13 @@ class Engine:
         plan = plan.to(self.device)
         ctx = Context(prefix_kv, plan.base_start, plan.base_end, plan.own_start, plan.seg_offsets,
                       prefix_range=plan.prefix_range, options=self.options)
-        return self.model(plan.tokens, plan.positions, ctx), plan
+        return self.model(plan.tokens, plan.positions, ctx, _soft(plan)), plan
 
     @torch.inference_mode()
-    def forward_scores(self, tokens, positions, ctx, rows, allowed, weight, logprobs, out=None):
+    def forward_scores(self, tokens, positions, ctx, rows, allowed, weight, logprobs, out=None,
+                       soft=None):
         m = self.model
-        h = m(tokens, positions, ctx)
+        h = m(tokens, positions, ctx, soft)
         return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs, out,
                           options=self.options)
 
@@ -132,6 +133,8 @@ class Engine:
         return self.device.type == "cuda"
 
     def _graph(self, plan: Plan, prefix_kv, weight, logprobs) -> "GraphRunner | None":
+        if plan.soft is not None:  # embedding overrides run eagerly: the graphs stay as they are
+            return None
         g = self.graphs.get((id(prefix_kv), id(weight), logprobs))
         return g if g is not None and plan.num_tokens <= g.max_tokens else None
 
@@ -150,7 +153,7 @@ class Engine:
         ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets,
                       prefix_range=p.prefix_range, options=self.options)
         scores, best = self.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, weight,
-                                           logprobs)
+                                           logprobs, soft=_soft(p))
         if not cuda:
             return lambda: (scores, best)
         host = (torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True),
@@ -194,6 +197,10 @@ class Engine:
             logits = (x[c:c + 1024] @ self.lm_head.t()).float()
             out.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
         return torch.cat(out).cpu()
+
+
+def _soft(plan: Plan):
+    return None if plan.soft is None else (plan.soft_rows, plan.soft)
 
 
 class GraphRunner:

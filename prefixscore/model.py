@@ -216,12 +216,20 @@ class Transformer(nn.Module):
             self._rope_tables[key] = self.rope(pos, dtype)
         return self._rope_tables[key]
 
-    def forward(self, tokens, positions, ctx: Context):
-        """tokens, positions [T] -> hidden states [T, hidden] before the final norm."""
+    def forward(self, tokens, positions, ctx: Context, soft=None):
+        """tokens, positions [T] -> hidden states [T, hidden] before the final norm. soft: (rows [E],
+        vectors [E, hidden]): those rows' input is the vector, not their token's embedding (as
+        transformers' inputs_embeds)."""
         emb = self.embed_tokens.weight
         # x, its rows' sums of squares for layer 0's norm (fused path; else None), RoPE's cos/sin
         x, ssq, cos, sin = embed_rope(tokens, positions, emb, *self.rope_table(emb.device, emb.dtype),
                                       options=ctx.options)
+        if soft is not None:
+            rows, vec = soft
+            vec = vec.to(x.dtype)
+            x = x.index_copy(0, rows, vec)
+            if ssq is not None:  # [1, T]: the overridden rows' sums of squares, as embed_rope's
+                ssq = ssq.index_copy(1, rows, vec.float().square().sum(-1)[None])
         for i, layer in enumerate(self.layers):
             x, ssq = layer(x, ssq, cos, sin, ctx, i)
         return x

@@ -113,7 +113,7 @@ class Prompt:
         self.pieces = pieces  # [text0, sentinel, text1, sentinel, text2, ...]
         self.strip = self._edge_strip()
         self.prefix_text = pieces[0]
-        self._before: dict = {}  # slot -> parts of the prompt before it (encode_before)
+        self._before: dict = {}  # slot (or ("after", slot)) -> parts of the prompt before (after) it
         self.backend = None  # the HF call first: the reference the Rust backend must match
         texts = [self.prefix_text] + [self.render(**{s: probe for s in slots}) for probe in PROBES]
         whole = self.encode_texts(texts)
@@ -251,7 +251,7 @@ class Prompt:
         head = parts[0] + self._encode_runs([lead[:c]])[0]
         return [head, (lead[c:],) + parts[1][1:], *parts[2:]]
 
-    def _parse(self, text: str) -> list:
+    def _parse(self, text: str, lead: bool = True) -> list:
         """`text` (rendered with sentinels in its slots, maybe cut short) as a list of constant ids
         (merged) and variable runs (tuples text, slot, text, ...). Constants: the template's special
         tokens where the tokenizer finds them in the template text (a slot's sentinel between
@@ -269,7 +269,7 @@ class Prompt:
             alt = "|".join(map(re.escape, sorted(by_text, key=len, reverse=True))) or "(?!)"
             spans = [(m.start(), m.end(), by_text[m.group()]) for m in re.finditer(alt, text)]
         pre, post = self._added_ids()
-        items, at = [pre], 0
+        items, at = [pre if lead else []], 0  # (lead=False: text that follows a slot, no BOS)
         for s, e, i in spans + [(len(text), len(text), None)]:
             run = tuple(_SENTINEL.split(text[at:s]))  # [text, slot name, text, ...]
             items.append(run if len(run) > 1 else run[0])
@@ -339,6 +339,20 @@ class Prompt:
         if slot not in self._before:
             self._before[slot] = self._parse(text)
         return self._assemble(self._before[slot], [values], self._encode_runs)[0]
+
+    def encode_after(self, slot: str, **values) -> list[int]:
+        """Ids of the prompt's text after `slot`'s value, tokenized alone (no BOS before it): what
+        follows a soft token standing in that slot (the Scorer's embedding items). A token boundary
+        at the slot by definition, so no merge across it to check."""
+        at = self.rendered.index(sentinel(slot)) + len(sentinel(slot))
+        text = self.rendered[at:]
+        if self.special_tokens:
+            filled = _SENTINEL.sub(lambda m: self.fill(m[1], values[m[1]]), text)
+            return self.tokenizer(filled, add_special_tokens=False)["input_ids"] if filled else []
+        key = ("after", slot)
+        if key not in self._before:
+            self._before[key] = self._parse(text, lead=False)
+        return self._assemble(self._before[key], [values], self._encode_runs)[0]
 
     def encode_ids(self, values_list: list[dict]) -> list[list[int]]:
         """The ids of each request's whole prompt (unchecked values; encode_many checks them)."""

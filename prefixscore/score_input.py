@@ -13,7 +13,13 @@ checked, not tokenized.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
 
 from .errors import ConfigError, InputError
 from .labels import check_labels
@@ -48,6 +54,77 @@ class ScoreCall:
     apply_softmax: bool = False
 
 
+# An embedding item's vector in base64: the bytes of these dtypes (little-endian), float16 unless
+# the item says otherwise.
+B64_DTYPES = {"float16": (np.float16, None), "float32": (np.float32, None),
+              "bfloat16": (np.uint16, torch.bfloat16)}
+
+
+class SoftItem(NamedTuple):
+    """An embedding item once checked: its vector (float32 [hidden]) and the item as given."""
+    vector: torch.Tensor
+    given: object
+
+
+def item_vector(it, what: str, hidden_size: int | None, table=None):
+    """An item given as an embedding -> its checked float32 vector; None for a text item (str or
+    {"text": ...}). Forms: a 1-D torch tensor or numpy array; {"embedding": [numbers]};
+    {"embedding": "<base64>", "dtype": "float16" | "bfloat16" | "float32"}; {"id": key} into the
+    item table. InputError naming the item (`what`) for anything else."""
+    if isinstance(it, (torch.Tensor, np.ndarray)):
+        v = torch.as_tensor(it)
+        if v.ndim != 1 or not v.dtype.is_floating_point:
+            raise InputError(f"{what}: an embedding item is a 1-D float vector, got "
+                             f"{tuple(v.shape)} of {v.dtype}")
+        v = v.detach().to("cpu", torch.float32)
+    elif isinstance(it, dict):
+        keys = set(it)
+        if keys == {"text"}:
+            return None
+        if keys == {"id"}:
+            if table is None:
+                raise InputError(f"{what}: an item by id needs an item table (Scorer(item_table=...), "
+                                 f"serve --item-table)")
+            v = table.get(it["id"], what).to(torch.float32)
+        elif "embedding" in keys and keys <= {"embedding", "dtype"}:
+            v = _embedding(it["embedding"], it.get("dtype"), what)
+        else:
+            raise InputError(f"{what}: an item is a string, {{\"text\"}}, {{\"embedding\"}} (with an "
+                             f"optional \"dtype\" for base64) or {{\"id\"}}; got keys "
+                             f"{sorted(map(str, keys))}")
+    else:
+        return None
+    if hidden_size is not None and v.shape[0] != hidden_size:
+        raise InputError(f"{what}: the embedding has {v.shape[0]} values, the model's hidden size "
+                         f"is {hidden_size}")
+    if not bool(torch.isfinite(v).all()):
+        raise InputError(f"{what}: the embedding has a value that is not a finite number")
+    return v
+
+
+def _embedding(e, dtype, what: str) -> torch.Tensor:
+    if isinstance(e, str):
+        name = "float16" if dtype is None else dtype
+        if name not in B64_DTYPES:
+            raise InputError(f"{what}: dtype {dtype!r}; use one of {', '.join(B64_DTYPES)}")
+        try:
+            raw = base64.b64decode(e, validate=True)
+        except (binascii.Error, ValueError):
+            raise InputError(f"{what}: the embedding is not valid base64") from None
+        np_dtype, view = B64_DTYPES[name]
+        size = np.dtype(np_dtype).itemsize
+        if len(raw) % size:
+            raise InputError(f"{what}: {len(raw)} bytes of base64 is not a whole number of "
+                             f"{name} values ({size} bytes each)")
+        v = torch.from_numpy(np.frombuffer(raw, "<" + np.dtype(np_dtype).str[1:]).copy())
+        return (v.view(view) if view is not None else v).to(torch.float32)
+    if dtype is not None:
+        raise InputError(f"{what}: dtype is for base64 embeddings; a list of numbers needs none")
+    if isinstance(e, (list, tuple)) and e and all(type(x) in (float, int) for x in e):
+        return torch.tensor(e, dtype=torch.float32)
+    raise InputError(f"{what}: the embedding must be a non-empty list of numbers or a base64 string")
+
+
 def check_token_ids(ids, what: str, vocab_size: int, err=InputError) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)):
         raise err(f"{what} must be a list of token ids")
@@ -75,12 +152,15 @@ def label_key(labels, label_token_ids, vocab_size: int, err) -> tuple:
 
 
 class ScoreInput:
-    def __init__(self, prompt, item_first: bool, vocab_size: int, context_limit: int, max_items: int):
+    def __init__(self, prompt, item_first: bool, vocab_size: int, context_limit: int, max_items: int,
+                 hidden_size: int | None = None, table=None):
         """prompt: the template's Prompt (slots SLOTS), None for a model without a tokenizer (token
         ids only); item_first: the template's slot order; context_limit: of a prompt, the model's
-        less the scorer's longest label."""
+        less the scorer's longest label; hidden_size: an embedding item's size (None: unchecked);
+        table: an item_table.ItemTable for items given by id."""
         self.prompt, self.item_first, self.vocab_size = prompt, item_first, vocab_size
         self.context_limit, self.max_items = context_limit, max_items
+        self.hidden_size, self.table = hidden_size, table
         self._blank = None  # (ids before the item slot, ids of the whole prompt) with empty slots
 
     def parse(self, req: dict, fits: bool = True) -> ScoreCall:
@@ -126,14 +206,24 @@ class ScoreInput:
         if len(items) > self.max_items:
             raise InputError(f"{len(items)} items in one request, over the limit of {self.max_items}; "
                              f"split the request (or raise max_items)")
+        out = list(items)
         for i, it in enumerate(items):
-            if text and not isinstance(it, str):
-                raise InputError(f"items[{i}] must be a string, got {type(it).__name__}")
             if not text:
-                self.check_token_ids(it, f"items[{i}]")
-            if not (it.strip() if text else it):
+                if not self.check_token_ids(it, f"items[{i}]"):
+                    raise InputError(f"items[{i}] is empty")
+                continue
+            if isinstance(it, SoftItem):  # checked before (score_batch checks, then prepares)
+                continue
+            v = None if isinstance(it, str) else item_vector(it, f"items[{i}]", self.hidden_size, self.table)
+            if v is not None:
+                out[i] = SoftItem(v, it)
+                continue
+            t = it["text"] if isinstance(it, dict) else it
+            if not isinstance(t, str):
+                raise InputError(f"items[{i}] must be a string or an embedding item, got {type(it).__name__}")
+            if not t.strip():
                 raise InputError(f"items[{i}] is empty")
-        return list(items)
+        return out
 
     def check_text(self, query, items) -> list:
         """The checks of a text request that need no tokenizer call -> items as a list."""
@@ -151,7 +241,10 @@ class ScoreInput:
         for i, ids in enumerate(prep.full):
             if len(ids) > limit:
                 it = prep.items[i]
-                size = f"{len(it)} characters" if isinstance(it, str) else f"{len(it)} tokens"
+                size = (f"{len(_text(it))} characters" if isinstance(it, (str, dict)) and
+                        (prep.soft is None or prep.soft[i] is None) else
+                        "an embedding" if prep.soft is not None and prep.soft[i] is not None else
+                        f"{len(it)} tokens")
                 raise InputError(f"items[{i}]: the prompt is {len(ids)} tokens, over the model's "
                                  f"context limit of {limit} tokens (the item is {size}); shorten it")
         return prep
@@ -163,9 +256,17 @@ class ScoreInput:
         prompt before the item slot (the query and the item are plain text unless the prompt
         parses special tokens)."""
         items = self.check_text(query, items)
-        full = self.prompt.encode_ids([{"query": query, "item": it} for it in items])
+        texts = [i for i, it in enumerate(items) if not isinstance(it, SoftItem)]
+        full = self.prompt.encode_ids([{"query": query, "item": _text(items[i])} for i in texts])
         shared = self.prompt.encode_before("item", query=query)
-        prep = Prepared(items, full, shared)
+        soft = None
+        if len(texts) < len(items):  # embedding items: [before the slot][soft token][after it]
+            soft_ids = shared + [SOFT] + self.prompt.encode_after("item", query=query)
+            by_text = dict(zip(texts, full))
+            full = [by_text[i] if i in by_text else soft_ids for i in range(len(items))]
+            soft = [it.vector if isinstance(it, SoftItem) else None for it in items]
+            items = [it.given if isinstance(it, SoftItem) else it for it in items]
+        prep = Prepared(items, full, shared, soft)
         return self.checked(prep) if fits else prep
 
     def prepare_ids(self, query_ids, items_ids, item_first: bool = False, fits: bool = True) -> Prepared:
@@ -196,3 +297,7 @@ class ScoreInput:
         P = common_prefix_len(prefix_ids, shared if shared else prep.full[0] if prep.full else [])
         own = max(len(shared), P)
         return max(0, len(shared) - P) + sum(max(0, len(f) - own) for f in prep.full)
+
+
+def _text(item) -> str:
+    return item["text"] if isinstance(item, dict) else item

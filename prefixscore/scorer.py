@@ -32,6 +32,7 @@ import torch
 from .depth import within_depth
 from .engine import Engine
 from .errors import ConfigError, InputError, error_at
+from .item_table import ItemTable
 from .labels import LabelHead, LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
@@ -66,6 +67,11 @@ class Scorer:
     as the pinned prefix. Options as Classifier's (allow_special_tokens: special-token text in
     the query and the items is parsed as control tokens; default: plain text), plus `mode` (MODES),
     `layout` (LAYOUTS) and `max_items` per request, and `batch_invariant` (Classifier's).
+
+    Items are text, or embeddings: one vector of the model's hidden size each (a 1-D tensor or
+    array, {"embedding": [numbers]} or {"embedding": base64, "dtype": ...}), which stands as one
+    soft token in the item's slot (DESIGN.md §9), or {"id": key} into `item_table` (a path to a
+    .safetensors or .parquet table, item_table.py). Text and embedding items mix in a request.
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, label_token_ids=None,
@@ -73,7 +79,7 @@ class Scorer:
                  layout: str = "auto", max_items: int = 1024, max_batch_tokens: int = 16384,
                  prefix_ids: list[int] | None = None, graphs: bool = True,
                  allow_special_tokens: bool = False, adapter=None, batch_invariant: bool | None = None,
-                 spec: ModelSpec | None = None):
+                 item_table=None, spec: ModelSpec | None = None):
         if spec is None:
             spec = ModelSpec(model, template, labels, device=device, dtype=dtype, chat=chat, mode=mode,
                              max_batch_tokens=max_batch_tokens, adapter=adapter,
@@ -111,6 +117,8 @@ class Scorer:
             labels = check_labels(DEFAULT_LABELS if labels is None else labels)
         if template is not None:
             check_template(template, SLOTS)  # fail fast, before loading a model
+        if item_table is not None and not isinstance(item_table, ItemTable):
+            item_table = ItemTable.load(item_table)
         self.loaded = obtain(model, device, dtype)
         self.adapter_meta = None
         if adapter_file is not None:
@@ -125,6 +133,8 @@ class Scorer:
             merge_adapter(self.loaded, adapter_file)
             self.adapter_meta = adapter_file.meta
         finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge
+        self.item_table = None if item_table is None else \
+            item_table.check_model(self.loaded.model.config.hidden_size, self.loaded.base_id)
         self.engine = Engine.shared(self.loaded, batch_invariant=spec.batch_invariant)  # (Classifier's)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer
@@ -394,7 +404,8 @@ class Scorer:
         """The request side: checks and tokenization (score_input.py), no device work. A server's
         front end builds the same from the engine's Ready and sends the engine token ids."""
         return ScoreInput(self.prompt, self.item_first, self.config.vocab_size,
-                          self.config.context_limit - self.trie.max_len, self.max_items)
+                          self.config.context_limit - self.trie.max_len, self.max_items,
+                          self.config.hidden_size, self.item_table)
 
     def score_call(self, call: ScoreCall) -> dict:
         """score_request's second half: a parsed request (ScoreInput.parse, here or in a server's

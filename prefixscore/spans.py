@@ -32,6 +32,7 @@ import torch
 from .batch import Plan
 from .weights.model_config import ModelConfig
 from .labels import LabelTrie
+from .score_input import SOFT
 from .weights.tokenizer import common_prefix_len
 
 # Cost of one (query row, in-batch key) pair scanned by attention relative to its FLOPs in a GEMM:
@@ -48,6 +49,7 @@ class Span:
     shared: list[int]
     tails: list[list[int]]
     slots: list[int]  # where each item's result goes
+    soft: list | None = None  # per tail, its soft token's vector (an embedding item) or None
 
 
 @dataclass
@@ -148,6 +150,7 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
     """
     toks, seg = [], []  # per segment: (length, first position, base start, base end, own start)
     rows, offs, t = [], [0], 0
+    soft = [v for g in groups if g.soft for v in g.soft if v is not None]  # in flat order
     for g in groups:
         s0, L = t, len(g.shared)
         assert len(branches) <= 1 or len(g.tails) == 1
@@ -177,8 +180,14 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
     positions = np.arange(t, dtype=np.int64) + expand(seg[:, 1] - first)
     i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
     n_items = sum(len(g.tails) for g in groups)
+    tokens = np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)
+    soft_rows = None
+    if soft:  # each embedding item's tail holds one SOFT: the rows that skip the embedding lookup
+        soft_rows = np.flatnonzero(tokens == SOFT)
+        assert len(soft_rows) == len(soft), "one soft token per embedding item"
+        tokens[soft_rows] = 0  # (any id: its embedding is replaced)
     return Plan(
-        tokens=torch.from_numpy(np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)),
+        tokens=torch.from_numpy(tokens),
         positions=torch.from_numpy(positions),
         base_start=i32(expand(seg[:, 2])), base_end=i32(expand(seg[:, 3])),
         own_start=i32(expand(seg[:, 4])),
@@ -186,6 +195,8 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
         rows=torch.tensor(rows, dtype=torch.long),
         allowed=torch.from_numpy(np.tile(trie.allowed.numpy(), (n_items, 1))),
         batch=n_items,
+        soft_rows=None if soft_rows is None else torch.from_numpy(soft_rows),
+        soft=None if soft_rows is None else torch.stack(soft),
     )
 
 
@@ -208,10 +219,11 @@ def request_spans(layout: SpanLayout, prep, prefix_ids: list[int], prefix_kv, no
         q = [min(common_prefix_len(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
         L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
         aligned = [i for i, n in zip(idx, q) if n >= L]
-        groups += [Span(start, kv, [], [full[i][start:]], [i]) for i, n in zip(idx, q) if n < L]
+        soft = (lambda ids: None) if prep.soft is None else (lambda ids: [prep.soft[i] for i in ids])
+        groups += [Span(start, kv, [], [full[i][start:]], [i], soft([i])) for i, n in zip(idx, q) if n < L]
         sizes = [len(full[i]) - start - L + branch for i in aligned]
         m = 1 if one_per_span else layout.items_per_span(L, sizes)
         for chunk in layout.fill(L, sizes, m):
-            groups.append(Span(start, kv, ref[:L], [full[aligned[j]][start + L:] for j in chunk],
-                                 [aligned[j] for j in chunk]))
+            ids = [aligned[j] for j in chunk]
+            groups.append(Span(start, kv, ref[:L], [full[i][start + L:] for i in ids], ids, soft(ids)))
     return groups

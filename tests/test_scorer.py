@@ -12,6 +12,7 @@ from tests.hf_reference import _children, _left_pad, hf_generate
 from prefixscore import ConfigError, InputError
 from prefixscore.weights.loading import LoadedModel, load
 from prefixscore.scorer import Scorer
+from prefixscore.score_input import SOFT
 
 TOL = 1e-4
 LABELS = ["Dress", "T-shirt", "Trench Coat"]  # "T-shirt" / "Trench Coat" share a first token
@@ -57,10 +58,11 @@ def whole_prompt(tok, template, chat, query, item):
 
 
 @torch.no_grad()
-def hf_trie(model, prompts, trie, batch=32):
+def hf_trie(model, prompts, trie, batch=32, soft=None):
     """HF on each whole prompt (+ each maximal trie branch): per prompt the constrained log-prob of
     every label and the label-constrained greedy decision (at each node the child with the highest
-    logit), from the same full-prompt logits."""
+    logit), from the same full-prompt logits. soft: per prompt None or a vector for its one SOFT
+    (score_input.SOFT) token, passed as transformers' inputs_embeds."""
     kids = _children(trie)
     nodes = [n for n in trie.nodes if n]
     maximal = [n for n in nodes if not any(m != n and m[:len(n)] == n for m in nodes)] or [()]
@@ -70,7 +72,16 @@ def hf_trie(model, prompts, trie, batch=32):
         ids, mask = _left_pad([p + list(n) for p in chunk for n in maximal], 0)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         keep = max(len(n) for n in maximal) + 1  # only the last positions: not [batch, seq, vocab]
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos,
+        feed = {"input_ids": ids}
+        if soft is not None:
+            at = ids == SOFT
+            emb = model.get_input_embeddings()(ids.clamp(min=0))
+            vecs = [soft[b + i] for i in range(len(chunk)) for _ in maximal]
+            for r, v in enumerate(vecs):
+                if v is not None:
+                    emb[r, at[r]] = v.to(emb.dtype)
+            feed = {"inputs_embeds": emb}
+        logits = model(**feed, attention_mask=mask, position_ids=pos,
                        logits_to_keep=keep).logits.float()
         L = keep
         for i in range(len(chunk)):
