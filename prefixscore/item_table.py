@@ -89,6 +89,7 @@ class ItemTable:
         kind = table_format(path)
         if not os.path.isfile(path):
             raise ConfigError(f"{path}: no such item table")
+        path = os.path.abspath(path)  # (a server's front ends map it again, from the same name)
         return (_load_safetensors if kind == "safetensors" else _load_parquet)(path)
 
     def save(self, path) -> None:

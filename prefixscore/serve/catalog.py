@@ -26,7 +26,8 @@ class Catalog:
             p.context_limit = c.context_limit
         self.model, self.prompts, self.classifiers = info.model, prompts, info.classifiers
         # None: no /v1/score on this engine
-        self.scoring = None if info.scorer is None else score_input(info.scorer, prompts[0].tokenizer)
+        self.scoring = None if info.scorer is None else score_input(info.scorer, prompts[0].tokenizer,
+                                                                    _table(info.scorer))
         self.names = [c.name for c in info.classifiers]
         self.index = {name: k for k, name in enumerate(self.names)}
 
@@ -105,9 +106,19 @@ class Catalog:
                 "labels": c.labels}
 
 
-def score_input(info: P.ScorerInfo, tokenizer):
+def _table(info: P.ScorerInfo):
+    """The engine's item table, mapped again here (safetensors: the pages are shared)."""
+    if info.item_table is None:
+        return None
+    from ..item_table import ItemTable
+
+    return ItemTable.load(info.item_table)
+
+
+def score_input(info: P.ScorerInfo, tokenizer, table=None):
     """The engine's Scorer's request side over this front end's tokenizer (every prompt's): its
-    Prompt rebuilt from the template, checked to split as the engine's does."""
+    Prompt rebuilt from the template, checked to split as the engine's does; table: the item table
+    (item_table.ItemTable) that items given by id are looked up in."""
     from ..prompt import Prompt
     from ..score_input import SLOTS, ScoreInput
 
@@ -118,7 +129,8 @@ def score_input(info: P.ScorerInfo, tokenizer):
         if list(prompt.prefix_ids) != list(info.prefix_ids):
             raise RuntimeError("this front end's tokenizer splits the score template differently "
                                "from the engine's")
-    inp = ScoreInput(prompt, info.item_first, info.vocab_size, info.context_limit, info.max_items)
+    inp = ScoreInput(prompt, info.item_first, info.vocab_size, info.context_limit, info.max_items,
+                     info.hidden_size or None, table)
     if prompt is not None:
         inp.template_tokens()  # now, not in the first request (its cost limit reads them)
     return inp

@@ -110,9 +110,11 @@ class BaseClient:
 
     def score(self, full: list[list[int]], shared: list[int], deadline: float,
               labels: list[str] | None = None, label_token_ids: list[int] | None = None,
-              apply_softmax: bool = False, finish_by: float = 0.0, priority: int = 0) -> asyncio.Future:
+              apply_softmax: bool = False, finish_by: float = 0.0, priority: int = 0,
+              soft: list | None = None) -> asyncio.Future:
         """One tokenized score request (ScoreInput.parse's): per item its whole prompt's ids, and
-        the ids before the item slot; the label set as the request named it (None: the scorer's).
+        the ids before the item slot; the label set as the request named it (None: the scorer's);
+        soft: Prepared.soft (per item its vector or None), None for no embedding items.
         deadline: not started by then, dropped unrun; finish_by: the client's deadline (0: none),
         its passes stop there."""
         if self.error is not None:
@@ -123,9 +125,10 @@ class BaseClient:
         self.jobs[rid] = (fut, now)
         self._track(fut, [rid])
         data, offsets = P.pack_ids(full)
+        vectors = [v for v in soft if v is not None] if soft else []
         self._queue(P.ScoreReq(self.id, rid, data, offsets, np.asarray(shared, np.int32).tobytes(),
                                labels, label_token_ids, apply_softmax, deadline, finish_by, priority,
-                               now))
+                               now, b"".join(v.numpy().astype(np.float32).tobytes() for v in vectors)))
         return fut
 
     def _track(self, fut: asyncio.Future, rids: list[int]) -> None:

@@ -327,10 +327,11 @@ class EngineLoop:
         if self.scorer is None:
             return reply(_score_failed(m, P.BAD_INPUT, "no multi-item scorer on this server"))
         try:
-            full, shared = P.unpack_score(m, self.scorer.config.vocab_size)
+            full, shared, soft = P.unpack_score(m, self.scorer.config.vocab_size,
+                                                self.scorer.config.hidden_size)
         except PrefixScoreError as e:  # a ProtocolError
             return reply(_score_failed(m, P.BAD_INPUT, str(e)))
-        self.lanes.add_job(ScoreJob(m, reply, full, shared))
+        self.lanes.add_job(ScoreJob(m, reply, full, shared, soft))
 
     def _score(self, m: P.ScoreReq) -> P.ScoreOut:
         """One whole request, every pass in turn (for tests and tools: the loop interleaves)."""
@@ -352,7 +353,8 @@ class EngineLoop:
         items = job.full[job.done:job.done + k]
         # query and items as given stay with the front end (its errors and limits read them):
         # the answer reads only the scores
-        call = ScoreCall(None, Prepared(items, items, job.shared), m.labels, m.label_token_ids,
+        soft = None if job.soft is None else job.soft[job.done:job.done + k]
+        call = ScoreCall(None, Prepared(items, items, job.shared, soft), m.labels, m.label_token_ids,
                          m.apply_softmax)
         t0 = time.perf_counter()
         try:

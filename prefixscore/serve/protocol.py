@@ -71,6 +71,9 @@ class ScoreReq(msgspec.Struct, tag=True, array_like=True):
     finish_by: float = 0.0  # the client's deadline: passes stop there (EXPIRED); 0: none
     priority: int = 0  # 0 real-time (depth control applies), higher: batch work in idle time
     sent: float = 0.0  # when the front end sent it (time.monotonic()): the latency depth control reads
+    # Embedding items (score_input.SOFT in their ids, once each): their vectors in item order,
+    # float32 [E, hidden] bytes; empty: text or token-id items only.
+    soft: bytes = b""
 
 
 class AbortReq(msgspec.Struct, tag=True, array_like=True):
@@ -108,6 +111,8 @@ class ScorerInfo(msgspec.Struct, array_like=True, kw_only=True):
     vocab_size: int
     context_limit: int  # of a prompt: the model's, less the scorer's longest label
     max_items: int
+    hidden_size: int = 0  # an embedding item's size
+    item_table: str | None = None  # the item table's path: each front end maps it (items by id)
 
 
 class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
@@ -188,9 +193,12 @@ def unpack_ids(data: bytes, offsets: list[int]) -> list[list[int]]:
     return [flat[a:b] for a, b in zip(offsets, offsets[1:])]
 
 
-def unpack_score(m: ScoreReq, vocab_size: int) -> tuple[list[list[int]], list[int]]:
-    """A ScoreReq's (item prompts, shared ids), checked: the engine runs them as given, so ids out
-    of the vocabulary or a malformed layout are refused (ProtocolError), not an engine fault."""
+def unpack_score(m: ScoreReq, vocab_size: int, hidden_size: int = 0):
+    """A ScoreReq's (item prompts, shared ids, per item its soft vector or None / None for no
+    embedding items), checked: the engine runs them as given, so ids out of the vocabulary or a
+    malformed layout are refused (ProtocolError), not an engine fault."""
+    from ..score_input import SOFT
+
     n = len(m.ids) // 4
     o = m.offsets
     if len(m.ids) % 4 or len(m.shared) % 4 or len(o) < 2 or o[0] != 0 or o[-1] != n or \
@@ -199,12 +207,26 @@ def unpack_score(m: ScoreReq, vocab_size: int) -> tuple[list[list[int]], list[in
                             f"{o[:4]}... do not describe int32 items of at least one token")
     flat = np.frombuffer(m.ids, dtype=np.int32)
     shared = np.frombuffer(m.shared, dtype=np.int32)
-    for a in (flat, shared):
-        if a.size and (int(a.min()) < 0 or int(a.max()) >= vocab_size):
+    at = np.flatnonzero(flat == SOFT) if m.soft else np.empty(0, np.int64)
+    for a, low in ((flat, SOFT if m.soft else 0), (shared, 0)):
+        if a.size and (int(a.min()) < low or int(a.max()) >= vocab_size):
             raise ProtocolError(f"score request {m.rid}: a token id outside this model's "
                                 f"vocabulary (0 <= id < {vocab_size})")
+    soft = None
+    if m.soft:
+        owner = np.searchsorted(np.asarray(o), at, side="right") - 1  # the item of each soft token
+        E, H = len(at), hidden_size
+        if not H or len(m.soft) != 4 * E * H or len(set(owner.tolist())) != E:
+            raise ProtocolError(f"score request {m.rid}: {len(m.soft)} bytes of embeddings for {E} "
+                                f"soft tokens of {H} values (one per embedding item)")
+        import torch
+
+        vectors = torch.from_numpy(np.frombuffer(m.soft, np.float32).reshape(E, H).copy())
+        soft = [None] * (len(o) - 1)
+        for i, v in zip(owner.tolist(), vectors):
+            soft[i] = v
     flat = flat.tolist()
-    return [flat[a:b] for a, b in zip(o, o[1:])], shared.tolist()
+    return [flat[a:b] for a, b in zip(o, o[1:])], shared.tolist(), soft
 
 
 # -- a Ready's parts, from the engine's Classifier and Scorer
@@ -237,4 +259,6 @@ def scorer_info(sc) -> ScorerInfo | None:
         template=None if prompt is None else prompt.template,
         chat=bool(prompt and prompt.chat), special_tokens=bool(prompt and prompt.special_tokens),
         labels=list(sc.labels), item_first=sc.item_first, prefix_ids=list(sc.prefix_ids),
-        vocab_size=inp.vocab_size, context_limit=inp.context_limit, max_items=inp.max_items)
+        vocab_size=inp.vocab_size, context_limit=inp.context_limit, max_items=inp.max_items,
+        hidden_size=inp.hidden_size or 0,
+        item_table=None if getattr(sc, "item_table", None) is None else sc.item_table.path)

@@ -50,6 +50,7 @@ class ScoreJob:
     reply: Callable
     full: list[list[int]]  # per item, the whole prompt
     shared: list[int]
+    soft: list | None = None  # per item its soft token's vector or None (protocol.unpack_score)
     depth: int = -1  # items it will score; -1: not started (decided at its first pass)
     done: int = 0  # items scored so far
     scores: list = field(default_factory=list)

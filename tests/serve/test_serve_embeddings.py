@@ -1,0 +1,82 @@
+"""Embedding items through the server (issue 34): /v1/score and /rerank take items as vectors
+(lists or base64) or ids into the item table, mixed with text; the front end checks them (a 4xx
+naming the item), the engine gets the vectors in the ScoreReq and answers what the Scorer answers.
+Tiny random model, CPU, a server in a thread."""
+import base64
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from prefixscore.item_table import write_table
+from prefixscore.scorer import Scorer
+from prefixscore.serve import create_app
+from prefixscore.serve import protocol as P
+from tests.serve.conftest import SCORE_TEMPLATE
+from tests.serve.helpers import LIMITS, running
+
+
+@pytest.fixture(scope="module")
+def table_scorer(clf, tmp_path_factory):
+    H = clf.loaded.model.config.hidden_size
+    vecs = torch.randn(3, H, generator=torch.Generator().manual_seed(0)) * 0.02
+    path = tmp_path_factory.mktemp("items") / "items.safetensors"
+    write_table(path, ["sku-1", "sku-2", "sku-3"], vecs.half())
+    return Scorer(clf.loaded, SCORE_TEMPLATE, ["yes", "no"], chat=False, item_table=path), vecs.half()
+
+
+def b64(v: torch.Tensor) -> str:
+    return base64.b64encode(v.half().numpy().tobytes()).decode()
+
+
+def test_mixed_request_answers_as_the_scorer(clf, table_scorer):
+    sc, vecs = table_scorer
+    items = ["a long camel coat", {"embedding": b64(vecs[0])}, {"id": "sku-2"},
+             {"embedding": vecs[2].float().tolist()}, {"text": "flip flops"}]
+    req = {"query": "wool coat", "items": items, "apply_softmax": True}
+    want = sc.score_request(req)
+    assert want["scores"][1] != want["scores"][2]  # the vectors matter
+    app = create_app(clf, scorer=sc, **LIMITS)
+    with running(app) as (base, _):
+        r = httpx.post(base + "/v1/score", json=req)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert np.allclose(got["scores"], want["scores"], atol=1e-6)
+        # the same vector three ways: base64 f16, by id, as a list of its values
+        same = {"query": "wool coat", "apply_softmax": True,
+                "items": [{"embedding": b64(vecs[1])}, {"id": "sku-2"},
+                          {"embedding": vecs[1].float().tolist()}]}
+        s = httpx.post(base + "/v1/score", json=same).json()["scores"]
+        assert np.allclose(s[0], s[1], atol=1e-6) and np.allclose(s[1], s[2], atol=1e-6)
+        rr = httpx.post(base + "/rerank", json={"query": "wool coat", "documents": items[:3]})
+        assert rr.status_code == 200, rr.text
+
+
+def test_bad_embedding_items_are_4xx_naming_the_item(clf, table_scorer):
+    sc, vecs = table_scorer
+    H = vecs.shape[1]
+    cases = [({"embedding": [0.0] * (H - 1)}, f"items[1]: the embedding has {H - 1} values, the "
+                                                f"model's hidden size is {H}"),
+             ({"embedding": base64.b64encode(np.zeros(H, np.float32).tobytes()).decode()},
+              f"items[1]: the embedding has {2 * H} values"),
+             ({"embedding": "%%%"}, "items[1]: the embedding is not valid base64"),
+             ({"embedding": b64(vecs[0]), "dtype": "float64"}, "items[1]: dtype 'float64'"),
+             ({"id": "nope"}, "items[1]: id 'nope' is not in the item table"),
+             ({"vector": [1.0]}, "items[1]: an item is a string")]
+    app = create_app(clf, scorer=sc, **LIMITS)
+    with running(app) as (base, _):
+        for bad, msg in cases:
+            r = httpx.post(base + "/v1/score", json={"query": "coat", "items": ["fine", bad]})
+            assert r.status_code == 422, (bad, r.text)
+            assert msg in r.text, (msg, r.text)
+
+
+def test_unpack_refuses_a_malformed_soft_payload():
+    ids, offsets = P.pack_ids([[1, -1, 2], [3, 4]])
+    m = P.ScoreReq(0, 1, ids, offsets, b"", None, None, False, 0.0, soft=b"\0" * 4 * 8)
+    full, _, soft = P.unpack_score(m, 100, 8)
+    assert full[0][1] == -1 and soft[1] is None and soft[0].shape == (8,)
+    for bad in (b"\0" * 4 * 7, b""):
+        with pytest.raises(Exception, match="outside this model's vocabulary|bytes of embeddings"):
+            P.unpack_score(P.ScoreReq(0, 1, ids, offsets, b"", None, None, False, 0.0, soft=bad), 100, 8)
