@@ -169,3 +169,33 @@ def test_gpu_bf16_embedding_items(tiny_model):
         top2 = ref.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > 4e-2
         assert (ours.argmax(-1) == ref.argmax(-1))[clear].all(), arch
+
+
+def test_cli_score_with_an_item_table(models, tmp_path, capsys):
+    """`prefixscore score --item-table`: JSONL requests mixing text, {"id"} and {"embedding"}
+    items; the same scores as the Scorer; an unknown id is one line naming file, line and item."""
+    import json
+
+    from prefixscore.cli.commands import main
+
+    ours, _, path = models("qwen2")
+    template = TEMPLATES["query_first"][0]
+    sc = Scorer(ours, template, ["yes", "no"], chat=False, mode="softmax")
+    v = vectors(sc, 2, 5)
+    table = tmp_path / "items.parquet"
+    write_table(table, ["a", "b"], torch.stack(v))
+    items = ["red silk dress", {"id": "b"}, {"embedding": v[0].tolist()}]
+    src = tmp_path / "req.jsonl"
+    src.write_text(json.dumps({"query": "red dress", "items": items}) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = ["score", "-i", str(src), "-o", str(out), "--model", str(path), "--device", "cpu",
+            "--template", template, "--no-chat", "--labels", "yes,no", "--mode", "softmax",
+            "--item-table", str(table)]
+    assert main(args) == 0
+    got = json.loads(out.read_text())["scores"]
+    want = [[r.scores[l] for l in sc.labels] for r in sc.score("red dress", ["red silk dress", v[1], v[0]])]
+    assert np.allclose(got, want, atol=1e-5)
+    src.write_text(json.dumps({"query": "red dress", "items": ["x", {"id": "zzz"}]}) + "\n")
+    out.unlink()
+    assert main(args) == 2
+    assert f"{src}:1: items[1]: id 'zzz' is not in the item table" in capsys.readouterr().err

@@ -64,7 +64,7 @@ def cmd_score(a) -> int:
                      chat=a.chat, mode=a.mode, max_batch_tokens=batch_tokens(a),
                      allow_special_tokens=a.allow_special_tokens, adapter=a.adapter,
                      batch_invariant=getattr(a, "batch_invariant", None) or None)
-    sc = Scorer(spec=spec, layout=a.layout, max_items=a.max_items)
+    sc = Scorer(spec=spec, layout=a.layout, max_items=a.max_items, item_table=a.item_table)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {sc.loaded.name} on {sc.engine.device} "
          f"({str(sc.engine.dtype).removeprefix('torch.')}), prefix {sc.prefix_len} tokens cached, "
          f"labels {', '.join(sc.labels)}, mode {sc.mode}")
@@ -120,6 +120,9 @@ def add_command(sub, model_args) -> None:
                    help="packed: query part once per span; alone: each item with its own copy; "
                         "auto (default): the cheaper by estimated cost")
     g.add_argument("--max-items", type=int, default=1024, help="most items per request")
+    g.add_argument("--item-table", default=None, metavar="FILE",
+                   help="item-embedding table (.safetensors or .parquet: id -> vector) for items "
+                        "given as {\"id\": ...}; items may also be {\"embedding\": [...]} or text")
     g.add_argument("--truncate", action="store_true", help=argparse.SUPPRESS)  # refused in cmd_score
     g.add_argument("--chunk", type=int, default=64, help="requests per call to the engine")
     p.set_defaults(func=cmd_score)
