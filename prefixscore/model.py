@@ -75,7 +75,8 @@ class Attention(nn.Module):
                                      pk.shape[0], ctx.prefix_range)
         return attention_o(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                            c.head_dim ** -0.5, self.o_proj.weight, residual, ctx.seg_offsets,
-                           ctx.layout, self.o_proj.bias, ctx.prefix_range, options=ctx.options)
+                           ctx.layout, self.o_proj.bias, ctx.prefix_range, options=ctx.options,
+                           inplace=True)  # (the stream is this forward's own: Block.forward)
 
 
 class MLP(nn.Module):
@@ -93,7 +94,8 @@ class MLP(nn.Module):
 
     def forward(self, h: Normed, residual, options: KernelOptions):
         gu = gate_up_silu(h, self.wgu, self.bgu, options=options)
-        return linear_residual(gu, self.down_proj.weight, self.down_proj.bias, residual, options=options)
+        return linear_residual(gu, self.down_proj.weight, self.down_proj.bias, residual, options=options,
+                               inplace=True)
 
 
 class Fp8Linear(nn.Module):
@@ -115,7 +117,9 @@ class Block(nn.Module):
 
     def forward(self, x, ssq, cos, sin, ctx, layer):
         """x: the residual stream; ssq: its per-row sums of squares if the GEMM that wrote x left
-        them (then the norm is a scale in the next GEMM's epilogue). -> the same for the next layer."""
+        them (then the norm is a scale in the next GEMM's epilogue). -> the same for the next layer.
+        The stream belongs to this forward: past the skinny kernels the O and down GEMMs add into
+        it in place (gemm.linear_residual), each after the last read of the value it replaces."""
         x, ssq = self.self_attn(Normed(x, ssq, self.input_layernorm.eps), x, cos, sin, ctx, layer)
         return self.mlp(Normed(x, ssq, self.post_attention_layernorm.eps), x, ctx.options)
 

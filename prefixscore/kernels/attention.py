@@ -119,8 +119,10 @@ def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
 
 
 def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, wo, residual,
-                seg_offsets=None, layout=None, bias=None, prefix_range=None, *, options: KernelOptions):
-    """residual + attention(...) @ wo^T (+ bias) -> (out, ssq) as gemm.linear_residual returns them:
+                seg_offsets=None, layout=None, bias=None, prefix_range=None, *, options: KernelOptions,
+                inplace: bool = False):
+    """residual + attention(...) @ wo^T (+ bias) -> (out, ssq) as gemm.linear_residual returns them
+    (inplace: as linear_residual's, the sum may be written over residual):
     one Triton kernel for few tokens on CUDA (kernels/attention_o_triton.py), else attention, then
     linear_residual. The fused kernel has no bias input: an O bias (Llama, Qwen3 with
     attention_bias) takes the two-kernel path."""
@@ -142,7 +144,7 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
                                           options=options)
     o = attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets,
                   layout, prefix_range, options=options)
-    return linear_residual(o.reshape(T, -1), wo, bias, residual, options=options)
+    return linear_residual(o.reshape(T, -1), wo, bias, residual, options=options, inplace=inplace)
 
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
