@@ -66,11 +66,12 @@ class SoftItem(NamedTuple):
     given: object
 
 
-def item_vector(it, what: str, hidden_size: int | None, table=None):
+def item_vector(it, what: str, hidden_size: int | None, table=None, finite: bool = True):
     """An item given as an embedding -> its checked float32 vector; None for a text item (str or
     {"text": ...}). Forms: a 1-D torch tensor or numpy array; {"embedding": [numbers]};
     {"embedding": "<base64>", "dtype": "float16" | "bfloat16" | "float32"}; {"id": key} into the
-    item table. InputError naming the item (`what`) for anything else."""
+    item table. InputError naming the item (`what`) for anything else. finite=False leaves the
+    check for non-finite values to the caller (check_items: one check for all a request's)."""
     if isinstance(it, torch.Tensor):
         if it.ndim != 1 or not it.dtype.is_floating_point:
             raise InputError(f"{what}: an embedding item is a 1-D float vector, got "
@@ -101,7 +102,7 @@ def item_vector(it, what: str, hidden_size: int | None, table=None):
     if hidden_size is not None and v.shape[0] != hidden_size:
         raise InputError(f"{what}: the embedding has {v.shape[0]} values, the model's hidden size "
                          f"is {hidden_size}")
-    if not bool(torch.isfinite(v).all()):
+    if finite and not bool(torch.isfinite(v).all()):
         raise InputError(f"{what}: the embedding has a value that is not a finite number")
     return v
 
@@ -217,7 +218,7 @@ class ScoreInput:
         if len(items) > self.max_items:
             raise InputError(f"{len(items)} items in one request, over the limit of {self.max_items}; "
                              f"split the request (or raise max_items)")
-        out = list(items)
+        out, soft = list(items), {}
         for i, it in enumerate(items):
             if not text:
                 if not self.check_token_ids(it, f"items[{i}]"):
@@ -225,15 +226,20 @@ class ScoreInput:
                 continue
             if isinstance(it, SoftItem):  # checked before (score_batch checks, then prepares)
                 continue
-            v = None if isinstance(it, str) else item_vector(it, f"items[{i}]", self.hidden_size, self.table)
+            v = None if isinstance(it, str) else \
+                item_vector(it, f"items[{i}]", self.hidden_size, self.table, finite=False)
             if v is not None:
-                out[i] = SoftItem(v, it)
+                out[i] = soft[i] = SoftItem(v, it)
                 continue
             t = it["text"] if isinstance(it, dict) else it
             if not isinstance(t, str):
                 raise InputError(f"items[{i}] must be a string or an embedding item, got {type(it).__name__}")
             if not t.strip():
                 raise InputError(f"items[{i}] is empty")
+        # one check for all (numpy: single-threaded; torch's parallel ops on a busy host cost ms)
+        if soft and not np.isfinite(np.stack([x.vector.numpy() for x in soft.values()])).all():
+            i = next(i for i, x in soft.items() if not bool(torch.isfinite(x.vector).all()))
+            raise InputError(f"items[{i}]: the embedding has a value that is not a finite number")
         return out
 
     def check_text(self, query, items) -> list:
