@@ -75,8 +75,14 @@ def add_command(subparsers, model_args) -> None:
                    help="tokens of query + items per /v1/score request (413)")
     g.add_argument("--max-label-ids", type=int, default=64,
                    help="labels or label_token_ids per /v1/score request (413)")
-    g.add_argument("--cache-size", type=int, default=0, help="result cache entries per front end (default 0: off)")
-    g.add_argument("--cache-ttl", type=float, default=0.0, help="result cache TTL in seconds (0: none)")
+    g.add_argument("--cache-size", type=int, default=0,
+                   help="pair cache entries per front end: a classify query's or a /v1/score "
+                        "item's answer, keyed by its prompt's token ids, label set and model "
+                        "(default 0: off)")
+    g.add_argument("--cache-bytes", type=byte_size, default=256 << 20, metavar="BYTES",
+                   help="and its bytes per front end, least recently used evicted first (a number, "
+                        "or with K, M, G: binary units; default 256M)")
+    g.add_argument("--cache-ttl", type=float, default=0.0, help="pair cache TTL in seconds (0: none)")
     g.add_argument("--score-template", default=None,
                    help="template with {query} and {item} slots: enables /v1/score")
     g.add_argument("--score-labels", default=None,
@@ -169,7 +175,8 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         max_queue=a.max_queue, max_queue_tokens=a.max_queue_tokens, max_queue_ms=a.max_queue_ms,
         request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes,
         max_queries=a.max_queries, max_tokens=a.max_tokens, max_score_tokens=a.max_score_tokens,
-        max_label_ids=a.max_label_ids, cache_size=a.cache_size, cache_ttl=a.cache_ttl,
+        max_label_ids=a.max_label_ids, cache_size=a.cache_size, cache_bytes=a.cache_bytes,
+        cache_ttl=a.cache_ttl,
         max_connections=a.max_connections, header_timeout=a.header_timeout,
         body_timeout=a.body_timeout, max_header_bytes=a.max_header_bytes,
         shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
@@ -184,6 +191,18 @@ def _shed_lag(flag: float | None, target: float | None) -> float | None:
     if flag is not None:
         return flag or None
     return 2 * target if target else None
+
+
+def byte_size(text: str) -> int:
+    """--cache-bytes: an integer, optionally with K, M or G (KiB, MiB, GiB; a trailing B or iB
+    allowed): "268435456", "256M", "1GiB"."""
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256M, "
+                                         f"1G)") from None
 
 
 def _gains(text: str) -> tuple[float, float, float]:

@@ -54,7 +54,7 @@ READY_TIMEOUT_S = 3600.0  # the engine's warm-up (CUDA graphs of a large model) 
 # per request, off by default as in the server: it costs the replica's event loop time).
 FRONT_KEYS = ("api_key", "max_queue", "max_queue_tokens", "max_queue_ms", "max_body_bytes",
               "max_queries", "max_tokens", "max_score_tokens", "max_label_ids", "cache_size",
-              "cache_ttl", "body_timeout", "shutdown_timeout", "log_level", "access_log")
+              "cache_bytes", "cache_ttl", "body_timeout", "shutdown_timeout", "log_level", "access_log")
 # Settings named as the server's flags: the ModelSpec's (--batch-tokens is its max_batch_tokens)
 # beside EngineConfig's own.
 SPEC_KEYS = {"device": "device", "dtype": "dtype", "mode": "mode", "chat": "chat", "truncate": "truncate",

@@ -10,10 +10,12 @@
     wire.py         front end <-> engine process: a Unix socket each (SocketClient, EngineSocket)
     dp_client.py    --data-parallel: one SocketClient per engine, each pass to the least loaded
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit,
-                    deadlines; scoring.py its multi-item route (/v1/score, /rerank)
+                    deadlines; scoring.py its multi-item route (/v1/score, /rerank); loop_lag.py
+                    how late its event loop runs
+    cache.py        the pair cache (prefixscore/pair_cache.py) and its keys per route
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
     fanout.py       one request to several classifiers ("classifiers": [...]) and its answer
-    answers.py      Answer, the result cache, probabilities; api_error.py: ApiError
+    answers.py      Answer, probabilities; api_error.py: ApiError
     http.py         the FastAPI app and its ASGI guard (auth, body, X-Request-Timeout)
     connections.py  the uvicorn server (draining shutdown) and its bounded protocol: header
                     limits, the oldest idle connections closed at the connection limit
@@ -39,7 +41,7 @@ def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_w
     under model_name (default: the model's file or folder name), or {name: Classifier} over one
     model (Classifier.many), the first the default. schedule: a config.ScheduleOptions (latency
     target, pass length, depth control). limits: FrontendConfig fields (max_queue, max_queries,
-    max_tokens, api_key, cache_size, request_timeout, ...)."""
+    max_tokens, api_key, cache_size, cache_bytes, request_timeout, ...)."""
     import os
 
     from .client import InprocClient

@@ -1,10 +1,9 @@
-"""What a classify request answers (Answer), the result cache, and the helpers every route uses
-on answers and queries: probabilities from scores, a query's name in errors, the Unicode check."""
+"""What a classify request answers (Answer), and the helpers every route uses on answers and
+queries: probabilities from scores, a query's name in errors, the Unicode check. The pair cache
+that answers repeated queries and items: cache.py."""
 from __future__ import annotations
 
 import math
-import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 
@@ -20,31 +19,6 @@ class Answer:
     tokenize_s: float
     forward_s: float
     total_s: float
-
-
-class ResultCache:
-    """LRU of (label index, scores) keyed by the prompt's token ids: the normalized form of a query
-    that provably gets the same answer, so results are identical with and without the cache."""
-
-    def __init__(self, size: int, ttl: float):
-        self.size, self.ttl = size, ttl
-        self.items: OrderedDict[tuple, tuple] = OrderedDict()
-
-    def get(self, key):
-        hit = self.items.get(key)
-        if hit is None:
-            return None
-        if self.ttl and hit[0] < time.monotonic():
-            del self.items[key]
-            return None
-        self.items.move_to_end(key)
-        return hit[1]
-
-    def put(self, key, value) -> None:
-        self.items[key] = (time.monotonic() + self.ttl, value)
-        self.items.move_to_end(key)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
 
 
 def label_probs(scores: list[float]) -> tuple[list[float], list[float]]:

@@ -47,7 +47,10 @@ Shapes followed (read from the peers' sources):
   (and Jina, Cohere, Infinity), the shape the issue names.
 
 Every route answers probabilities (softmax over the labels) beside log-probabilities (log-softmax
-over the labels): fields `logprobs` / `logprob` are ours, added to the peer's shape.
+over the labels): fields `logprobs` / `logprob` are ours, added to the peer's shape, and so is
+`cached` on /rerank's answer (documents answered from the pair cache; vLLM's, Jina's and Cohere's
+models allow extra keys). vLLM's /score answer keeps vLLM's exact keys, and TEI's bare lists carry
+nothing of ours.
 
 Rerank is multi-item scoring (/v1/score's Scorer, --score-template with {query} and {item}):
 relevance_score is the probability of the scorer's first label (--score-labels, default "yes,no":
@@ -220,7 +223,8 @@ async def vllm_rerank(fe: Frontend, req: RerankRequest):
             del r["document"]
     n = out.get("usage", {}).get("prompt_tokens", 0)
     return reply({"id": f"rerank-{uuid.uuid4().hex}", "model": fe.info.model,
-                  "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results})
+                  "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results,
+                  "cached": out.get("cached", 0)})  # ours: vLLM's, Jina's, Cohere's allow extra keys
 
 
 def register(app, fe: Frontend, deps) -> None:

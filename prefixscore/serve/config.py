@@ -93,7 +93,9 @@ class FrontendConfig:
     max_tokens: int = 512  # per query, after the cached prefix
     max_score_tokens: int = 8192  # per /v1/score request: query + items
     max_label_ids: int = 64  # label_token_ids / labels per /v1/score request
+    # The pair cache (serve/cache.py), per front end: entries (0: off), bytes, seconds (0: no TTL)
     cache_size: int = 0
+    cache_bytes: int = 256 << 20
     cache_ttl: float = 0.0
     max_connections: int = 4096  # per front-end process
     # A front end whose event loop runs more than this behind (requests wait unread that long)
@@ -134,6 +136,10 @@ class FrontendConfig:
         if self.request_timeout is not None and not 0 < self.request_timeout <= MAX_TIMEOUT_S:
             raise ConfigError(f"--request-timeout must be seconds in (0, {MAX_TIMEOUT_S:g}], got "
                               f"{self.request_timeout}")
+        if not isinstance(self.cache_size, int) or self.cache_size < 0:
+            raise ConfigError(f"--cache-size must be entries >= 0 (0: off), got {self.cache_size!r}")
+        if not isinstance(self.cache_bytes, int) or self.cache_bytes < 1:
+            raise ConfigError(f"--cache-bytes must be at least 1, got {self.cache_bytes!r}")
         if not 0 <= self.cache_ttl < float("inf"):  # inf would be "no TTL", which 0 already says
             raise ConfigError(f"--cache-ttl must be seconds >= 0 (0: none), got {self.cache_ttl}")
         if self.api_key is not None:

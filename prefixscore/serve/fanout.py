@@ -21,6 +21,7 @@ import time
 
 from .answers import Answer, label_probs
 from .api_error import ApiError
+from .cache import CLASSIFY_IDS, lookup, store
 from .client import EngineDead
 
 
@@ -41,14 +42,14 @@ class ClassifyMany:
         t1 = time.perf_counter()
         todo, rows, hits_all, costs = [], [], [], []
         for k, encoded in zip(ks, encs):
-            hits = [None] * len(encoded)
+            hits, keys = [None] * len(encoded), None
             if cache is not None:  # keyed as Frontend.classify keys it
-                hits = [cache.get(tuple(e.ids) if k == 0 else (k, tuple(e.ids))) for e in encoded]
-                self.metrics.cache_lookups(len(hits) - hits.count(None), hits.count(None))
+                keys = self._classify_keys(k, encoded)
+                hits = lookup(cache, self.metrics, keys, "classify")
             missed = [e for e, h in zip(encoded, hits) if h is None]
             todo += missed
             rows += [k] * len(missed)
-            hits_all.append(hits)
+            hits_all.append((hits, keys))
             costs.append(sum(len(e.ids) - e.start for e in missed))
         job = None
         if todo:
@@ -57,20 +58,23 @@ class ClassifyMany:
                 if cost:
                     self.metrics.classifier_tokens(self.classifiers[k].name).inc(cost)
         r, out = 0, []
-        for k, encoded, hits in zip(ks, encs, hits_all):
+        for k, encoded, (hits, keys) in zip(ks, encs, hits_all):
             labels, results = self.classifiers[k].labels, []
             # rows are as wide as the engine's most labels; a classifier's fill the first columns
             scores = job.scores[:, :len(labels)] if job else None
-            for e, h in zip(encoded, hits):
+            fresh = {}  # key index -> (label index, scores), to store
+            for i, (e, h) in enumerate(zip(encoded, hits)):
                 if h is None:
-                    h = (job.best[r], scores[r].tolist())
+                    h = fresh[i] = (job.best[r], scores[r].tolist())
                     r += 1
-                    if cache is not None:
-                        cache.put(tuple(e.ids) if k == 0 else (k, tuple(e.ids)), h)
                     results.append((e.values["query"], labels[h[0]], h[1], False))
                 else:
                     results.append((e.values["query"], labels[h[0]], h[1], True))
             out.append(results)
+            if cache is not None:
+                store(cache, [keys[i] for i in fresh], list(fresh.values()), CLASSIFY_IDS)
+        if cache is not None:
+            self.metrics.cache_held(cache)
         t2 = time.perf_counter()
         forward = job.forward_s if job else 0.0
         answers = []

@@ -1,4 +1,4 @@
-"""A front end's request handling, shared by HTTP and gRPC: validate, tokenize, the result cache,
+"""A front end's request handling, shared by HTTP and gRPC: validate, tokenize, the pair cache,
 admission, the engine call, and the answer's fields. Errors are ApiError(status, detail), in HTTP
 status codes (gRPC maps them); nothing here knows a wire format.
 
@@ -22,12 +22,14 @@ from contextvars import ContextVar
 
 from ..errors import InputError
 from . import protocol as P
-from .answers import Answer, ResultCache, is_unicode, label_probs, query_name  # noqa: F401
+from .answers import Answer, is_unicode, label_probs, query_name  # noqa: F401
 from .api_error import ApiError, check_priority
+from .cache import CLASSIFY_IDS, classifier_ids, lookup, new_cache, scorer_id, store
 from .catalog import DEFAULT_MODEL, Catalog  # noqa: F401 -- importable from here, as before
 from .client import EngineDead
 from .config import FrontendConfig
 from .fanout import ClassifyMany
+from .loop_lag import LoopLag  # noqa: F401 -- importable from here, as before
 from .scoring import ScoreRoute
 
 # A request's own deadline (time.monotonic()), set by its transport around the call: HTTP's
@@ -40,44 +42,6 @@ log = logging.getLogger("prefixscore.serve")
 
 class Late(Exception):
     """Set on a request's future by its timer: no answer by its deadline or start-by time."""
-
-
-class LoopLag:
-    """How late this event loop runs what is due: a tick every 5 ms notes how late it fired, and
-    `lag` is the recent worst (decaying to half in about ten ticks). A request's bytes wait about
-    that long in its socket before a busy loop reads them, time the server's clock for its
-    deadline (started when the request is read) cannot see: under overload the clients of an
-    H200 server got 200s up to ~1 s past their 50 ms deadlines. So a deadline is taken to have
-    started that much earlier (Frontend.deadline)."""
-
-    EVERY = 0.005
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.timer = loop, None
-        self.restart()
-
-    def restart(self) -> None:
-        """Forget what was seen: after a stall that was not a backlog of requests (start-up's
-        tokenizer build), which would otherwise read as one and shed for as long."""
-        if self.timer is not None:
-            self.timer.cancel()
-        self.lag, self.last, self.ran = 0.0, 0.0, self.loop.time()
-        self.due = self.ran + self.EVERY
-        self.timer = self.loop.call_at(self.due, self._tick)
-
-    def _tick(self) -> None:
-        now = self.loop.time()
-        self.last, self.ran = now - self.due, now
-        self.lag = max(self.last, 0.93 * self.lag)
-        self.due = now + self.EVERY
-        self.timer = self.loop.call_at(self.due, self._tick)
-
-    def behind(self) -> float:
-        """How far behind the loop runs now (seconds): its pending tick's lateness, or what the
-        last tick found less the time since (a backlog the loop has been working through). Not
-        the decayed `lag`, which would go on shedding for a while after one stall."""
-        now = self.loop.time()
-        return max(now - self.due, self.last - (now - self.ran))
 
 
 class Frontend(ClassifyMany, ScoreRoute):
@@ -94,7 +58,9 @@ class Frontend(ClassifyMany, ScoreRoute):
         self.info: P.ReadyOut | None = None
         self.classifiers: list[P.ClassifierInfo] = []
         self.created = 0  # when this front end first saw the engine ready (Unix seconds)
-        self.cache = ResultCache(cfg.cache_size, cfg.cache_ttl) if cfg.cache_size > 0 else None
+        self.cache = new_cache(cfg)  # the pair cache (cache.py); None: off
+        self.cache_ids: list[bytes] = []  # per classifier, its identity in cache keys
+        self.scorer_id: bytes | None = None  # the scorer's
         self.inflight = 0  # queries admitted and not yet answered (this front end)
         self.held = ([0, 0], [0, 0])  # per lane (real-time, batch): those queries, their tokens
         self.draining = False
@@ -116,6 +82,8 @@ class Frontend(ClassifyMany, ScoreRoute):
             catalog = Catalog(info, list(self.prompt_factory(info)))
             self.catalog, self.prompts, self.prompt = catalog, catalog.prompts, catalog.prompts[0]
             self.scoring = catalog.scoring
+            self.cache_ids = classifier_ids(info)
+            self.scorer_id = None if self.scoring is None else scorer_id(info)
             self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
@@ -260,9 +228,9 @@ class Frontend(ClassifyMany, ScoreRoute):
         encoded = self._encode(queries, k, field)
         t1 = time.perf_counter()
         cache, hits = self.cache, [None] * len(encoded)
-        if cache is not None:  # a key per classifier: two prompts may tokenize alike
-            hits = [cache.get(tuple(e.ids) if k == 0 else (k, tuple(e.ids))) for e in encoded]
-            self.metrics.cache_lookups(len(hits) - hits.count(None), hits.count(None))
+        if cache is not None:  # keyed by classifier too: two prompts may tokenize alike
+            keys = self._classify_keys(k, encoded)
+            hits = lookup(cache, self.metrics, keys, "classify")
         todo = [e for e, h in zip(encoded, hits) if h is None]
         job = None
         if todo:  # inline, not many.py's _engine: the latency path pays for no extra coroutine
@@ -285,16 +253,17 @@ class Frontend(ClassifyMany, ScoreRoute):
         scores = None if job is None else job.scores if job.scores.shape[1] == len(labels) else \
             job.scores[:, :len(labels)]
         rows = iter(range(len(todo)))
-        results = []
-        for e, h in zip(encoded, hits):
+        results, fresh = [], {}  # fresh: key index -> (label index, scores), to store
+        for i, (e, h) in enumerate(zip(encoded, hits)):
             if h is None:
                 r = next(rows)
-                h = (job.best[r], scores[r].tolist())
-                if cache is not None:
-                    cache.put(tuple(e.ids) if k == 0 else (k, tuple(e.ids)), h)
+                h = fresh[i] = (job.best[r], scores[r].tolist())
                 results.append((e.values["query"], labels[h[0]], h[1], False))
             else:
                 results.append((e.values["query"], labels[h[0]], h[1], True))
+        if cache is not None:
+            store(cache, [keys[i] for i in fresh], list(fresh.values()), CLASSIFY_IDS)
+            self.metrics.cache_held(cache)
         t2 = time.perf_counter()
         forward = job.forward_s if job else 0.0
         prompt_tokens = sum(len(e.ids) for e in encoded)
@@ -308,6 +277,11 @@ class Frontend(ClassifyMany, ScoreRoute):
         st["forward"].observe(ans.forward_s)
         st["total"].observe(ans.total_s)
         return ans
+
+    def _classify_keys(self, k: int, encoded) -> list[tuple]:
+        """Classifier k's cache keys of its encoded queries (cache.py)."""
+        ident = self.cache_ids[k]
+        return [("classify", ident, tuple(e.ids)) for e in encoded]
 
     def _check_queries(self, queries: list[str], per: int, field: str) -> None:
         cfg = self.cfg

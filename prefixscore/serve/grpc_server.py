@@ -115,6 +115,7 @@ def handlers(fe: Frontend):
         return pb.ScoreResponse(
             scores=[pb.ItemScores(values=s or ()) for s in out["scores"]], labels=out["labels"],
             model=fe.info.model, depth=out.get("depth", 0), scored=out.get("scored", ()),
+            cached=out.get("cached", 0),
             usage=None if usage is None else pb.Usage(
                 prompt_tokens=usage.get("prompt_tokens", 0),
                 completion_tokens=usage.get("completion_tokens", 0),

@@ -68,8 +68,23 @@ class Metrics:
                               "(after the cached prefix)", ["classifier"], registry=r)
         self.score_tokens = Counter("prefixscore_score_tokens", "tokens in of multi-item scoring "
                                     "and rerank requests (query + items)", registry=r)
-        self.cache_hits = Counter("prefixscore_cache_hits", "result cache hits", registry=r)
-        self.cache_misses = Counter("prefixscore_cache_misses", "result cache misses", registry=r)
+        # The pair cache (serve/cache.py): lookups per route (the classify series keep their
+        # names from the classify-only result cache before it), and what it holds, summed over
+        # front ends (each has its own).
+        self.cache_hits = Counter("prefixscore_cache_hits", "pair cache hits of classify queries "
+                                  "(one per query and classifier)", registry=r)
+        self.cache_misses = Counter("prefixscore_cache_misses", "pair cache misses of classify "
+                                    "queries", registry=r)
+        self.score_cache_hits = Counter("prefixscore_score_cache_hits", "pair cache hits of "
+                                        "multi-item scoring items (/v1/score, rerank)", registry=r)
+        self.score_cache_misses = Counter("prefixscore_score_cache_misses", "pair cache misses of "
+                                          "multi-item scoring items", registry=r)
+        self.cache_entries = Gauge("prefixscore_cache_entries", "pair cache entries (all front "
+                                   "ends)", registry=r, multiprocess_mode="livesum")
+        self.cache_bytes = Gauge("prefixscore_cache_bytes", "pair cache bytes, approximate (all "
+                                 "front ends)", registry=r, multiprocess_mode="livesum")
+        self._cache_routes = {"classify": (self.cache_hits, self.cache_misses),
+                              "score": (self.score_cache_hits, self.score_cache_misses)}
         self.engine_faults = Counter("prefixscore_engine_faults", "engine deaths seen by a front end",
                                      registry=r)
         self.expired = Counter("prefixscore_expired", "requests not answered 200 for time: not "
@@ -84,8 +99,8 @@ class Metrics:
                                "real-time score requests", registry=r,
                                multiprocess_mode="livemostrecent")
         if not mp:
-            self.cache_ratio = Gauge("prefixscore_cache_hit_ratio", "hits / lookups since start",
-                                     registry=r)
+            self.cache_ratio = Gauge("prefixscore_cache_hit_ratio", "pair cache hits / lookups "
+                                     "since start, every route", registry=r)
             self.cache_ratio.set_function(lambda: self.hits / max(1, self.hits + self.misses))
         self.hits = self.misses = 0
         self.model, self.engine_pid = "", None  # known once the engine is ready (served())
@@ -135,10 +150,18 @@ class Metrics:
         """The engine is ready: its served model name (the `model` label) and its process."""
         self.model, self.engine_pid = model, engine_pid
 
-    def cache_lookups(self, hits: int, misses: int) -> None:
+    def cache_lookups(self, hits: int, misses: int, route: str = "classify") -> None:
         self.hits, self.misses = self.hits + hits, self.misses + misses
-        self.cache_hits.inc(hits)
-        self.cache_misses.inc(misses)
+        h, m = self._cache_routes[route]
+        if hits:
+            h.inc(hits)
+        if misses:
+            m.inc(misses)
+
+    def cache_held(self, cache) -> None:
+        """What the pair cache holds now (after a request's lookups and stores)."""
+        self.cache_entries.set(len(cache))
+        self.cache_bytes.set(cache.bytes)
 
     def engine_batch(self, size: int, seconds: float) -> None:
         self._batch.observe(size)

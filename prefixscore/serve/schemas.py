@@ -101,8 +101,12 @@ class ScoreResponse(BaseModel):
     scores: list[list[float] | None] = Field(
         description="per item, one score per label, in label order; an item past the depth: the "
                     "request's prior, else null")
-    depth: int | None = Field(None, description="items scored: the first `depth` (depth control)")
-    scored: list[bool] | None = Field(None, description="per item, whether it was scored")
+    depth: int | None = Field(None, description="the first `depth` items are scored (depth control; "
+                                                "with the pair cache, cached items past them too)")
+    scored: list[bool] | None = Field(None, description="per item, whether it was scored (now or "
+                                                       "from the pair cache)")
+    cached: int = Field(0, description="items answered from the pair cache (--cache-size), not "
+                                       "computed: usage counts only the others")
     labels: list[str] = Field(description="the label order (ours; not in SGLang's response)")
     model: str
     usage: Usage | None = None
@@ -249,6 +253,7 @@ class RerankResponse(BaseModel):
     model: str
     usage: RerankUsage
     results: list[RerankResult] = Field(description="best first")
+    cached: int = Field(0, description="ours: documents answered from the pair cache (--cache-size)")
 
 
 class ModelCard(BaseModel):

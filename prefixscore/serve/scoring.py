@@ -1,13 +1,21 @@
 """Frontend's multi-item route (/v1/score, /rerank and their gRPC twin): a mixin, as fanout.py's
-ClassifyMany is, over Frontend's admission, deadlines and engine client."""
+ClassifyMany is, over Frontend's admission, deadlines, pair cache and engine client.
+
+With the pair cache on (--cache-size), each item is looked up by its key (cache.py: the scorer,
+the label set as named, apply_softmax, the item's whole prompt's ids); only the misses go to the
+engine, in request order, and the answer merges both. Depth control then applies to the misses
+alone: a cached item is free. So the scored items need not be the first ones: `scored` says which
+are, and `depth` keeps its meaning, the first `depth` items are scored (the leading run)."""
 from __future__ import annotations
 
 import time
 
 from ..errors import PrefixScoreError
+from ..score_input import Prepared
 from . import protocol as P
 from .answers import is_unicode
 from .api_error import ApiError, check_priority
+from .cache import SCORE_IDS, lookup, score_keys, store
 from .client import EngineDead
 
 
@@ -20,8 +28,10 @@ class ScoreRoute:
         the token ids. field: the request's name for its items, as errors name them ("documents"
         in a rerank request); model: a name to check (404). Ours beside SGLang's fields:
         `priority` (0 real-time, higher batch work) and `prior` (per item, what an item past the
-        depth control's depth is answered with instead of null); the response adds `depth` (items
-        scored, the first ones) and `scored` (per item)."""
+        depth control's depth is answered with instead of null); the response adds `scored` (per
+        item), `depth` (how many leading items are scored) and `cached` (items answered from the
+        pair cache, --cache-size: no engine time; usage counts only the tokens computed). The
+        limits (--max-queries, --max-score-tokens) are the whole request's, cached or not."""
         cfg = self.cfg
         deadline = self.deadline()
         req = dict(req)
@@ -61,38 +71,73 @@ class ScoreRoute:
         if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
             raise ApiError(422, f"prior must be a list of one score (or one list of scores per "
                                 f"label) per item: {len(items)}", param="prior")
-        self._admit(len(items), n, priority > 0)
+        cache, hits, keys = self.cache, None, None
+        if cache is not None:
+            keys = score_keys(self.scorer_id, call)
+            hits = lookup(cache, self.metrics, keys, "score")
+        rows, labels, computed = await self._engine_rows(call, hits, keys, n, priority, deadline)
+        if hits is not None:
+            for i, h in enumerate(hits):
+                if h is not None:
+                    labels, rows[i] = h[0], list(h[1])
+            self.metrics.cache_held(cache)
+        # Scored: from the engine now or from the cache. depth: the leading run of scored items
+        # (the first `depth` are scored, as without a cache); cached items past it are scored too.
+        scored = [r is not None for r in rows]
+        depth = scored.index(False) if False in scored else len(rows)
+        L = len(labels)
+        scores = [r if r is not None else None if prior is None else
+                  (list(prior[i]) if isinstance(prior[i], list) else [prior[i]] * L)
+                  for i, r in enumerate(rows)]  # past the depth: the caller's prior, else null
+        return {"scores": scores, "labels": list(labels), "model": self.info.model,
+                "object": "scoring", "depth": depth, "scored": scored,
+                "cached": 0 if hits is None else len(hits) - hits.count(None),
+                "usage": {"prompt_tokens": computed, "total_tokens": computed,
+                          "completion_tokens": 0}}
+
+    async def _engine_rows(self, call, hits, keys, n: int, priority: int, deadline):
+        """The engine's scores of the items the cache missed (hits None: every item), stored in
+        the cache: -> (per item its row or None, the label names, prompt tokens computed). Only
+        those items go to the engine, in order (none: no engine call), admitted at their cost;
+        depth control applies to them alone (cached items are free)."""
+        full = call.prep.full
+        todo = list(range(len(full))) if hits is None else [i for i, h in enumerate(hits) if h is None]
+        rows = [None] * len(full)
+        if not todo:
+            return rows, None, 0
+        prep = call.prep if len(todo) == len(full) else subset(call.prep, todo)
+        if prep is not call.prep:
+            n = self.scoring.new_tokens(prep, self.info.scorer.prefix_ids)
+        cfg = self.cfg
+        self._admit(len(todo), n, priority > 0)
         try:
             start_by = time.monotonic() + cfg.max_queue_ms / 1e3
             out = await self._wait(self.client.score(
-                call.prep.full, call.prep.shared,
+                prep.full, prep.shared,
                 start_by if deadline is None else min(start_by, deadline), call.labels,
-                call.label_token_ids, call.apply_softmax, deadline or 0.0, priority), deadline)
+                call.label_token_ids, call.apply_softmax, deadline or 0.0, priority,
+                prep.soft), deadline)
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
-            self._release(len(items), n, priority > 0)
-        if out.status == P.OK:
-            self.metrics.score_tokens.inc(out.prompt_tokens)
-            if out.controlled:
-                self.metrics.score_depth.set(out.depth)
-                self.metrics.score_p99.set(out.p99_ms)
-            t, L = out.prompt_tokens, len(out.labels)
-            scores = out.scores
-            if out.depth < len(scores):  # past the depth: the caller's prior, else null
-                scores = scores[:out.depth] + [
-                    None if prior is None else
-                    (list(prior[i]) if isinstance(prior[i], list) else [prior[i]] * L)
-                    for i in range(out.depth, len(scores))]
-            return {"scores": scores, "labels": out.labels, "model": self.info.model,
-                    "object": "scoring", "depth": out.depth,
-                    "scored": [i < out.depth for i in range(len(scores))],
-                    "usage": {"prompt_tokens": t, "total_tokens": t, "completion_tokens": 0}}
+            self._release(len(todo), n, priority > 0)
         if out.status == P.BAD_INPUT:  # the request's label set (the engine tokenizes it)
             raise ApiError(422, out.error)
         if out.status == P.EXPIRED:
             self._expired(1, deadline)
-        raise ApiError(503, out.error or "engine fault", 1)
+        if out.status != P.OK:
+            raise ApiError(503, out.error or "engine fault", 1)
+        self.metrics.score_tokens.inc(out.prompt_tokens)
+        if out.controlled:
+            self.metrics.score_depth.set(out.depth)
+            self.metrics.score_p99.set(out.p99_ms)
+        labels, done = tuple(out.labels), todo[:out.depth]  # scored: the first `depth` sent
+        for j, i in enumerate(done):
+            rows[i] = out.scores[j]
+        if self.cache is not None:
+            store(self.cache, [keys[i] for i in done],
+                  [(labels, tuple(out.scores[j])) for j in range(len(done))], SCORE_IDS)
+        return rows, labels, out.prompt_tokens
 
     @staticmethod
     def _score_input(step, *args, **kw):
@@ -104,3 +149,11 @@ class ScoreRoute:
         except Exception as e:  # the tokenizer itself raised: this request's input
             raise ApiError(422, f"the tokenizer could not encode this request: "
                                 f"{type(e).__name__}: {e}") from None
+
+
+def subset(prep: Prepared, idx: list[int]) -> Prepared:
+    """The request's items idx (the cache's misses), in order: each item's prompt and, for an
+    embedding item, its vector; the shared query part is every item's."""
+    soft = getattr(prep, "soft", None)
+    return Prepared([prep.items[i] for i in idx], [prep.full[i] for i in idx], prep.shared,
+                    None if soft is None else [soft[i] for i in idx])

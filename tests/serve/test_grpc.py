@@ -525,3 +525,15 @@ def test_priority_and_depth_fields(clf, scorer):
             assert r.depth == 2 and list(r.scored) == [True, True] and len(r.scores) == 2
 
     run(go())
+
+
+def test_score_says_what_the_pair_cache_answered(clf, scorer):
+    """Score's `cached`: the items answered from the pair cache (--cache-size), as /v1/score's."""
+    async def go():
+        async with serving(clf, scorer, cache_size=64) as s:
+            m = pb.ScoreRequest(query_text="coat", item_texts=pb.Texts(values=["a", "b"]))
+            first, again = await s.score(m), await s.score(m)
+            assert (first.cached, again.cached) == (0, 2) and again.usage.prompt_tokens == 0
+            assert [list(x.values) for x in again.scores] == [list(x.values) for x in first.scores]
+
+    run(go())
