@@ -70,6 +70,7 @@ def main():
     port = free_port()
     serve = ["--workers", "1", "--cache-size", "100000", "--score-template", TEMPLATE,
              "--max-queries", str(max(256, a.items)), *flags]
+    load_before = os.getloadavg()
     proc = start_server(serve, port, None, a.ready_timeout)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
@@ -103,7 +104,9 @@ def main():
         "target_ratio": TARGET_RATIO, "met": ratio <= TARGET_RATIO,
         "cache_entries": entries, "cache_bytes": cache_bytes,
         "bytes_per_entry": cache_bytes / entries if entries else None, "server_exit": status,
-        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                 # other work on the host shows here: it slows both phases, the uncached one most
+                 "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                  text=True).stdout.strip(),
     }

@@ -6,6 +6,7 @@ model, CPU, servers in threads."""
 import httpx
 import msgspec
 import pytest
+import torch
 
 from prefixscore.errors import ConfigError
 from prefixscore.scorer import Scorer
@@ -241,3 +242,39 @@ def test_cli_cache_flags(tmp_path):
     assert (f.cache_size, f.cache_bytes) == (10, 1 << 30)
     with pytest.raises(SystemExit):
         front("--cache-bytes", "lots")
+
+
+def test_embedding_items_are_keyed_by_their_vector(clf, scorer):
+    """An embedding item's key holds its vector's digest beside the prompt's ids (where SOFT
+    marks the soft token): the same vector shares an entry, any other vector does not; through
+    the route, a repeated mixed request is all cached and a changed vector is computed."""
+    import asyncio
+
+    H = clf.loaded.model.config.hidden_size
+    vecs = (torch.randn(2, H, generator=torch.Generator().manual_seed(1)) * 0.02).tolist()
+    app = create_app(clf, scorer, **CACHE)
+    sent = sent_scores(app)
+    with running(app) as (base, _):
+        fe = app.state.frontend
+
+        def keys(items):
+            return score_keys(fe.scorer_id, fe.scoring.parse({"query": "wool coat", "items": items}))
+
+        a, b, c, t = keys([{"embedding": vecs[0]}, {"embedding": vecs[0]}, {"embedding": vecs[1]},
+                           "parka"])
+        assert a == b and a != c and a[:-1] == c[:-1]  # the same ids, SOFT included; other bytes
+        assert len(t) == len(a) - 1 and t != a[:-1]
+
+        def score(items):  # Frontend.score on its own loop (the HTTP schema is not ours to widen)
+            fut = asyncio.run_coroutine_threadsafe(
+                fe.score({"query": "wool coat", "items": items}), fe.client.loop)
+            return fut.result(60)
+
+        items = ["parka", {"embedding": vecs[0]}]
+        first = score(items)
+        assert first["cached"] == 0 and len(sent) == 1
+        again = score(items)
+        assert again["cached"] == 2 and again["scores"] == first["scores"] and len(sent) == 1
+        other = score(["parka", {"embedding": vecs[1]}])
+        assert other["cached"] == 1 and len(sent) == 2 and len(sent[1]) == 1
+        assert other["scores"][1] != first["scores"][1]
