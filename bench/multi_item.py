@@ -2,6 +2,7 @@
 
     python -m bench.multi_item                      (CUDA; writes $OUT/multi_item.json or bench/results)
     python -m bench.multi_item --shape tiny --device cpu --requests 3 --items 10   (a CPU smoke run)
+    python -m bench.multi_item --mlp-chunk 1024,2048   (+ an A/B of KernelOptions.mlp_chunk)
 
 Synthetic form: random weights of the Qwen2.5-0.5B shape (config only, no download), bf16, random
 token ids; the call is the SGLang-shaped `Scorer.score_ids(query, items)` with apply_softmax=true
@@ -153,6 +154,8 @@ def main():
     ap.add_argument("--items", type=int, default=100)
     ap.add_argument("--item-len", type=int, default=150)
     ap.add_argument("--per-call", type=int, default=8, help="requests per call in the batch form")
+    ap.add_argument("--mlp-chunk", default="", help="A/B: comma-separated KernelOptions.mlp_chunk "
+                    "values, each an engine over the same weights, packed layout, interleaved")
     a = ap.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -213,6 +216,10 @@ def main():
     ms = [timed(lambda: hf_scores(hf, q, items, device), device)[1] for q, items in reqs[3:]]
     res["rows"]["HF eager, full prompt per item (batch of all items)"] = {
         **summary(ms, a.items), "tokens_per_request": a.items * (a.prefix + a.query + a.item_len)}
+    if a.mlp_chunk:
+        res["ab_mlp_chunk"] = ab_mlp_chunk(cfg, hf, prefix, reqs, [int(c) for c in a.mlp_chunk.split(",")],
+                                           a, device, dtype)
+        print("A/B mlp_chunk", json.dumps(res["ab_mlp_chunk"]), flush=True)
     if res["floors"]:
         least = a.query + a.items * a.item_len
         floor_ms = 2 * nonemb * least / (res["floors"]["matmul_TFLOPs"] * 1e12) * 1e3
@@ -221,6 +228,33 @@ def main():
     (OUT / "multi_item.json").write_text(json.dumps(res, indent=1, default=str))
     print_table(res)
     print(f"wrote {OUT / 'multi_item.json'}")
+
+
+def ab_mlp_chunk(cfg, hf, prefix, reqs, chunks, a, device, dtype) -> dict:
+    """W3 packed, one request per call, per mlp_chunk value (0: whole) on engines over the same
+    weights, interleaved request by request; each arm's scores against arm 0's (max |diff|)."""
+    import dataclasses
+
+    from prefixscore.engine import Engine
+    from prefixscore.kernels.options import KernelOptions
+
+    arms = {}
+    for c in [0] + [c for c in chunks if c]:
+        loaded = from_tensors(cfg, hf.state_dict(), None, f"random {a.shape}", device, dtype)
+        loaded.__dict__["engine"] = Engine(loaded, dataclasses.replace(KernelOptions.from_env(), mlp_chunk=c))
+        arms[c] = Scorer(loaded, label_token_ids=LABELS, prefix_ids=prefix, mode="softmax",
+                         layout="packed", max_batch_tokens=32768, max_items=max(1024, a.items))
+    ms = {c: [] for c in arms}
+    for q, items in reqs[:3]:
+        for sc in arms.values():
+            sc.score_ids(q, items)
+    for q, items in reqs[3:]:
+        for c, sc in arms.items():
+            ms[c].append(timed(lambda: sc.score_ids(q, items), device)[1])
+    base = ours_scores(arms[0], *reqs[3])
+    return {str(c): {**summary(ms[c], a.items),
+                     "max_diff_vs_whole": (ours_scores(sc, *reqs[3]) - base).abs().max().item()}
+            for c, sc in arms.items()}
 
 
 def print_table(r):

@@ -42,9 +42,9 @@ def embed_rope_ref(tokens, positions, embed, cos_table, sin_table):
             sin_table.index_select(0, positions))
 
 
-def silu_mul_ref(gate_up):
+def silu_mul_ref(gate_up, out=None):
     g, u = gate_up.chunk(2, dim=-1)
-    return F.silu(g) * u
+    return torch.mul(F.silu(g), u, out=out)
 
 
 # ---------------------------------------------------------------- dispatch
@@ -66,12 +66,13 @@ def rope_qk(qkv, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps=1e-6, *, op
     return rope_qk_ref(qkv, cos, sin, Hq, Hkv, D, q_norm, k_norm, eps)
 
 
-def silu_mul(gate_up, *, options: KernelOptions):
+def silu_mul(gate_up, *, options: KernelOptions, out=None):
+    """silu(gate) * up; out: rows to write it into ([T, I], row-contiguous), else a new tensor."""
     if use_triton(gate_up, options):
         from .fused_triton import silu_mul_triton
 
-        return silu_mul_triton(gate_up, options=options)
-    return silu_mul_ref(gate_up)
+        return silu_mul_triton(gate_up, options=options, out=out)
+    return silu_mul_ref(gate_up, out)
 
 
 def embed_rope(tokens, positions, embed, cos_table, sin_table, *, options: KernelOptions):

@@ -111,10 +111,12 @@ def _silu_mul_kernel(gu_ptr, out_ptr, I, BLOCK: tl.constexpr, GDC: tl.constexpr)
     tl.store(out_ptr + row * I + offs, (s * u).to(dt), mask=m)
 
 
-def silu_mul_triton(gate_up, options: KernelOptions = DEFAULTS):
+def silu_mul_triton(gate_up, options: KernelOptions = DEFAULTS, out=None):
     T, I2 = gate_up.shape
     I = I2 // 2
-    out = torch.empty(T, I, device=gate_up.device, dtype=gate_up.dtype)
+    if out is None:
+        out = torch.empty(T, I, device=gate_up.device, dtype=gate_up.dtype)
+    assert out.shape == (T, I) and out.stride() == (I, 1), "silu_mul writes contiguous rows"
     BLOCK = 1024
     _silu_mul_kernel[(T, triton.cdiv(I, BLOCK))](gate_up, out, I, BLOCK=BLOCK, num_warps=4,
                                                   **launch_kwargs(gate_up.device, options))

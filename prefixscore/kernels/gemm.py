@@ -122,7 +122,16 @@ def gate_up_silu(x, w_gu, bias=None, *, options: KernelOptions):
         from .gemm_triton import gate_up_silu_small
 
         return gate_up_silu_small(x, w_gu, bias, norm=norm, options=options)
-    return silu_mul(_linear(x, w_gu, bias, None, options), options=options)
+    C = options.mlp_chunk
+    if not C or x.shape[0] <= C:
+        return silu_mul(_linear(x, w_gu, bias, None, options), options=options)
+    # Row chunks: each chunk's [C, 2I] GEMM output is read back by SiLU * up while it is still in
+    # L2 (a 1024-token chunk of Qwen2.5-0.5B's is 20 MB), instead of the whole [T, 2I] through HBM
+    # (W3 on the H200: silu_mul was 2.6 ms of a 21 ms request). One output, written in place.
+    out = torch.empty(x.shape[0], w_gu.shape[0] // 2, dtype=x.dtype, device=x.device)
+    for c in range(0, x.shape[0], C):
+        silu_mul(_linear(x[c:c + C], w_gu, bias, None, options), options=options, out=out[c:c + C])
+    return out
 
 
 def _rope_fits(D):

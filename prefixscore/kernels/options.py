@@ -46,6 +46,10 @@ class KernelOptions:
     # The engine's small buckets copy their input in and their output out inside the CUDA graph
     # (engine.GRAPH_COPY_MAX_BYTES); False: every bucket copies around the replay (bench/ A/B).
     graph_copies: bool = True
+    # Past the skinny kernels, gate/up GEMM + SiLU * up in row chunks of this many tokens, so SiLU
+    # reads the GEMM's output from L2 (kernels/gemm.gate_up_silu); 0: the whole batch at once.
+    # Off until measured on the H200 (bench.multi_item --mlp-chunk).
+    mlp_chunk: int = 0
 
     def __post_init__(self):
         tune = tuple(sorted(dict(self.tune).items()))  # (a key given twice: its last value)

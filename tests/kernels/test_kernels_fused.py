@@ -60,6 +60,11 @@ def test_silu_mul(T, I, dtype):
     g = torch.Generator().manual_seed(T * I)
     gu = torch.randn(T, 2 * I, generator=g).mul(3).to(DEV, dtype)
     close(fused_triton.silu_mul_triton(gu), fused.silu_mul_ref(gu), dtype)
+    # into rows of a larger output (gemm.gate_up_silu's chunks): those rows only, poison around
+    out = torch.full((T + 4, I), float("nan"), device=DEV, dtype=dtype)
+    fused_triton.silu_mul_triton(gu, out=out[2:2 + T])
+    close(out[2:2 + T], fused.silu_mul_ref(gu), dtype)
+    assert out[:2].isnan().all() and out[2 + T:].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

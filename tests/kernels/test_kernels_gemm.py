@@ -349,3 +349,28 @@ def test_dispatch_cpu_falls_back():
         torch.testing.assert_close(a, r)
     b, r = torch.randn(64, generator=gen), torch.randn(4, 64, generator=gen)
     torch.testing.assert_close(gemm.linear_residual(x, w, b, r, **o)[0], r + linear_ref(x, w, b))
+
+
+def test_chunked_gate_up_and_residual_in_place():
+    """KernelOptions.mlp_chunk: gate/up + SiLU * up in row chunks (a remainder chunk too) equals
+    the whole; linear_residual(inplace=True) writes the sum over its residual (past the skinny
+    kernels) and equals the out-of-place sum. On CPU tensors the same code paths run."""
+    import dataclasses
+
+    gen = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(10, 32, generator=gen), torch.randn(64, 32, generator=gen), torch.randn(64, generator=gen)
+    for chunk in (3, 4, 10, 16):
+        o = dataclasses.replace(DEFAULTS, mlp_chunk=chunk)
+        for bias in (None, b):
+            torch.testing.assert_close(gemm.gate_up_silu(x, w, bias, options=o),
+                                       gate_up_silu_ref(x, w, bias))
+        torch.testing.assert_close(gemm.gate_up_silu(gemm.Normed(x, None, 1e-6), w, options=o),
+                                   gate_up_silu_ref(rms_norm_ref(x, None, 1e-6), w))
+    w2 = torch.randn(32, 32, generator=gen)
+    for bias in (None, b[:32]):
+        r = torch.randn(10, 32, generator=gen)
+        want = r + linear_ref(x, w2, bias)
+        out, _ = gemm.linear_residual(x, w2, bias, r, options=DEFAULTS, inplace=True)
+        assert out.data_ptr() == r.data_ptr()
+        torch.testing.assert_close(out, want)
+
