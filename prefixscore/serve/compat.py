@@ -199,7 +199,7 @@ async def vllm_score(fe: Frontend, req: VllmScoreRequest):
 
 
 async def vllm_rerank(fe: Frontend, req: RerankRequest):
-    texts = [d if isinstance(d, str) else d.text for d in req.documents]
+    texts = [d if isinstance(d, str) else d.item() for d in req.documents]
     try:
         if not texts:
             raise ApiError(400, "documents must not be empty", param="documents")
@@ -212,7 +212,8 @@ async def vllm_rerank(fe: Frontend, req: RerankRequest):
     results = []
     for i, (t, row) in enumerate(zip(texts, out["scores"])):
         p = None if row is None else row[0]  # None: past the depth (--target-p99-ms)
-        results.append({"index": i, "document": {"text": t}, "relevance_score": p,
+        results.append({"index": i, "document": {"text": t} if isinstance(t, str) else t,
+                        "relevance_score": p,
                         "logprob": None if p is None else math.log(max(p, 1e-45))})  # float32's floor
     # best first (stable: ties keep request order); unscored last
     results.sort(key=lambda r: (r["relevance_score"] is None, -(r["relevance_score"] or 0.0)))

@@ -1,7 +1,7 @@
 """The HTTP routes' request and response shapes (pydantic: validation and the OpenAPI schema)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
 
@@ -79,7 +79,12 @@ class ScoreRequest(BaseModel):
     """SGLang's /v1/score request; `labels` (label texts instead of token ids) is ours. Strict
     types: "yes" is no boolean and "9891" no token id (Scorer.score_request refuses them too)."""
     query: str | list[StrictInt] | None = None
-    items: str | list[str] | list[list[StrictInt]] | None = None
+    items: str | list[str | dict[str, Any]] | list[list[StrictInt]] | None = Field(
+        None, description="strings; or token-id lists (with a token-id query); or, mixed with "
+                          "strings, embedding items of the model's hidden size: {\"embedding\": "
+                          "[numbers]}, {\"embedding\": base64, \"dtype\": \"float16\" (default) | "
+                          "\"bfloat16\" | \"float32\"}, {\"id\": key} into the server's "
+                          "--item-table, or {\"text\": string}")
     label_token_ids: list[StrictInt] | None = None
     labels: list[str] | None = None
     apply_softmax: StrictBool = False
@@ -196,7 +201,16 @@ class TeiPrediction(BaseModel):
 
 
 class RerankDocumentIn(BaseModel):
-    text: str
+    """A document: {"text"}, or ours, an embedding item (ScoreRequest.items says the forms)."""
+    text: str | None = None
+    embedding: list[float] | str | None = None
+    dtype: str | None = None
+    id: str | int | None = None
+
+    def item(self):
+        """As a score request's item: the text, else the fields given."""
+        given = self.model_dump(exclude_none=True)
+        return self.text if set(given) == {"text"} else given
 
 
 class RerankRequest(Lenient):
