@@ -8,12 +8,11 @@ control tokens, and each text run between them, slot values included, is tokeniz
 a plain template gets from the tokenizer (BOS). With special_tokens=True the reference is the
 tokenizer's tokens of the whole prompt text, as before.
 
-We tokenize per request only the text from a resume point near the end of the prefix text that no
-token can cross (Prompt._resume_point, Prompt._run_resume) and check the result starts with the
-cached prefix; the split point is chosen at startup (moved back past any token that a probe query
-merges across the boundary), and a request that still disagrees is flagged so the engine computes
-it without the cache. Every shortcut is checked against the Hugging Face call at startup; one that
-disagrees is dropped for the plain (slower, exact) form.
+Per request only the text from a resume point near the prefix's end that no token can cross is
+tokenized (_resume_point, _run_resume), checked to start with the cached prefix; the split point,
+chosen at startup, moves back past any token a probe merges across the boundary, and a request
+that still disagrees is computed without the cache. Every shortcut is checked against the Hugging
+Face call at startup; one that disagrees is dropped for the plain (slower, exact) form.
 """
 from __future__ import annotations
 
@@ -32,14 +31,11 @@ SEED_LABELS = ["Dress", "Jeans", "Shirt", "Trench Coat", "Skirt", "T-shirt", "Ho
 
 _SLOT = re.compile(r"\{(\w+)\}")
 _SENTINEL = re.compile("\ue000SLOT-(\\w+)\ue001")  # sentinel(name), capturing the name
-# Queries chosen to provoke merges across the prefix boundary: letters, digits, spaces, punctuation,
-# CJK, emoji, newlines, long runs.
+# Queries that provoke merges across the prefix boundary: letters, digits, spaces, punctuation, ...
 PROBES = ["a", "A", " a", "  x", "1", "2024", "中文", "😀", "!", ".", "-", "'s", "\n", "\tx", "é", "x" * 40, ":", "Q"]
 
 
-def sentinel(name: str) -> str:
-    # Private-use characters: not whitespace, so a chat template's `| trim` keeps them (\x1e was:
-    # str.strip() removes it).
+def sentinel(name: str) -> str:  # private-use characters: a chat template's `| trim` keeps them
     return f"\ue000SLOT-{name}\ue001"
 
 
@@ -57,11 +53,9 @@ def check_template(template, slots: tuple[str, ...]) -> None:
         raise ConfigError(f"template must be a string, got {type(template).__name__}")
     found = _SLOT.findall(template)
     for s in slots:
-        n = found.count(s)
-        if n != 1:
-            raise ConfigError(
-                f"template must contain the slot {{{s}}} exactly once (found {n}): {template[:80]!r}"
-            )
+        if found.count(s) != 1:
+            raise ConfigError(f"template must contain the slot {{{s}}} exactly once (found "
+                              f"{found.count(s)}): {template[:80]!r}")
     extra = sorted(set(found) - set(slots))
     if extra:
         raise ConfigError(f"template has unknown slot(s) {', '.join('{%s}' % e for e in extra)}; "
@@ -113,7 +107,7 @@ class Prompt:
         self.pieces = pieces  # [text0, sentinel, text1, sentinel, text2, ...]
         self.strip = self._edge_strip()
         self.prefix_text = pieces[0]
-        self._before: dict = {}  # slot (or ("after", slot)) -> parts of the prompt before (after) it
+        self._before: dict = {}  # (slot, after) -> parts of the prompt before (after) it
         self.backend = None  # the HF call first: the reference the Rust backend must match
         texts = [self.prefix_text] + [self.render(**{s: probe for s in slots}) for probe in PROBES]
         whole = self.encode_texts(texts)
@@ -329,30 +323,24 @@ class Prompt:
         return [[i for p in parts for i in (p if isinstance(p, list) else next(runs))]
                 for _ in values_list]
 
-    def encode_before(self, slot: str, **values) -> list[int]:
-        """Ids of the prompt's text before `slot`'s value (the slots before it filled from
-        values), tokenized as a whole prompt is: a candidate shared prefix for requests that differ
-        only from that slot on (the Scorer's items)."""
-        text = self.rendered[:self.rendered.index(sentinel(slot))]
+    def encode_before(self, slot: str, after: bool = False, **values) -> list[int]:
+        """Ids of the prompt's text before `slot`'s value (the slots before it filled from values),
+        tokenized as a whole prompt is: a candidate shared prefix for requests that differ only
+        from that slot on (the Scorer's items). after=True: the text after the slot's value,
+        tokenized alone (no BOS): what follows a soft token in that slot (an embedding item), a
+        token boundary by definition."""
+        at = self.rendered.index(sentinel(slot))
+        text = self.rendered[at + len(sentinel(slot)):] if after else self.rendered[:at]
         if self.special_tokens:  # today's form: the text, filled, tokenized whole
-            return self.encode_text(_SENTINEL.sub(lambda m: self.fill(m[1], values[m[1]]), text))
-        if slot not in self._before:
-            self._before[slot] = self._parse(text)
-        return self._assemble(self._before[slot], [values], self._encode_runs)[0]
-
-    def encode_after(self, slot: str, **values) -> list[int]:
-        """Ids of the prompt's text after `slot`'s value, tokenized alone (no BOS before it): what
-        follows a soft token standing in that slot (the Scorer's embedding items). A token boundary
-        at the slot by definition, so no merge across it to check."""
-        at = self.rendered.index(sentinel(slot)) + len(sentinel(slot))
-        text = self.rendered[at:]
-        if self.special_tokens:
             filled = _SENTINEL.sub(lambda m: self.fill(m[1], values[m[1]]), text)
-            return self.tokenizer(filled, add_special_tokens=False)["input_ids"] if filled else []
-        key = ("after", slot)
-        if key not in self._before:
-            self._before[key] = self._parse(text, lead=False)
-        return self._assemble(self._before[key], [values], self._encode_runs)[0]
+            return (self.tokenizer(filled, add_special_tokens=False)["input_ids"] if filled else []) \
+                if after else self.encode_text(filled)
+        if (slot, after) not in self._before:
+            self._before[(slot, after)] = self._parse(text, lead=not after)
+        return self._assemble(self._before[(slot, after)], [values], self._encode_runs)[0]
+
+    def encode_after(self, slot: str, **values) -> list[int]:  # encode_before(after=True)
+        return self.encode_before(slot, True, **values)
 
     def encode_ids(self, values_list: list[dict]) -> list[list[int]]:
         """The ids of each request's whole prompt (unchecked values; encode_many checks them)."""

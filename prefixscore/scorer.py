@@ -68,10 +68,8 @@ class Scorer:
     the query and the items is parsed as control tokens; default: plain text), plus `mode` (MODES),
     `layout` (LAYOUTS) and `max_items` per request, and `batch_invariant` (Classifier's).
 
-    Items are text, or embeddings: one vector of the model's hidden size each (a 1-D tensor or
-    array, {"embedding": [numbers]} or {"embedding": base64, "dtype": ...}), which stands as one
-    soft token in the item's slot (DESIGN.md §9), or {"id": key} into `item_table` (a path to a
-    .safetensors or .parquet table, item_table.py). Text and embedding items mix in a request.
+    Items are text, or embeddings of the model's hidden size, one soft token in the item's slot
+    (DESIGN.md §9; forms: score_input.item_vector), by id into `item_table` (a path, item_table.py).
     """
 
     def __init__(self, model=None, template: str | None = None, labels=None, *, label_token_ids=None,
@@ -309,10 +307,7 @@ class Scorer:
     def _check_text(self, query, items) -> list:  # the checks that need no tokenizer call
         return self.input.check_text(query, items)
 
-    def prepare(self, query: str, items) -> Prepared:
-        """Tokenize a text request: each item's whole prompt (one batched tokenizer call), and the
-        prompt before the item slot (the query and the item are plain text unless
-        allow_special_tokens)."""
+    def prepare(self, query: str, items) -> Prepared:  # a request, tokenized (ScoreInput.prepare)
         return self.input.prepare(query, items)
 
     def prepare_ids(self, query_ids, items_ids, item_first: bool = False) -> Prepared:

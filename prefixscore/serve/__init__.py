@@ -12,7 +12,7 @@
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit,
                     deadlines; scoring.py its multi-item route (/v1/score, /rerank); loop_lag.py
                     how late its event loop runs
-    cache.py        the pair cache (prefixscore/pair_cache.py) and its keys per route
+    cache.py        the pair cache (pair_cache.py, a plain LRU) and its keys per route
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
     fanout.py       one request to several classifiers ("classifiers": [...]) and its answer
     answers.py      Answer, probabilities; api_error.py: ApiError

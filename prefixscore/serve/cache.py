@@ -1,5 +1,5 @@
 """A front end's pair cache (--cache-size, --cache-bytes, --cache-ttl): one PairCache
-(prefixscore/pair_cache.py) shared by /v1/classify and /v1/score (and the routes answered through
+(pair_cache.py) shared by /v1/classify and /v1/score (and the routes answered through
 them), and what each route keys it by.
 
     classify  ("classify", classifier identity, the prompt's token ids)
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 
-from ..pair_cache import PairCache, approx_bytes
+from .pair_cache import PairCache, approx_bytes
 
 CLASSIFY_IDS, SCORE_IDS = 2, 4  # where a key of each route holds its token ids
 

@@ -3,7 +3,7 @@
 The server's result cache (`prefixscore serve --cache-size`): /v1/classify's answer per query and
 /v1/score's per (query, item) pair. It sits on the request path (a 100-item score request is 100
 lookups), so it is an OrderedDict and a few comparisons: a lookup costs about a microsecond plus
-hashing its key (tests/test_pair_cache.py measures it).
+hashing its key (tests/serve/test_pair_cache.py measures it).
 
 What a key must contain. A cached answer is served to any request whose key is equal, so a key
 must hold everything the answer depends on, as values that are equal only when the answers are:

@@ -1,10 +1,10 @@
-"""PairCache (prefixscore/pair_cache.py): its bounds in entries and bytes, TTL, LRU order, hit and
+"""PairCache (prefixscore/serve/pair_cache.py): its bounds in entries and bytes, TTL, LRU order, hit and
 miss counts, and the cost of a lookup on the request path. No model."""
 import time
 
 import pytest
 
-from prefixscore.pair_cache import ENTRY_BYTES, PairCache, approx_bytes
+from prefixscore.serve.pair_cache import ENTRY_BYTES, PairCache, approx_bytes
 
 
 def test_entries_bound_evicts_least_recently_used():
