@@ -87,6 +87,9 @@ def add_command(subparsers, model_args) -> None:
                    help="template with {query} and {item} slots: enables /v1/score")
     g.add_argument("--score-labels", default=None,
                    help="comma-separated labels of /v1/score when a request names none (default: yes,no)")
+    g.add_argument("--item-table", default=None, metavar="FILE",
+                   help="item-embedding table (.safetensors or .parquet: id -> vector): /v1/score, "
+                        "/rerank and gRPC items given as {\"id\": ...} are looked up in it")
     g.add_argument("--max-connections", type=int, default=4096,
                    help="connections per front-end process (must exceed its --max-queue share): at "
                         "the limit the oldest idle ones are closed for new ones; with all of them "
@@ -164,7 +167,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
             allow_special_tokens=getattr(a, "allow_special_tokens", False),
             batch_invariant=getattr(a, "batch_invariant", None) or None),
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
-        batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
+        item_table=a.item_table, batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
         served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared,
         schedule=ScheduleOptions(a.target_p99_ms, a.pass_ms, a.depth_min, a.depth_max,
                                  _gains(a.depth_gains)))
@@ -257,6 +260,16 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
         check_template(a.score_template, SLOTS)
         if score_labels is not None:
             check_labels(score_labels)
+    if a.item_table is not None:  # its form now; its contents and size when the scorer loads it
+        if a.score_template is None:
+            raise ConfigError("--item-table needs --score-template: items by id are /v1/score's")
+        import os
+
+        from ..item_table import table_format
+
+        table_format(a.item_table)
+        if not os.path.isfile(a.item_table):
+            raise ConfigError(f"--item-table {a.item_table}: no such file")
 
 
 def data_parallel(a) -> int:

@@ -58,6 +58,7 @@ class EngineConfig:
     spec: ModelSpec = ModelSpec()
     score_template: str | None = None
     score_labels: tuple[str, ...] | None = None
+    item_table: str | None = None  # /v1/score's items by id (item_table.py; each front end maps it)
     batch_window_ms: float = 0.0
     engine_spin_ms: str = "auto"
     engine_cpu: str = "none"

@@ -57,7 +57,8 @@ def build(cfg: EngineConfig):
         scorer = Scorer(spec=ModelSpec(first(clf).loaded, cfg.score_template, cfg.score_labels,
                                        chat=spec.chat, max_batch_tokens=spec.max_batch_tokens,
                                        allow_special_tokens=spec.allow_special_tokens,
-                                       batch_invariant=spec.batch_invariant))
+                                       batch_invariant=spec.batch_invariant),
+                        item_table=cfg.item_table)
     return clf, scorer
 
 

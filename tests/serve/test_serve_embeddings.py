@@ -80,3 +80,27 @@ def test_unpack_refuses_a_malformed_soft_payload():
     for bad in (b"\0" * 4 * 7, b""):
         with pytest.raises(Exception, match="outside this model's vocabulary|bytes of embeddings"):
             P.unpack_score(P.ScoreReq(0, 1, ids, offsets, b"", None, None, False, 0.0, soft=bad), 100, 8)
+
+
+def test_served_item_table_through_processes(model, clf, table_scorer, tmp_path):
+    """`prefixscore serve --item-table` (engine and front ends in their own processes): items by
+    id, in base64 and as text in one request answer what the in-process Scorer does; a table in
+    an unknown form is one error line before anything loads."""
+    from tests.serve.procs import serve
+
+    sc, vecs = table_scorer
+    req = {"query": "wool coat", "apply_softmax": True,
+           "items": [{"id": "sku-3"}, "a long camel coat", {"embedding": b64(vecs[0])}]}
+    want = sc.score_request(req)["scores"]
+    with serve(model, "--score-template", SCORE_TEMPLATE, "--no-chat", "--workers", "2",
+               "--item-table", sc.item_table.path) as (base, _):
+        for _ in range(2):  # each front end maps the table
+            r = httpx.post(base + "/v1/score", json=req, timeout=60)
+            assert r.status_code == 200, r.text
+            assert np.allclose(r.json()["scores"], want, atol=1e-5)
+    from prefixscore.cli.commands import main
+
+    bad = tmp_path / "items.npy"
+    bad.write_bytes(b"x")
+    assert main(["serve", "--device", "cpu", "--score-template", SCORE_TEMPLATE,
+                 "--item-table", str(bad)]) == 2
