@@ -61,6 +61,17 @@ def grpc_code(status: int) -> grpc.StatusCode:
 
 # ---------------------------------------------------------------- messages <-> Frontend
 
+def _item(it):
+    """An Item as /v1/score's JSON item: text, {"embedding": bytes, "dtype"?} or {"id"} (an Item
+    with nothing set: {} , which ScoreInput refuses naming the item)."""
+    which = it.WhichOneof("item")
+    if which == "text":
+        return it.text
+    if which == "embedding":
+        return {"embedding": it.embedding, **({"dtype": it.dtype} if it.HasField("dtype") else {})}
+    return {"id": it.id} if which == "id" else {}
+
+
 def score_dict(m) -> dict:
     """A ScoreRequest as the dict Frontend.score takes: what the HTTP route's
     model_dump(exclude_unset=True) gives for the same request (only the fields the client set;
@@ -76,6 +87,8 @@ def score_dict(m) -> dict:
         req["items"] = list(m.item_texts.values)
     elif which == "item_ids":
         req["items"] = [list(t.ids) for t in m.item_ids.values]
+    elif which == "item_list":
+        req["items"] = [_item(it) for it in m.item_list.values]
     if m.label_token_ids:
         req["label_token_ids"] = list(m.label_token_ids)
     if m.labels:

@@ -104,3 +104,36 @@ def test_served_item_table_through_processes(model, clf, table_scorer, tmp_path)
     bad.write_bytes(b"x")
     assert main(["serve", "--device", "cpu", "--score-template", SCORE_TEMPLATE,
                  "--item-table", str(bad)]) == 2
+
+
+def test_grpc_items_mixed(clf, table_scorer):
+    """gRPC Score with `item_list`: text, raw embedding bytes (float16 by default, or a dtype) and
+    ids answer what the Scorer answers for the same items in JSON; a wrong size is
+    INVALID_ARGUMENT naming the item."""
+    import grpc
+
+    from prefixscore.serve.proto import prefixscore_pb2 as pb
+    from tests.serve.test_grpc import run, serving
+
+    sc, vecs = table_scorer
+    items = [pb.Item(text="a long camel coat"), pb.Item(embedding=vecs[0].numpy().tobytes()),
+             pb.Item(embedding=vecs[1].float().numpy().tobytes(), dtype="float32"), pb.Item(id="sku-3")]
+    want = sc.score_request({"query": "wool coat", "apply_softmax": True, "items": [
+        "a long camel coat", {"embedding": b64(vecs[0])}, {"embedding": vecs[1].float().tolist()},
+        {"id": "sku-3"}]})["scores"]
+    bad = pb.Item(embedding=vecs[0][:-1].numpy().tobytes())
+
+    async def go():
+        async with serving(clf, sc) as s:
+            ok = await s.score(pb.ScoreRequest(query_text="wool coat", apply_softmax=True,
+                                               item_list=pb.Items(values=items)))
+            try:
+                await s.score(pb.ScoreRequest(query_text="wool coat", item_list=pb.Items(values=[bad])))
+            except grpc.aio.AioRpcError as e:
+                return ok, e
+            return ok, None
+
+    ok, err = run(go())
+    assert np.allclose([list(s.values) for s in ok.scores], want, atol=1e-6)
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0]: the embedding has" in err.details()
