@@ -15,7 +15,7 @@ from ..score_input import Prepared
 from . import protocol as P
 from .answers import is_unicode
 from .api_error import ApiError, check_priority
-from .cache import SCORE_IDS, lookup, score_keys, store
+from .cache import SCORE_IDS, TEXT_AT, lookup, score_keys, store, text_keys
 from .client import EngineDead
 
 
@@ -58,6 +58,20 @@ class ScoreRoute:
         if not all(is_unicode(t) for t in texts if isinstance(t, str)):
             raise ApiError(422, f"query, {field} and labels must be valid Unicode text (a lone "
                                 f"surrogate)")
+        if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
+            raise ApiError(422, f"prior must be a list of one score (or one list of scores per "
+                                f"label) per item: {len(items)}", param="prior")
+        # Text items are keyed by their text, so the cache answers before any tokenizer call (a
+        # whole repeat is never tokenized); token ids and embedding items by their ids.
+        cache, hits, keys = self.cache, None, None
+        if cache is not None:
+            keys = text_keys(self.scorer_id, req, items)
+            hits = None if keys is None else lookup(cache, self.metrics, keys, "score")
+            if hits is not None and None not in hits:
+                return {"scores": [list(h[1]) for h in hits], "labels": list(hits[0][0]),
+                        "model": self.info.model, "object": "scoring", "depth": len(hits),
+                        "scored": [True] * len(hits), "cached": len(hits),
+                        "usage": {"prompt_tokens": 0, "total_tokens": 0, "completion_tokens": 0}}
         # The one tokenization of the request; the context limit is checked after this server's
         # own limit, which a request far too long for either breaks first.
         scoring = self.scoring
@@ -68,11 +82,7 @@ class ScoreRoute:
                                 f"prefix), over the limit of {cfg.max_score_tokens} per request "
                                 f"(--max-score-tokens)")
         self._score_input(scoring.checked, call.prep)
-        if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
-            raise ApiError(422, f"prior must be a list of one score (or one list of scores per "
-                                f"label) per item: {len(items)}", param="prior")
-        cache, hits, keys = self.cache, None, None
-        if cache is not None:
+        if cache is not None and keys is None:
             keys = score_keys(self.scorer_id, call)
             hits = lookup(cache, self.metrics, keys, "score")
         rows, labels, computed = await self._engine_rows(call, hits, keys, n, priority, deadline)
@@ -136,7 +146,8 @@ class ScoreRoute:
             rows[i] = out.scores[j]
         if self.cache is not None:
             store(self.cache, [keys[i] for i in done],
-                  [(labels, tuple(out.scores[j])) for j in range(len(done))], SCORE_IDS)
+                  [(labels, tuple(out.scores[j])) for j in range(len(done))],
+                  SCORE_IDS if keys[0][0] == "score" else TEXT_AT)
         return rows, labels, out.prompt_tokens
 
     @staticmethod

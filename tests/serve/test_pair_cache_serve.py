@@ -121,25 +121,34 @@ def test_label_sets_and_softmax_never_share(clf, scorer):
             close(got["scores"], scorer.score_request(req)["scores"])
 
 
-def test_whitespace_and_ids(clf, scorer):
-    """Texts that tokenize differently ("red dress" against "red  dress") never share an entry; a
-    request whose prompts are the same token ids (a token-id request spelling out a text request's
-    prompt) does, and gets the same scores."""
+def test_whitespace_and_ids(clf, scorer, monkeypatch):
+    """Text items are keyed by their text: "red dress" and "red  dress" never share an entry, a
+    whole repeat is answered without a tokenizer call, and a flag sent as 1 instead of true is
+    still refused (never served from the cache). Token-id requests are keyed by their ids."""
+    from prefixscore.prompt import Prompt
+    from prefixscore.serve.cache import text_keys
+
     app = create_app(clf, scorer, **CACHE)
     with running(app) as (base, _):
         fe = app.state.frontend
         one, two = ({"query": q, "items": [" a red dress"]} for q in ("red dress", "red  dress"))
-        c1, c2 = fe.scoring.parse(one), fe.scoring.parse(two)
-        assert c1.prep.full != c2.prep.full
-        assert score_keys(fe.scorer_id, c1) != score_keys(fe.scorer_id, c2)
+        assert text_keys(fe.scorer_id, one, one["items"]) != text_keys(fe.scorer_id, two, two["items"])
         assert post(base, one)["cached"] == 0
         got = post(base, two)
         assert got["cached"] == 0
         close(got["scores"], scorer.score_request(two)["scores"])
-        # the text request's prompt as token ids: query part + item, query first
+        calls = []
+        orig = Prompt.encode_ids
+        monkeypatch.setattr(Prompt, "encode_ids", lambda self, *a: calls.append(1) or orig(self, *a))
+        assert post(base, one)["cached"] == 1 and not calls  # not tokenized again
+        bad = httpx.post(base + "/v1/score", json={**one, "apply_softmax": 1})
+        assert bad.status_code == 422, bad.text
+        # the text request's prompt as token ids: its own key (ids), shared by its repeats
+        c1 = fe.scoring.parse(one)
         full = c1.prep.full[0]
         ids = {"query": full[:-2], "items": [full[-2:]]}
         assert score_keys(fe.scorer_id, fe.scoring.parse(ids)) == score_keys(fe.scorer_id, c1)
+        assert post(base, ids)["cached"] == 0
         same = post(base, ids)
         assert same["cached"] == 1
         close(same["scores"], scorer.score_request(ids)["scores"])
