@@ -37,7 +37,7 @@ from .labels import LabelHead, LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, sentinel
-from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, label_key
+from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, SoftItem, label_key
 from .spans import Span, SpanLayout, plan_items, request_spans
 from .values import ItemResult, ModelSpec
 
@@ -246,7 +246,8 @@ class Scorer:
             return self.score_batch([(query, items)])[0]
         items = self.input.check_text(query, items)
         done = within_depth(depth, items, lambda first: self.score_batch([(query, first)])[0])
-        return done + [ItemResult(it, None, {}, scored=False) for it in items[len(done):]]
+        return done + [ItemResult(it.given if isinstance(it, SoftItem) else it, None, {}, scored=False)
+                       for it in items[len(done):]]
 
     def score_batch(self, requests, progress=None) -> list[list[ItemResult]]:
         """Many (query, items) requests (tuples or {"query", "items"} dicts) in shared flat passes,
@@ -302,8 +303,7 @@ class Scorer:
 
     # ------------------------------------------------------------ requests -> token spans
 
-    # The checks and tokenization live in ScoreInput (score_input.py), which a server's front end
-    # runs too: these keep the Scorer's own names for them.
+    # Checks and tokenization: ScoreInput's (score_input.py), which a server's front end runs too.
     def _check_text(self, query, items) -> list:  # the checks that need no tokenizer call
         return self.input.check_text(query, items)
 

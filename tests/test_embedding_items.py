@@ -199,3 +199,12 @@ def test_cli_score_with_an_item_table(models, tmp_path, capsys):
     out.unlink()
     assert main(args) == 2
     assert f"{src}:1: items[1]: id 'zzz' is not in the item table" in capsys.readouterr().err
+
+
+def test_depth_returns_embedding_items_as_given(models):
+    ours, _, _ = models("llama")
+    sc = Scorer(ours, "Is {item} right for {query}?", ["yes", "no"], chat=False)
+    v = vectors(sc, 3, 1)
+    res = sc.score("jeans", [v[0], "blue jeans", v[1], v[2]], depth=2)
+    assert [r.scored for r in res] == [True, True, False, False]
+    assert res[0].item is v[0] and res[2].item is v[1] and res[3].item is v[2]
