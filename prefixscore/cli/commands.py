@@ -309,9 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.set_defaults(func=cmd_eval)
     # score, serve and the training commands: each module of this package adds its own subcommand.
-    from . import score, serve, train
+    from . import items, score, serve, train
 
-    for module in (score, serve, train):
+    for module in (score, serve, train, items):
         module.add_command(sub, model_args)
     for command in sub.choices.values():  # main() parses a command's words again (apply_sources)
         command.set_defaults(command_parser=command)
