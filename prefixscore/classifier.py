@@ -78,7 +78,7 @@ class Classifier:
         check_prefix_fits(self.prefix_len, self.trie.max_len, limit)
         self.head = None
         if head_file is not None:  # refuse a head trained for another model, template or labels
-            from .heads import check_head
+            from .weights.heads import check_head
 
             if adapter_file is None:  # an adapter's head was checked with the adapter, unmerged
                 check_head(head_file, self, spec.head)
@@ -115,8 +115,8 @@ class Classifier:
                 raise ConfigError("an adapter is merged into the weights it loads with: pass the "
                                   "model's path, not a loaded model (whose weights others share)")
             fill = {k: adapter_file.meta[k] for k in ("template", "labels", "chat")}
-        if spec.head is not None:  # a trained head (heads.py): template, labels, chat default to its own
-            from .heads import read_head
+        if spec.head is not None:  # a trained head (weights/heads.py): template, labels, chat default to its own
+            from .weights.heads import read_head
 
             head_file = read_head(spec.head)  # unreadable file: ModelLoadError before loading a model
             fill = {"template": head_file.meta["template"], "labels": head_file.labels,
@@ -326,7 +326,7 @@ class Classifier:
     @torch.inference_mode()
     def features(self, queries: list[str]) -> torch.Tensor:
         """Final-normed hidden state at each query's read-out position (the root row), [B, hidden]
-        in fp32: the input of a trained N-way head (heads.py)."""
+        in fp32: the input of a trained N-way head (weights/heads.py)."""
         encoded = self._encode_numbered(list(queries))
         out = torch.empty(len(encoded), self.engine.config.hidden_size)
         for chunk in self._chunks(encoded):
@@ -363,7 +363,7 @@ class Classifier:
         """One flat batch: per request the label index and the label scores."""
         logprobs = self.mode == "logprobs"
         if self.head is not None:
-            from .heads import head_scores
+            from .weights.heads import head_scores
 
             scores, best = head_scores(self, self.head, batch, logprobs)
             return best.tolist(), scores.tolist()

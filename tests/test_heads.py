@@ -9,7 +9,7 @@ import torch
 
 from prefixscore import Classifier, ConfigError, InputError, ModelLoadError
 from prefixscore.cli.commands import main
-from prefixscore.heads import classify_with_head, head_scores, load_head, read_head, save_head
+from prefixscore.weights.heads import classify_with_head, head_scores, load_head, read_head, save_head
 from prefixscore.train.fit_heads import (
     FitOptions, compare_modes, few_shot_template, fit_head, stratified_folds,
 )

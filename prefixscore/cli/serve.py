@@ -247,7 +247,7 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
             raise ConfigError("pass --adapter or --head, not both: an adapter brings its own decision rule")
         read_adapter(a.adapter)
     if getattr(a, "head", None) is not None:
-        from ..heads import read_head
+        from ..weights.heads import read_head
 
         read_head(a.head)
     from ..serve.classifiers import check_heads

@@ -12,7 +12,7 @@ import torch
 
 from .common import batch_tokens, err, make_classifier, run_batches
 from ..errors import ConfigError, InputError
-from ..heads import KINDS, save_head
+from ..weights.heads import KINDS, save_head
 from ..weights.adapter import ADAPTER_OBJECTIVES
 from ..rows.report import format_confusion
 from ..train.fit_heads import (

@@ -144,7 +144,7 @@ def checked(classifier: dict) -> dict:
     if kw.get("adapter") is not None:
         read_adapter(kw["adapter"])
     if kw.get("head") is not None:
-        from ..heads import read_head
+        from ..weights.heads import read_head
 
         read_head(kw["head"])
     model = kw.get("model")

@@ -205,7 +205,7 @@ def seed_prompt_warnings(classifiers, adapter) -> list[str]:
 
 def check_heads(classifiers) -> None:
     """Every classifier's head file readable (before the model loads)."""
-    from ..heads import read_head
+    from ..weights.heads import read_head
 
     for s in classifiers:
         if s.head is not None:

@@ -1,4 +1,4 @@
-"""Fitting N-way label heads (prefixscore.heads runs them) on the frozen model's read-out hidden
+"""Fitting N-way label heads (prefixscore.weights.heads runs them) on the frozen model's read-out hidden
 state, few-shot prefixes, and the k-fold comparison of prompt and head modes.
 
     prefixscore fit-head data.csv --template "{query}" --no-chat -o head.safetensors
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, InputError
-from ..heads import KINDS, HeadWeights, classify_with_head, head_scores
+from ..weights.heads import KINDS, HeadWeights, classify_with_head, head_scores
 
 
 @dataclass

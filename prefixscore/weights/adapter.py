@@ -40,7 +40,7 @@ class Adapter:
 
     def head_weights(self):
         """The trained head as heads.HeadWeights (linear; objective "head" only)."""
-        from ..heads import HeadWeights
+        from .heads import HeadWeights
 
         if self.head is None:
             raise ConfigError(f"this adapter's objective is {self.meta['objective']!r}: it has no head")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError, ModelLoadError
+from ..errors import ConfigError, ModelLoadError
 
 FORMAT = "prefixscore-head"
 VERSION = "1"
@@ -105,7 +105,7 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
     """Write the head with the identity of `clf` (model, template, chat flag, labels) it was trained on."""
     from safetensors.torch import save
 
-    from .errors import cannot_write
+    from ..errors import cannot_write
 
     if list(head.labels) != list(clf.labels):
         raise ConfigError("the head's labels differ from the classifier's")
@@ -130,7 +130,7 @@ def save_head(path, head: HeadWeights, clf, training: dict | None = None) -> Non
 
 def read_head(path) -> HeadWeights:
     """The head file as written (CPU, fp32), metadata parsed into head.meta; no compatibility check."""
-    from .weights.tagged import read_tagged
+    from .tagged import read_tagged
 
     meta, tensors = read_tagged(path, "head", FORMAT, VERSION, "fit the head again")
     try:
@@ -186,8 +186,8 @@ def head_scores(clf, head: HeadWeights, batch, logprobs: bool = True):
     Linear: Engine.run, i.e. the fused label-head kernel (and, on the GPU, a CUDA graph captured for
     (prefix, head.weight, logprobs=False)) with the head's rows as the projection and every row
     allowed; the bias is added to the N logits on the host. MLP: normed read-out rows, MLP in torch."""
-    from .batch import plan_classify
-    from .kernels.label_head import rms_norm
+    from ..batch import plan_classify
+    from ..kernels.label_head import rms_norm
 
     eng = clf.engine
     plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch], clf.trie,
@@ -207,7 +207,7 @@ def head_scores(clf, head: HeadWeights, batch, logprobs: bool = True):
 def classify_with_head(clf, head: HeadWeights, queries: list[str], logprobs: bool = True):
     """Results for queries through `head` (what Classifier(..., head=...) returns), in batches that
     follow the classifier's token budget."""
-    from .values import Result
+    from ..values import Result
 
     encoded = clf.encode_many(queries)
     out = [None] * len(encoded)
