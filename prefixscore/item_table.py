@@ -71,16 +71,21 @@ class ItemTable:
                              f"({len(self.ids)} items)")
         return self.vectors[i]
 
-    def check_model(self, hidden_size: int, model_hash: str | None = None) -> "ItemTable":
-        """This table, if made for a model of this hidden size (and this base model, where both
-        record one): a ConfigError otherwise."""
-        if self.dim != hidden_size:
+    def check_model(self, loaded) -> "ItemTable":
+        """This table, if made for a model of the loaded model's hidden size and, where it records
+        one, its base weights (weights.loading.base_hash; checked before an adapter is merged, as
+        an adapter's base is): a ConfigError otherwise."""
+        from .weights.loading import base_hash
+
+        hidden = loaded.model.config.hidden_size
+        if self.dim != hidden:
             raise ConfigError(f"{self.path or 'item table'}: its vectors have {self.dim} values, "
-                              f"the model's hidden size is {hidden_size}")
+                              f"the model's hidden size is {hidden}")
         made_for = self.meta.get("base_model")
-        if made_for and model_hash and made_for != model_hash:
-            raise ConfigError(f"{self.path or 'item table'} was made for base model {made_for}, "
-                              f"not this one ({model_hash})")
+        if made_for and getattr(loaded.model, "merged_adapter", None) is None:
+            if made_for != base_hash(loaded):
+                raise ConfigError(f"{self.path or 'item table'} was made for base model {made_for}, "
+                                  f"not this one ({base_hash(loaded)})")
         return self
 
     @classmethod

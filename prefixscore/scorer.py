@@ -118,6 +118,7 @@ class Scorer:
         if item_table is not None and not isinstance(item_table, ItemTable):
             item_table = ItemTable.load(item_table)
         self.loaded = obtain(model, device, dtype)
+        self.item_table = None if item_table is None else item_table.check_model(self.loaded)
         self.adapter_meta = None
         if adapter_file is not None:
             # Merged before the prefix and graphs are computed from the weights. Only the base
@@ -131,8 +132,6 @@ class Scorer:
             merge_adapter(self.loaded, adapter_file)
             self.adapter_meta = adapter_file.meta
         finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge
-        self.item_table = None if item_table is None else \
-            item_table.check_model(self.loaded.model.config.hidden_size, self.loaded.base_id)
         self.engine = Engine.shared(self.loaded, batch_invariant=spec.batch_invariant)  # (Classifier's)
         self.config = self.engine.config
         self.tokenizer = tok = self.loaded.tokenizer

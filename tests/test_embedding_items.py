@@ -208,3 +208,24 @@ def test_depth_returns_embedding_items_as_given(models):
     res = sc.score("jeans", [v[0], "blue jeans", v[1], v[2]], depth=2)
     assert [r.scored for r in res] == [True, True, False, False]
     assert res[0].item is v[0] and res[2].item is v[1] and res[3].item is v[2]
+
+
+def test_a_table_for_another_model_is_refused(models, tmp_path):
+    """A table records the base model it was made for (embed-items writes base_model): another
+    base or another hidden size is a ConfigError when the Scorer loads it."""
+    from prefixscore import ConfigError
+    from prefixscore.weights.loading import base_hash
+
+    ours, _, _ = models("llama")
+    other, _, _ = models("qwen2")
+    H = ours.model.config.hidden_size
+    good = tmp_path / "good.safetensors"
+    write_table(good, ["a"], torch.zeros(1, H), {"base_model": base_hash(ours)})
+    assert Scorer(ours, "Is {item} right for {query}?", ["yes", "no"], chat=False,
+                  item_table=good).item_table.ids == ["a"]
+    with pytest.raises(ConfigError, match="was made for base model"):
+        Scorer(other, "Is {item} right for {query}?", ["yes", "no"], chat=False, item_table=good)
+    wide = tmp_path / "wide.parquet"
+    write_table(wide, ["a"], torch.zeros(1, H + 1))
+    with pytest.raises(ConfigError, match=f"its vectors have {H + 1} values"):
+        Scorer(ours, "Is {item} right for {query}?", ["yes", "no"], chat=False, item_table=wide)
