@@ -48,6 +48,16 @@ def texts_of(tok, qs, n_tokens, count, offset):
     return out
 
 
+def model_flags(rest: list[str], known: bool = False):
+    """The flags after `--`: -> (--model, --device, --dtype as a namespace, the flags as given).
+    known: other flags may follow (a server's), else they are an error."""
+    flags = rest[1:] if rest[:1] == ["--"] else rest
+    fa = argparse.ArgumentParser()
+    for f in ("--model", "--device", "--dtype"):
+        fa.add_argument(f)
+    return (fa.parse_known_args(flags)[0] if known else fa.parse_args(flags)), flags
+
+
 def sync(device):
     if device.type == "cuda":
         import torch
@@ -85,12 +95,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("model_flags", nargs=argparse.REMAINDER, help="-- --model PATH --device cuda ...")
     a = ap.parse_args(argv)
-    flags = a.model_flags[1:] if a.model_flags[:1] == ["--"] else a.model_flags
-    fa = argparse.ArgumentParser()
-    fa.add_argument("--model")
-    fa.add_argument("--device")
-    fa.add_argument("--dtype")
-    m = fa.parse_args(flags)
+    m, _ = model_flags(a.model_flags)
 
     from prefixscore import Classifier, Scorer
 

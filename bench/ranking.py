@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.overlap import W3_TEMPLATE, interleaved, queries, sync, texts_of
+from bench.overlap import W3_TEMPLATE, interleaved, model_flags, queries, sync, texts_of
 
 OUT = Path(os.environ.get("OUT") or "bench/results")
 
@@ -80,12 +80,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3, help="one-at-a-time passes over the requests")
     ap.add_argument("model_flags", nargs=argparse.REMAINDER, help="-- --model PATH --device cuda ...")
     a = ap.parse_args(argv)
-    flags = a.model_flags[1:] if a.model_flags[:1] == ["--"] else a.model_flags
-    fa = argparse.ArgumentParser()
-    fa.add_argument("--model")
-    fa.add_argument("--device")
-    fa.add_argument("--dtype")
-    m = fa.parse_args(flags)
+    m, _ = model_flags(a.model_flags)
 
     import torch
 

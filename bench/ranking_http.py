@@ -28,7 +28,7 @@ import threading
 import time
 
 from bench.http import OUT, free_port, parse_cpus, start_server, stop_server
-from bench.overlap import W3_TEMPLATE, queries, texts_of
+from bench.overlap import W3_TEMPLATE, model_flags, queries, texts_of
 
 
 def closed_loop(port, bodies, clients, seconds, cpus):
@@ -78,12 +78,7 @@ def main(argv=None):
     ap.add_argument("--load-cpus", default=None)
     ap.add_argument("model_flags", nargs=argparse.REMAINDER, help="-- --model PATH --device cuda ...")
     a = ap.parse_args(argv)
-    flags = a.model_flags[1:] if a.model_flags[:1] == ["--"] else a.model_flags
-    fa = argparse.ArgumentParser()
-    fa.add_argument("--model")
-    fa.add_argument("--device")
-    fa.add_argument("--dtype")
-    m, _ = fa.parse_known_args(flags)
+    m, flags = model_flags(a.model_flags, known=True)
     server_cpus, load_cpus = parse_cpus(a.server_cpus), parse_cpus(a.load_cpus)
 
     import numpy as np
