@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.helpers import ARCHS, random_queries
-from tests.test_scorer import LABELS, TEMPLATES, TOL, hf_trie, models, random_items  # noqa: F401
+from tests.test_scorer import (  # noqa: F401
+    LABELS, TEMPLATES, assert_matches_hf, hf_trie, models, random_items)
 from prefixscore import InputError
 from prefixscore.item_table import write_table
 from prefixscore.score_input import SOFT
@@ -43,11 +44,7 @@ def check_mixed(sc, hf, requests):
         soft += prep.soft if prep.soft is not None else [None] * len(items)
     ours = [r for res in sc.score_batch(requests) for r in res]
     ref, greedy = hf_trie(hf, prompts, sc.trie, soft=soft)
-    worst = 0.0
-    for r, s, g, p in zip(ours, ref, greedy, prompts):
-        assert r.label == sc.labels[g], f"decision differs from HF for {p}"
-        worst = max(worst, max(abs(r.scores[l] - x) for l, x in zip(sc.labels, s)))
-    assert worst < TOL, f"max |score - HF| = {worst:.2e}"
+    assert_matches_hf(sc, ours, ref, greedy, [str(p) for p in prompts])
     return ours
 
 

@@ -139,12 +139,18 @@ def check_against_hf(sc, hf, template, chat, requests, generate=0):
     ref, greedy = hf_trie(hf, prompts, sc.trie)
     if generate:
         assert hf_generate(hf, prompts[:generate], sc.trie, tok.eos_token_id) == greedy[:generate]
+    assert_matches_hf(sc, ours, ref, greedy, [f"item {r.item!r}" for r in ours])
+    return ours
+
+
+def assert_matches_hf(sc, ours, ref, greedy, names):
+    """Our ItemResults against HF's per-label scores and decisions: decisions equal, scores within
+    TOL. names: how a failure names each item."""
     worst = 0.0
-    for r, s, g in zip(ours, ref, greedy):
-        assert r.label == sc.labels[g], f"decision differs from HF for item {r.item!r}"
+    for r, s, g, name in zip(ours, ref, greedy, names, strict=True):
+        assert r.label == sc.labels[g], f"decision differs from HF for {name}"
         worst = max(worst, max(abs(r.scores[l] - x) for l, x in zip(sc.labels, s)))
     assert worst < TOL, f"max |score - HF| = {worst:.2e}"
-    return ours
 
 
 @pytest.mark.parametrize("arch", ARCHS)
