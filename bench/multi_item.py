@@ -2,7 +2,9 @@
 
     python -m bench.multi_item                      (CUDA; writes $OUT/multi_item.json or bench/results)
     python -m bench.multi_item --shape tiny --device cpu --requests 3 --items 10   (a CPU smoke run)
-    python -m bench.multi_item --mlp-chunk 1024,2048   (+ an A/B of KernelOptions.mlp_chunk)
+    python -m bench.multi_item --shape 135M --device cpu --requests 6 --items 20 --ab prune_last_layer=0
+    python -m bench.multi_item --ab mlp_chunk=1024 mlp_chunk=2048 prune_last_layer=0
+                                                    (+ an A/B of KernelOptions against the defaults)
 
 Synthetic form: random weights of the Qwen2.5-0.5B shape (config only, no download), bf16, random
 token ids; the call is the SGLang-shaped `Scorer.score_ids(query, items)` with apply_softmax=true
@@ -36,6 +38,8 @@ from prefixscore.scorer import Scorer
 SHAPES = {
     "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "135M": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),  # SmolLM2-135M
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=True),
 }
@@ -154,8 +158,9 @@ def main():
     ap.add_argument("--items", type=int, default=100)
     ap.add_argument("--item-len", type=int, default=150)
     ap.add_argument("--per-call", type=int, default=8, help="requests per call in the batch form")
-    ap.add_argument("--mlp-chunk", default="", help="A/B: comma-separated KernelOptions.mlp_chunk "
-                    "values, each an engine over the same weights, packed layout, interleaved")
+    ap.add_argument("--ab", nargs="*", default=[], metavar="FIELD=V[,FIELD=V]",
+                    help="A/B arms: KernelOptions changes (e.g. mlp_chunk=1024, prune_last_layer=0), "
+                    "each an engine over the same weights beside the defaults, packed, interleaved")
     a = ap.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -216,10 +221,9 @@ def main():
     ms = [timed(lambda: hf_scores(hf, q, items, device), device)[1] for q, items in reqs[3:]]
     res["rows"]["HF eager, full prompt per item (batch of all items)"] = {
         **summary(ms, a.items), "tokens_per_request": a.items * (a.prefix + a.query + a.item_len)}
-    if a.mlp_chunk:
-        res["ab_mlp_chunk"] = ab_mlp_chunk(cfg, hf, prefix, reqs, [int(c) for c in a.mlp_chunk.split(",")],
-                                           a, device, dtype)
-        print("A/B mlp_chunk", json.dumps(res["ab_mlp_chunk"]), flush=True)
+    if a.ab:
+        res["ab"] = ab_options(cfg, hf, prefix, reqs, a.ab, a, device, dtype)
+        print("A/B", json.dumps(res["ab"]), flush=True)
     if res["floors"]:
         least = a.query + a.items * a.item_len
         floor_ms = 2 * nonemb * least / (res["floors"]["matmul_TFLOPs"] * 1e12) * 1e3
@@ -230,20 +234,39 @@ def main():
     print(f"wrote {OUT / 'multi_item.json'}")
 
 
-def ab_mlp_chunk(cfg, hf, prefix, reqs, chunks, a, device, dtype) -> dict:
-    """W3 packed, one request per call, per mlp_chunk value (0: whole) on engines over the same
-    weights, interleaved request by request; each arm's scores against arm 0's (max |diff|)."""
+def option_changes(spec: str) -> dict:
+    """"mlp_chunk=1024,prune_last_layer=0" -> {"mlp_chunk": 1024, "prune_last_layer": False}, each
+    value of its KernelOptions field's type."""
+    import dataclasses
+
+    from prefixscore.kernels.options import KernelOptions
+
+    types = {f.name: type(f.default) for f in dataclasses.fields(KernelOptions)}
+    out = {}
+    for kv in filter(None, spec.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in types or types[k] not in (bool, int):
+            raise SystemExit(f"--ab {spec!r}: {k!r} is not a bool or int KernelOptions field")
+        out[k] = v not in ("0", "false", "False") if types[k] is bool else int(v)
+    return out
+
+
+def ab_options(cfg, hf, prefix, reqs, specs, a, device, dtype) -> dict:
+    """W3 packed, one request per call, on engines over the same weights: the default options and
+    one arm per spec (option_changes), interleaved request by request; each arm's scores against
+    the defaults' (max |diff|)."""
     import dataclasses
 
     from prefixscore.engine import Engine
     from prefixscore.kernels.options import KernelOptions
 
     arms = {}
-    for c in [0] + [c for c in chunks if c]:
+    for spec in ["defaults", *specs]:
+        changes = {} if spec == "defaults" else option_changes(spec)
         loaded = from_tensors(cfg, hf.state_dict(), None, f"random {a.shape}", device, dtype)
-        loaded.__dict__["engine"] = Engine(loaded, dataclasses.replace(KernelOptions.from_env(), mlp_chunk=c))
-        arms[c] = Scorer(loaded, label_token_ids=LABELS, prefix_ids=prefix, mode="softmax",
-                         layout="packed", max_batch_tokens=32768, max_items=max(1024, a.items))
+        loaded.__dict__["engine"] = Engine(loaded, dataclasses.replace(KernelOptions.from_env(), **changes))
+        arms[spec] = Scorer(loaded, label_token_ids=LABELS, prefix_ids=prefix, mode="softmax",
+                            layout="packed", max_batch_tokens=32768, max_items=max(1024, a.items))
     ms = {c: [] for c in arms}
     for q, items in reqs[:3]:
         for sc in arms.values():
@@ -251,9 +274,9 @@ def ab_mlp_chunk(cfg, hf, prefix, reqs, chunks, a, device, dtype) -> dict:
     for q, items in reqs[3:]:
         for c, sc in arms.items():
             ms[c].append(timed(lambda: sc.score_ids(q, items), device)[1])
-    base = ours_scores(arms[0], *reqs[3])
-    return {str(c): {**summary(ms[c], a.items),
-                     "max_diff_vs_whole": (ours_scores(sc, *reqs[3]) - base).abs().max().item()}
+    base = ours_scores(arms["defaults"], *reqs[3])
+    return {c: {**summary(ms[c], a.items),
+                "max_diff_vs_defaults": (ours_scores(sc, *reqs[3]) - base).abs().max().item()}
             for c, sc in arms.items()}
 
 
@@ -272,6 +295,9 @@ def print_table(r):
     print(f"host prep of one call (checks, spans, plan): {r['host_prep_ms']:.2f} ms; ready in "
           f"{r['ready_s']:.1f} s (capture {r['capture']})")
     print("check (request 0):", r["check"])
+    for name, v in (r.get("ab") or {}).items():
+        print(f"A/B {name:48s} {v['items_per_s']:9.0f} {v['p50_ms']:8.2f} {v['p99_ms']:8.2f}   "
+              f"max |diff| vs defaults {v['max_diff_vs_defaults']:.2g}")
 
 
 if __name__ == "__main__":

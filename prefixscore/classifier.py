@@ -334,9 +334,9 @@ class Classifier:
             plan = plan_classify([e.ids[e.start:] for e in batch], [e.start for e in batch],
                                  self.trie, branches=False)
             prefix = self.prefix_kv if batch[0].start > 0 else self.engine.no_prefix
-            h, plan = self.engine.hidden(plan, prefix)
+            h, _ = self.engine.hidden(plan, prefix, read=True)
             norm = self.engine.model.norm
-            out[chunk] = rms_norm(h[plan.rows], norm.weight, norm.eps).float().cpu()
+            out[chunk] = rms_norm(h, norm.weight, norm.eps).float().cpu()
         return out
 
     def _run(self, batch: list[Encoded]) -> list[Result]:

@@ -107,17 +107,36 @@ class Engine:
         return self.lm_head[torch.tensor(columns, device=self.device)].contiguous()
 
     @torch.inference_mode()
-    def hidden(self, plan: Plan, prefix_kv):
+    def hidden(self, plan: Plan, prefix_kv, read: bool = False):
+        """-> (hidden states before the final norm, the plan on the device): of every row, or with
+        read=True of the plan's read-out rows only ([R, hidden], in plan.rows order; the last
+        layer then runs for those rows alone: model.Transformer.forward)."""
         plan = plan.to(self.device)
         ctx = Context(prefix_kv, plan.base_start, plan.base_end, plan.own_start, plan.seg_offsets,
                       prefix_range=plan.prefix_range, options=self.options)
-        return self.model(plan.tokens, plan.positions, ctx, _soft(plan)), plan
+        rows = plan.rows.long() if read and self.prune else None
+        h = self.model(plan.tokens, plan.positions, ctx, _soft(plan), rows)
+        return (h[plan.rows] if read and rows is None else h), plan
+
+    @property
+    def prune(self) -> bool:
+        """Whether an eager pass runs its last layer for the read-out rows only. Not in batch-
+        invariant mode on CUDA, where a graph bucket runs every row and the two agreeing bitwise is
+        not yet tested on the GPU (on the CPU both modes are torch's, and both prune)."""
+        o = self.options
+        return o.prune_last_layer and not (o.batch_invariant and self.device.type == "cuda")
 
     @torch.inference_mode()
     def forward_scores(self, tokens, positions, ctx, rows, allowed, weight, logprobs, out=None,
-                       soft=None):
+                       soft=None, prune: bool = False):
+        """prune (eager passes): the last layer runs for `rows` only (a graph's passes keep every
+        row: its static buffers hold a bucket's worth of rows, read or padding)."""
         m = self.model
-        h = m(tokens, positions, ctx, soft)
+        if prune and self.prune:
+            h = m(tokens, positions, ctx, soft, rows.long())
+            rows = torch.arange(h.shape[0], device=h.device)
+        else:
+            h = m(tokens, positions, ctx, soft)
         return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs, out,
                           options=self.options)
 
@@ -153,7 +172,7 @@ class Engine:
         ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets,
                       prefix_range=p.prefix_range, options=self.options)
         scores, best = self.forward_scores(p.tokens, p.positions, ctx, p.rows, p.allowed, weight,
-                                           logprobs, soft=_soft(p))
+                                           logprobs, soft=_soft(p), prune=True)
         if not cuda:
             return lambda: (scores, best)
         host = (torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True),
@@ -188,9 +207,9 @@ class Engine:
     def vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
         """Each label token's probability under the whole vocabulary: the full output head, but
         only at the read-out rows (one row per item): the Scorer's mode vocab_probs."""
-        h, plan = self.hidden(plan, kv)
+        h, plan = self.hidden(plan, kv, read=True)
         norm = self.model.norm
-        x = rms_norm(h[plan.rows], norm.weight, norm.eps)
+        x = rms_norm(h, norm.weight, norm.eps)
         cols = torch.tensor(tokens, device=x.device)
         out = []
         for c in range(0, x.shape[0], 1024):  # bounds the [rows, vocab] fp32 block

@@ -105,6 +105,40 @@ def span_layout(base_start, base_end, own_start, seg_offsets, P, prefix_range=No
     return idx, valid, mask
 
 
+def attention_rows(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, rows,
+                   prefix_range=None, chunk_keys: int = 1 << 16):
+    """CPU path of attention(..., rows=rows): attention_ref(...)[rows] for those query rows only.
+    Each row's visible in-batch keys lie in one window [min(bs, os), max(be, t + 1)); the windows
+    are gathered, padded to the longest and masked, then one SDPA per chunk of rows (a chunk holds
+    about chunk_keys keys, prefix included, so a long window bounds memory, not the batch)."""
+    T, Hq, D = q.shape
+    rows = rows.long()
+    R, P = rows.shape[0], prefix_k.shape[0]
+    bs, be, os_ = (x.long()[rows] for x in (base_start, base_end, own_start))
+    has_base = bs < be
+    lo = torch.where(has_base, torch.minimum(bs, os_), os_)
+    hi = torch.where(has_base, torch.maximum(be, rows + 1), rows + 1)
+    L = int((hi - lo).max()) if R else 1
+    out = torch.empty(R, Hq, D, dtype=q.dtype)
+    step = max(1, chunk_keys // (P + L))
+    ar = torch.arange(L)
+    for a in range(0, R, step):
+        s = slice(a, a + step)
+        t, j = rows[s, None], lo[s, None] + ar[None, :]  # [c, 1], key index [c, L]
+        vis = ((((j >= bs[s, None]) & (j < be[s, None])) | ((j >= os_[s, None]) & (j <= t)))
+               & (j < hi[s, None]))
+        idx = j.clamp(max=T - 1)
+        c = idx.shape[0]
+        pre = (torch.ones(c, P, dtype=torch.bool) if prefix_range is None else
+               prefix_visible(prefix_range, rows[s, None], P)[:, 0])
+        mask = torch.cat([pre, vis], dim=-1)[:, None, None]  # [c, 1, 1, P + L]
+        kk = torch.cat([prefix_k.expand(c, *prefix_k.shape), k[idx]], dim=1).transpose(1, 2)
+        vv = torch.cat([prefix_v.expand(c, *prefix_v.shape), v[idx]], dim=1).transpose(1, 2)
+        out[s] = F.scaled_dot_product_attention(q[rows[s]][:, :, None], kk, vv, attn_mask=mask,
+                                                scale=scale, enable_gqa=True)[:, :, 0]
+    return out
+
+
 def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
     """CPU path: the same function as attention_ref through torch's fused SDPA (a few ops per layer
     instead of ~25; the parity tests against HF cover it, tests/kernels/test_attention_cpu.py pins it to
@@ -148,13 +182,18 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
 
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
-              layout=None, prefix_range=None, *, options: KernelOptions):
-    """Dispatch: the Triton kernel on CUDA, SDPA with a per-batch layout on CPU (or the reference)."""
+              layout=None, prefix_range=None, *, options: KernelOptions, rows=None):
+    """Dispatch: the Triton kernel on CUDA, SDPA with a per-batch layout on CPU (or the reference).
+    rows (int [R], on q's device): only those query rows, -> [R, Hq, D] = attention(...)[rows]
+    (the last layer of a pass, whose other rows nobody reads: model.Transformer.forward)."""
     if use_triton(q, options):
         from .attention_triton import attention_triton
 
         return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
-                                prefix_range=prefix_range, options=options)
+                                prefix_range=prefix_range, options=options, rows=rows)
+    if rows is not None:
+        return attention_rows(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
+                              rows, prefix_range)
     if layout is not None:  # (built with the same prefix_range)
         return attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale)
     return attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,

@@ -227,23 +227,27 @@ def _attend_rows(q, tok, bs, be, os_, k_base, v_base, sk_t, sv_t, qk_scale, m_i,
 
 @triton.jit
 def _prefix_attn_kernel(
-    Q, K, V, PK, PV, BS, BE, OS, PS, PE, O,
+    Q, K, V, PK, PV, BS, BE, OS, PS, PE, O, ROWS,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, so_t, so_h,
-    T, P, qk_scale,
+    T, R, P, qk_scale,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_NI: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, GDC: tl.constexpr,
-    RANGES: tl.constexpr, CANON: tl.constexpr,
+    RANGES: tl.constexpr, CANON: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     kvh = tl.program_id(1)
     if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // G
+    r = rows // G  # output row; its token is r, or ROWS[r] (HAS_ROWS: R query rows of T)
     head = kvh * G + rows % G
-    row_ok = tok < T
-    # Padding rows (only in the last block) reuse token T-1, which that block already holds, so
+    row_ok = r < R
+    # Padding rows (only in the last block) reuse row R-1, which that block already holds, so
     # they load valid memory and do not widen the key range; they are never stored.
-    tok = tl.minimum(tok, T - 1)
+    r = tl.minimum(r, R - 1)
+    if HAS_ROWS:
+        tok = tl.load(ROWS + r).to(tl.int32)
+    else:
+        tok = r
     d = tl.arange(0, D)
 
     q = tl.load(Q + tok.to(tl.int64)[:, None] * sq_t + head[:, None] * sq_h + d[None, :])
@@ -256,7 +260,7 @@ def _prefix_attn_kernel(
 
     # A valid plan always lets a token see itself (l_i > 0); the guard only keeps padding finite.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = O + tok.to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :]
+    o_ptrs = O + r.to(tl.int64)[:, None] * so_t + head[:, None] * so_h + d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -303,8 +307,10 @@ def _last_dim_contiguous(x):
 
 
 def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, out=None,
-                     config=None, prefix_range=None, options: KernelOptions = DEFAULTS):
+                     config=None, prefix_range=None, options: KernelOptions = DEFAULTS, rows=None):
     """q [T, Hq, D]; k, v [T, Hkv, D]; prefix_k, prefix_v [P, Hkv, D]; int [T] ranges -> [T, Hq, D].
+    rows (int [R]): only those query rows -> [R, Hq, D], each row gathering its own keys (the
+    CANON order of batch-invariant mode: scattered rows share no key range worth a dot tile).
 
     Any stride on dims 0 and 1 is fine (e.g. views into a fused QKV buffer). `config` overrides
     entries of attn_config() (tests and benchmarks).
@@ -312,13 +318,14 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     P = prefix_k.shape[0]
+    R = T if rows is None else rows.shape[0]
     assert Hq % Hkv == 0, "query heads must be a multiple of kv heads"
     assert D >= 16 and D & (D - 1) == 0, "head dim must be a power of two >= 16"
     assert k.shape == v.shape == (T, Hkv, D) and prefix_v.shape == prefix_k.shape
     if out is None:
-        out = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device)
-    assert out.shape == (T, Hq, D) and out.stride(-1) == 1
-    if T == 0:
+        out = torch.empty((R, Hq, D), dtype=q.dtype, device=q.device)
+    assert out.shape == (R, Hq, D) and out.stride(-1) == 1
+    if R == 0:
         return out
     q, k, v, prefix_k, prefix_v = map(_last_dim_contiguous, (q, k, v, prefix_k, prefix_v))
     base_start, base_end, own_start = (x.contiguous() for x in (base_start, base_end, own_start))
@@ -326,18 +333,21 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
         prefix_k, prefix_v = k, v
     ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     G = Hq // Hkv
-    cfg = (invariant_attn_config(D) if options.batch_invariant else
+    cfg = (invariant_attn_config(D) if options.batch_invariant or rows is not None else
            attn_config(T, G, Hkv, D, q.dtype, q.device))
     cfg.update(config or {})
     canon = cfg.pop("CANON", False)
-    grid = (triton.cdiv(T * G, cfg["BLOCK_M"]), Hkv)
+    has_rows = rows is not None
+    rows = rows.contiguous() if has_rows else base_start  # (not read without HAS_ROWS)
+    grid = (triton.cdiv(R * G, cfg["BLOCK_M"]), Hkv)
     _prefix_attn_kernel[grid](
-        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, ps, pe, out,
+        q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, ps, pe, out, rows,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         prefix_k.stride(0), prefix_k.stride(1), prefix_v.stride(0), prefix_v.stride(1),
         out.stride(0), out.stride(1),
-        T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        T, R, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         G=G, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-        RANGES=prefix_range is not None, CANON=canon, **cfg, **launch_kwargs(q.device, options),
+        RANGES=prefix_range is not None, CANON=canon, HAS_ROWS=has_rows,
+        **cfg, **launch_kwargs(q.device, options),
     )
     return out

@@ -50,6 +50,9 @@ class KernelOptions:
     # reads the GEMM's output from L2 (kernels/gemm.gate_up_silu); 0: the whole batch at once.
     # Off until measured on the H200 (bench.multi_item --mlp-chunk).
     mlp_chunk: int = 0
+    # An eager pass runs its last layer for the read-out rows only (Engine.prune; False: for every
+    # row, the A/B baseline in bench.multi_item --ab).
+    prune_last_layer: bool = True
 
     def __post_init__(self):
         tune = tuple(sorted(dict(self.tune).items()))  # (a key given twice: its last value)

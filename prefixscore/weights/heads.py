@@ -198,8 +198,8 @@ def head_scores(clf, head: HeadWeights, batch, logprobs: bool = True):
         logits, _ = eng.run(plan, prefix, head.weight, logprobs=False)
         logits = logits.float().cpu() + head.host_bias
     else:
-        h, plan = eng.hidden(plan, prefix)
-        logits = head.logits(rms_norm(h[plan.rows], eng.model.norm.weight, eng.model.norm.eps)).cpu()
+        h, _ = eng.hidden(plan, prefix, read=True)
+        logits = head.logits(rms_norm(h, eng.model.norm.weight, eng.model.norm.eps)).cpu()
     best = logits.argmax(-1)
     return (torch.log_softmax(logits, -1) if logprobs else logits), best
 

@@ -118,25 +118,27 @@ def main():
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, tgrid=True)
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
-    at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, qk_scale="fp32")
+    at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "ROWS")}, qk_scale="fp32")
     for T, Gq, Hkv, D, ranges in ((16, 7, 4, 128, False), (8, 7, 2, 64, False), (4096, 7, 2, 64, False),
                                   (8, 7, 2, 64, True), (4096, 7, 2, 64, True)):
         cfg, nw, ns = split_launch(AT.attn_config(T, Gq, Hkv, D, BF16, CPU))
         compile_kernel(f"attention T={T} G={Gq} D={D} ranges={ranges} {cfg}", AT._prefix_attn_kernel,
                        at_types, dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, RANGES=ranges,
-                                      CANON=False, **cfg), nw, ns)
-    for Gq, Hkv, D in ((7, 2, 64), (7, 4, 128)):  # batch-invariant mode: rows gather their keys
+                                      CANON=False, HAS_ROWS=False, **cfg), nw, ns)
+    # batch-invariant mode (rows gather their keys), and the last layer's read-out rows (same order)
+    for Gq, Hkv, D, rows in ((7, 2, 64, False), (7, 4, 128, False), (7, 2, 64, True), (7, 4, 128, True)):
         cfg = AT.invariant_attn_config(D)
         cfg, nw, ns = split_launch(cfg)
-        compile_kernel(f"attention (batch-invariant) G={Gq} D={D} {cfg}", AT._prefix_attn_kernel,
-                       at_types, dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, RANGES=False, **cfg),
+        compile_kernel(f"attention ({'read-out rows' if rows else 'batch-invariant'}) G={Gq} D={D} {cfg}",
+                       AT._prefix_attn_kernel, at_types,
+                       dict(G=Gq, D=D, DOT_PREC="tf32", UPCAST=False, RANGES=False, HAS_ROWS=rows, **cfg),
                        nw, ns)
 
     # Triton compiles an int argument equal to 1 as a constant: a one-key prefix, one token.
     cfg, nw, ns = split_launch(AT.attn_config(1, 7, 2, 64, BF16, CPU))
     compile_kernel(f"attention P=1 T=1 {cfg}", AT._prefix_attn_kernel, at_types,
-                   dict(G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, RANGES=False, CANON=False,
-                        **cfg), nw, ns)
+                   dict(G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, R=1, RANGES=False, CANON=False,
+                        HAS_ROWS=False, **cfg), nw, ns)
 
     ao_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "WO", "R", "OUT")}
     ao_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "CNT")}, SSQ="*fp32", WS="*fp32",

@@ -3,7 +3,7 @@ requests with label branches and multi-item spans, prefix or none, GQA 1/2/7, fp
 import pytest
 import torch
 
-from prefixscore.kernels.attention import attention_ref, attention_sdpa, span_layout
+from prefixscore.kernels.attention import attention_ref, attention_rows, attention_sdpa, span_layout
 
 
 def random_plan(g, n_req):
@@ -36,3 +36,25 @@ def test_sdpa_path_equals_reference(seed, P, Hkv, G, dtype, tol):
     ref = attention_ref(q, k, v, pk, pv, bs, be, os_, D ** -0.5, offs)
     got = attention_sdpa(q, k, v, pk, pv, span_layout(bs, be, os_, offs, P), D ** -0.5)
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("seed,P,Hkv,G,ranges", [(0, 0, 2, 1, False), (1, 17, 2, 2, True),
+                                                 (2, 40, 1, 7, False), (3, 5, 4, 2, True)])
+def test_rows_path_equals_reference_rows(seed, P, Hkv, G, ranges, dtype, tol):
+    """attention_rows (the last layer's read-out rows, in any order, repeats allowed) equals those
+    rows of the reference; chunk_keys small enough that rows go in several chunks."""
+    g = torch.Generator().manual_seed(100 + seed)
+    bs, be, os_, offs = random_plan(g, n_req=2 + seed * 2)
+    T, D = bs.shape[0], 64
+    q = torch.randn(T, Hkv * G, D, generator=g).to(dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    pk, pv = (torch.randn(P, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    pr = None
+    if ranges:  # each token sees a random slice of the pinned keys (a bank of prefixes)
+        a = torch.randint(0, P, (T,), generator=g)
+        pr = (a.int(), (a + torch.randint(1, P + 1, (T,), generator=g)).clamp(max=P).int())
+    ref = attention_ref(q, k, v, pk, pv, bs, be, os_, D ** -0.5, offs, pr)
+    rows = torch.cat([torch.randperm(T, generator=g)[:max(1, T // 3)], torch.tensor([T - 1, 0, T - 1])])
+    got = attention_rows(q, k, v, pk, pv, bs, be, os_, D ** -0.5, rows, pr, chunk_keys=3 * (P + 12))
+    torch.testing.assert_close(got.float(), ref[rows].float(), atol=tol, rtol=tol)

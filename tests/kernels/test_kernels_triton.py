@@ -222,6 +222,39 @@ def test_attention_allocates_output():
     _check_close(out, attention_ref(q, k, v, pk, pv, bs, be, own, 0.125), torch.float32)
 
 
+# Read-out rows only (the last layer, Transformer.forward(rows=...)): P, G, Hkv, D, dtype, plan, rows
+# (None: a random third of the rows plus the last row twice), prefix ranges (a bank of two)
+ROWS_CASES = [
+    (48, 7, 2, 64, torch.bfloat16, lambda g: make_multi_item_plan([(5, [9, 3, 17, 1, 12, 6])]), None, False),
+    (0, 7, 1, 64, torch.float32, lambda g: make_random_plan(90, g), None, False),
+    (30, 2, 2, 128, torch.float32, lambda g: make_plan(60, g), None, True),
+    (5, 7, 2, 64, torch.bfloat16, lambda g: _plain_plan([8, 1, 30]), [7, 8, 38], False),  # last tokens
+]
+
+
+@pytest.mark.parametrize("case", range(len(ROWS_CASES)))
+def test_attention_rows(case):
+    """attention_triton(rows=...) == attention_ref(...)[rows], into a NaN-poisoned output."""
+    P, G, Hkv, D, dtype, build, rows, ranges = ROWS_CASES[case]
+    gen = torch.Generator().manual_seed(5000 + case)
+    bs, be, own = (x.to(DEVICE) for x in build(gen))
+    T, Hq = bs.shape[0], G * Hkv
+    q = torch.randn(T, Hq, D, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(T, Hkv, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    pk, pv = (torch.randn(P, Hkv, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    pr = None
+    if ranges:
+        pr = tuple(x.to(DEVICE) for x in _bank([P // 3, P - P // 3], [T], gen))
+    if rows is None:
+        rows = torch.cat([torch.randperm(T, generator=gen)[:T // 3], torch.tensor([T - 1, T - 1])])
+    rows = torch.as_tensor(rows).to(DEVICE)
+    ref = attention_ref(q, k, v, pk, pv, bs, be, own, D ** -0.5, prefix_range=pr)[rows.long()]
+    out = torch.full((rows.shape[0], Hq, D), float("nan"), dtype=dtype, device=DEVICE)
+    attention_triton(q, k, v, pk, pv, bs, be, own, D ** -0.5, out=out, prefix_range=pr, rows=rows)
+    assert not out.isnan().any(), "output not fully written"
+    _check_close(out, ref, dtype)
+
+
 # Attention fused with the O projection and the residual add (T <= 64):
 # P, G, Hkv, D, N (hidden), dtype, plan builder, config override (None: the shape heuristic)
 ATTN_O_CASES = [
