@@ -23,9 +23,9 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter  # noqa: E402
 
-fix_interpreter_loop_bounds()
+fix_interpreter()
 
 from prefixscore.kernels.attention import attention_ref  # noqa: E402
 from prefixscore.kernels.attention_triton import attention_triton  # noqa: E402

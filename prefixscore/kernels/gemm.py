@@ -122,6 +122,11 @@ def gate_up_silu(x, w_gu, bias=None, *, options: KernelOptions):
         from .gemm_triton import gate_up_silu_small
 
         return gate_up_silu_small(x, w_gu, bias, norm=norm, options=options)
+    if options.mlp_fused and use_triton(x, options) and x.dtype in (torch.bfloat16, torch.float16) \
+            and w_gu.dtype == x.dtype:
+        from .gemm_large_triton import gate_up_silu_large
+
+        return gate_up_silu_large(x, w_gu, bias, options=options)
     C = options.mlp_chunk
     if not C or x.shape[0] <= C:
         return silu_mul(_linear(x, w_gu, bias, None, options), options=options)

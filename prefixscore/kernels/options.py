@@ -50,6 +50,10 @@ class KernelOptions:
     # reads the GEMM's output from L2 (kernels/gemm.gate_up_silu); 0: the whole batch at once.
     # Off until measured on the H200 (bench.multi_item --mlp-chunk).
     mlp_chunk: int = 0
+    # Past the skinny kernels, gate/up + SiLU * up as one Triton GEMM whose epilogue applies SiLU
+    # (kernels/gemm_large_triton.py: [T, 2I] never reaches HBM). Off until measured on the H200
+    # against cuBLAS + silu_mul (bench.multi_item --ab mlp_fused=1).
+    mlp_fused: bool = False
     # An eager pass runs its last layer for the read-out rows only (Engine.prune; False: for every
     # row, the A/B baseline in bench.multi_item --ab).
     prune_last_layer: bool = True

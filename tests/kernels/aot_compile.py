@@ -27,6 +27,7 @@ from prefixscore.kernels import attention_triton as AT  # noqa: E402
 from prefixscore.kernels import fused_triton as F  # noqa: E402
 from prefixscore.kernels import fp8_triton as Q8  # noqa: E402
 from prefixscore.kernels import gemm_config as C  # noqa: E402
+from prefixscore.kernels import gemm_large_triton as GL  # noqa: E402
 from prefixscore.kernels import gemm_triton as G  # noqa: E402
 from prefixscore.kernels import label_head_triton as LH  # noqa: E402
 from prefixscore.kernels.options import KernelOptions  # noqa: E402
@@ -177,6 +178,12 @@ def main():
                    | {"eps": "fp32"}, dict(HQ=14, HKV=2, D=64, NH=16, QK_NORM=False))
     compile_kernel("silu_mul", F._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
                    dict(BLOCK=1024))
+    for name, K in (("0.5B", 896), ("7B", 3584)):  # gate/up + SiLU past the skinny kernels (mlp_fused)
+        cfg, nw, ns = split_launch(GL.large_gu_config(BF16))
+        compile_kernel(f"gate/up+silu large {name} {cfg}", GL._gate_up_silu_kernel,
+                       {"X": "*bf16", "W": "*bf16", "B": "*bf16", "OUT": "*bf16"},
+                       dict(HAS_BIAS=False, EVEN_K=K % cfg["BLOCK_K"] == 0, DOT_PREC="tf32",
+                            UPCAST=False, **cfg), nw, ns)
     for mode, m in Q8.MODES.items():  # e4m3 activations for the FP8 x FP8 GEMMs
         compile_kernel(f"rows_q8 {mode}", Q8._rows_q8_kernel,
                        {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "eps": "fp32"},

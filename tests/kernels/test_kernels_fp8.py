@@ -20,9 +20,9 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter  # noqa: E402
 
-fix_interpreter_loop_bounds()
+fix_interpreter()
 
 from prefixscore.kernels import fp8  # noqa: E402
 from prefixscore.kernels.fp8 import E4M3_MAX, Fp8Weight  # noqa: E402

@@ -26,9 +26,9 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 TS = [1, 3, 8, 16, 33, 64]
 
 
-from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter  # noqa: E402
 
-fix_interpreter_loop_bounds()
+fix_interpreter()
 
 from prefixscore.kernels.gemm_config import gemm_config  # noqa: E402
 from prefixscore.kernels.gemm_triton import (  # noqa: E402
@@ -374,3 +374,29 @@ def test_chunked_gate_up_and_residual_in_place():
         assert out.data_ptr() == r.data_ptr()
         torch.testing.assert_close(out, want)
 
+
+
+# gate/up + SiLU * up in one GEMM past the skinny kernels (KernelOptions.mlp_fused):
+# T, K, I, dtype, bias, config override (None: large_gu_config, as in production)
+LARGE_GU_CASES = [
+    (70, 64, 96, torch.float32, False, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)),
+    (70, 80, 96, torch.bfloat16, True, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=3)),  # K tail
+    (33, 48, 40, torch.float32, True, dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=8)),
+    (130, 128, 160, torch.bfloat16, False, None),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LARGE_GU_CASES)))
+def test_gate_up_silu_large(case):
+    from prefixscore.kernels.gemm_large_triton import gate_up_silu_large
+
+    T, K, I, dtype, with_bias, cfg = LARGE_GU_CASES[case]
+    gen = torch.Generator().manual_seed(9100 + case)
+    x = torch.randn(T, K, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(2 * I, K, generator=gen) / K ** 0.5).to(DEVICE, dtype)
+    b = torch.randn(2 * I, generator=gen).to(DEVICE, dtype) if with_bias else None
+    buf = torch.full((T, I + 5), float("nan"), dtype=dtype, device=DEVICE)
+    out = gate_up_silu_large(x, w, b, out=buf[:, :I], config=cfg)
+    assert not out.isnan().any() and buf[:, I:].isnan().all()
+    ref = gate_up_silu_ref(x, w, b)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])

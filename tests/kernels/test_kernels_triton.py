@@ -22,9 +22,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-from tests.helpers import fix_interpreter_loop_bounds  # noqa: E402
+from tests.helpers import fix_interpreter  # noqa: E402
 
-fix_interpreter_loop_bounds()
+fix_interpreter()
 
 from prefixscore.kernels.attention_triton import attention_triton  # noqa: E402
 from prefixscore.kernels.label_head_triton import label_head_triton  # noqa: E402
