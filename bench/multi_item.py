@@ -159,7 +159,8 @@ def main():
     ap.add_argument("--item-len", type=int, default=150)
     ap.add_argument("--per-call", type=int, default=8, help="requests per call in the batch form")
     ap.add_argument("--ab", nargs="*", default=[], metavar="FIELD=V[,FIELD=V]",
-                    help="A/B arms: KernelOptions changes (e.g. mlp_chunk=1024, prune_last_layer=0), "
+                    help="A/B arms: KernelOptions changes (e.g. mlp_chunk=1024, prune_last_layer=0, "
+                    "attn.BLOCK_NI=64), "
                     "each an engine over the same weights beside the defaults, packed, interleaved")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -235,20 +236,25 @@ def main():
 
 
 def option_changes(spec: str) -> dict:
-    """"mlp_chunk=1024,prune_last_layer=0" -> {"mlp_chunk": 1024, "prune_last_layer": False}, each
-    value of its KernelOptions field's type."""
+    """"mlp_chunk=1024,prune_last_layer=0,attn.BLOCK_NI=64" -> {"mlp_chunk": 1024,
+    "prune_last_layer": False, "tune": {"attn.BLOCK_NI": 64}}: each value of its KernelOptions
+    field's type; role.KEY entries are launch-config overrides (KernelOptions.tune)."""
     import dataclasses
 
     from prefixscore.kernels.options import KernelOptions
 
     types = {f.name: type(f.default) for f in dataclasses.fields(KernelOptions)}
-    out = {}
+    out, tune = {}, {}
     for kv in filter(None, spec.split(",")):
         k, _, v = kv.partition("=")
-        if k not in types or types[k] not in (bool, int):
-            raise SystemExit(f"--ab {spec!r}: {k!r} is not a bool or int KernelOptions field")
-        out[k] = v not in ("0", "false", "False") if types[k] is bool else int(v)
-    return out
+        if "." in k:
+            tune[k] = int(v)
+        elif k in types and types[k] in (bool, int):
+            out[k] = v not in ("0", "false", "False") if types[k] is bool else int(v)
+        else:
+            raise SystemExit(f"--ab {spec!r}: {k!r} is not a bool or int KernelOptions field "
+                             f"or a role.KEY launch override")
+    return {**out, "tune": tune} if tune else out
 
 
 def ab_options(cfg, hf, prefix, reqs, specs, a, device, dtype) -> dict:

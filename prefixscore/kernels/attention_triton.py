@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm_config import tuned
 from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, wait
 from .triton_util import _dot, _num_sms
@@ -334,7 +335,7 @@ def attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_star
     ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     G = Hq // Hkv
     cfg = (invariant_attn_config(D) if options.batch_invariant or rows is not None else
-           attn_config(T, G, Hkv, D, q.dtype, q.device))
+           tuned(attn_config(T, G, Hkv, D, q.dtype, q.device), "attn", options))
     cfg.update(config or {})
     canon = cfg.pop("CANON", False)
     has_rows = rows is not None

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm_config import tuned
 from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, wait
 from .triton_util import _dot
@@ -110,7 +111,7 @@ def gate_up_silu_large(x, w_gu, bias=None, out=None, config=None, options: Kerne
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     w_gu = w_gu if w_gu.stride(-1) == 1 else w_gu.contiguous()
-    cfg = large_gu_config(x.dtype)
+    cfg = tuned(large_gu_config(x.dtype), "gu_large", options)
     cfg.update(config or {})
     grid = (triton.cdiv(T, cfg["BLOCK_M"]) * triton.cdiv(I, cfg["BLOCK_N"]),)
     _gate_up_silu_kernel[grid](

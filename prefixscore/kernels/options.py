@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Roles of the launch-config overrides (tune): the skinny GEMM's qkv, gu (gate/up), down (the
-# residual GEMM), linear (plain), and attn_o (attention + O).
-TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear")
+# residual GEMM), linear (plain), attn_o (attention + O), attn (attention alone, past the fused
+# kernel) and gu_large (gate/up + SiLU past the skinny kernels, mlp_fused).
+TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear", "attn", "gu_large")
 
 
 @dataclass(frozen=True)

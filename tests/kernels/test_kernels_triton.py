@@ -430,3 +430,21 @@ def test_attention_prefix_ranges(case):
     y = ref.reshape(T, -1).float() @ wo.float().t()
     err = (out.float() - (r.float() + y)).abs()
     assert (err <= TOL[dtype] * (1 + r.float().abs() + y.abs())).all(), err.max()
+
+
+def test_attention_tuned_config():
+    """KernelOptions.tune's attn.* overrides reach the launch (bench.multi_item --ab arms): an
+    override Triton cannot launch fails, and a valid one still equals the reference."""
+    from prefixscore.kernels.options import KernelOptions
+
+    gen = torch.Generator().manual_seed(8)
+    T, Hkv, G, D, P = 40, 2, 7, 64, 5
+    q = torch.randn(T, Hkv * G, D, generator=gen).to(DEVICE)
+    k, v = (torch.randn(T, Hkv, D, generator=gen).to(DEVICE) for _ in range(2))
+    pk, pv = (torch.randn(P, Hkv, D, generator=gen).to(DEVICE) for _ in range(2))
+    bs, be, own = (x.to(DEVICE) for x in make_multi_item_plan([(6, [9, 3, 17, 5])]))
+    ref = attention_ref(q, k, v, pk, pv, bs, be, own, 0.125)
+    ok = KernelOptions(tune={"attn.BLOCK_M": 32, "attn.BLOCK_NI": 16})
+    _check_close(attention_triton(q, k, v, pk, pv, bs, be, own, 0.125, options=ok), ref, torch.float32)
+    with pytest.raises(Exception):
+        attention_triton(q, k, v, pk, pv, bs, be, own, 0.125, options=KernelOptions(tune={"attn.BLOCK_M": 24}))
