@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Ranking at scale on the H200, in as few device calls as the 10-minute limit allows: the GPU tests
+# of the kernels it touches, then W3's kernel arms, W3 text / W6 in process, and /v1/score with 8
+# clients. Each stage writes its log and JSON under $OUT as it finishes.
+#
+#   bash bench/ranking_gpu.sh [tests] [arms] [ranking] [http]      (default: all four, in order)
+#
+# Needs .whl/ (bench/gpu_wheels.txt) and .carry/ (SmolLM2's tokenizer files), as tests/gpu.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+stages=${*:-tests arms ranking http}
+[ -d /tmp/q05 ] || python3 -c 'from bench.gpu import real_form_model; real_form_model()'
+for s in $stages; do
+  echo "== $s $(date +%T)"
+  case $s in
+    tests) bash tests/gpu.sh -k "embedding or scorer or gemm or fused or rows or parity" ;;
+    # the defaults (in-place residual, last layer for the read-out rows) against each arm
+    arms) python3 -m bench.multi_item --requests 24 --ab prune_last_layer=0 mlp_chunk=1024 \
+            mlp_chunk=2048 mlp_fused=1 attn.BLOCK_NI=64 ;;
+    ranking) python3 -m bench.ranking -- --model /tmp/q05 --device cuda ;;
+    http) python3 -m bench.ranking_http --server-cpus 0-9 --load-cpus 10-15 -- --model /tmp/q05 --device cuda ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac 2>&1 | tee "$OUT/ranking_gpu_$s.log"
+done
