@@ -108,30 +108,30 @@ def span_layout(base_start, base_end, own_start, seg_offsets, P, prefix_range=No
 def attention_rows(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, rows,
                    prefix_range=None, chunk_keys: int = 1 << 16):
     """CPU path of attention(..., rows=rows): attention_ref(...)[rows] for those query rows only.
-    Each row's visible in-batch keys lie in one window [min(bs, os), max(be, t + 1)); the windows
-    are gathered, padded to the longest and masked, then one SDPA per chunk of rows (a chunk holds
-    about chunk_keys keys, prefix included, so a long window bounds memory, not the batch)."""
+    Each row's in-batch keys are gathered as its base range, then its own range minus the keys the
+    base range holds (not one window from the first to the last: an item's base is the query part,
+    and between the two lie all the earlier items), padded to the longest and masked; then one
+    SDPA per chunk of rows (a chunk holds about chunk_keys keys, prefix included)."""
     T, Hq, D = q.shape
     rows = rows.long()
     R, P = rows.shape[0], prefix_k.shape[0]
     bs, be, os_ = (x.long()[rows] for x in (base_start, base_end, own_start))
-    has_base = bs < be
-    lo = torch.where(has_base, torch.minimum(bs, os_), os_)
-    hi = torch.where(has_base, torch.maximum(be, rows + 1), rows + 1)
-    L = int((hi - lo).max()) if R else 1
+    nb = (be - bs).clamp(min=0)  # an empty base (bs == be, anywhere) adds no key
+    no = rows - os_ + 1
+    Lb, Lo = (int(n.max()) if R else 0 for n in (nb, no))
     out = torch.empty(R, Hq, D, dtype=q.dtype)
-    step = max(1, chunk_keys // (P + L))
-    ar = torch.arange(L)
+    step = max(1, chunk_keys // (P + Lb + Lo))
+    ab, ao = torch.arange(Lb), torch.arange(Lo)
     for a in range(0, R, step):
         s = slice(a, a + step)
-        t, j = rows[s, None], lo[s, None] + ar[None, :]  # [c, 1], key index [c, L]
-        vis = ((((j >= bs[s, None]) & (j < be[s, None])) | ((j >= os_[s, None]) & (j <= t)))
-               & (j < hi[s, None]))
-        idx = j.clamp(max=T - 1)
+        jb, jo = bs[s, None] + ab, os_[s, None] + ao
+        in_base = (jo >= bs[s, None]) & (jo < be[s, None])
+        vis = torch.cat([ab < nb[s, None], (ao < no[s, None]) & ~in_base], dim=1)
+        idx = torch.cat([jb, jo], dim=1).clamp(0, T - 1)  # [c, Lb + Lo]
         c = idx.shape[0]
         pre = (torch.ones(c, P, dtype=torch.bool) if prefix_range is None else
                prefix_visible(prefix_range, rows[s, None], P)[:, 0])
-        mask = torch.cat([pre, vis], dim=-1)[:, None, None]  # [c, 1, 1, P + L]
+        mask = torch.cat([pre, vis], dim=-1)[:, None, None]  # [c, 1, 1, P + Lb + Lo]
         kk = torch.cat([prefix_k.expand(c, *prefix_k.shape), k[idx]], dim=1).transpose(1, 2)
         vv = torch.cat([prefix_v.expand(c, *prefix_v.shape), v[idx]], dim=1).transpose(1, 2)
         out[s] = F.scaled_dot_product_attention(q[rows[s]][:, :, None], kk, vv, attn_mask=mask,

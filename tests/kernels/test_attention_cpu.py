@@ -38,14 +38,40 @@ def test_sdpa_path_equals_reference(seed, P, Hkv, G, dtype, tol):
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+def general_plan(g, n_spans):
+    """Any ranges a plan may hold: per row an own start anywhere in its span up to itself, and a
+    base range that is empty (at a random spot) a third of the time, else any sub-range of the span,
+    overlapping the own range or reaching past the row."""
+    bs, be, os_, offs = [], [], [], [0]
+    for _ in range(n_spans):
+        s0, L = offs[-1], int(torch.randint(1, 30, (1,), generator=g))
+        for t in range(s0, s0 + L):
+            os_.append(int(torch.randint(s0, t + 1, (1,), generator=g)))
+            if int(torch.randint(0, 3, (1,), generator=g)) == 0:
+                bs.append(int(torch.randint(0, s0 + L, (1,), generator=g)))
+                be.append(bs[-1])
+            else:
+                a = int(torch.randint(s0, s0 + L, (1,), generator=g))
+                bs.append(a)
+                be.append(int(torch.randint(a + 1, s0 + L + 1, (1,), generator=g)))
+        offs.append(s0 + L)
+    t = lambda x: torch.tensor(x, dtype=torch.int32)
+    return t(bs), t(be), t(os_), torch.tensor(offs)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("seed,P,Hkv,G,ranges", [(0, 0, 2, 1, False), (1, 17, 2, 2, True),
-                                                 (2, 40, 1, 7, False), (3, 5, 4, 2, True)])
+                                                 (2, 40, 1, 7, False), (3, 5, 4, 2, True),
+                                                 (4, 9, 2, 7, False), (5, 3, 1, 2, True)])
 def test_rows_path_equals_reference_rows(seed, P, Hkv, G, ranges, dtype, tol):
     """attention_rows (the last layer's read-out rows, in any order, repeats allowed) equals those
-    rows of the reference; chunk_keys small enough that rows go in several chunks."""
+    rows of the reference, on plans like the batcher's (seeds 0-3) and on any ranges (4, 5);
+    chunk_keys small enough that rows go in several chunks."""
     g = torch.Generator().manual_seed(100 + seed)
-    bs, be, os_, offs = random_plan(g, n_req=2 + seed * 2)
+    if seed < 4:
+        bs, be, os_, offs = random_plan(g, n_req=2 + seed * 2)
+    else:
+        bs, be, os_, offs = general_plan(g, n_spans=6)
     T, D = bs.shape[0], 64
     q = torch.randn(T, Hkv * G, D, generator=g).to(dtype)
     k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
