@@ -3,7 +3,7 @@
 # of the kernels it touches, then W3's kernel arms, W3 text / W6 in process, and /v1/score with 8
 # clients. Each stage writes its log and JSON under $OUT as it finishes.
 #
-#   bash bench/ranking_gpu.sh [tests] [arms] [ranking] [http]      (default: all four, in order)
+#   bash bench/ranking_gpu.sh [tests] [arms] [ranking] [http] [fp8]   (default: all, in this order)
 #
 # Needs .whl/ (bench/gpu_wheels.txt) and .carry/ (SmolLM2's tokenizer files), as tests/gpu.sh.
 set -uo pipefail
@@ -16,7 +16,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-stages=${*:-tests arms ranking http}
+stages=${*:-tests arms ranking http fp8}
 [ -d /tmp/q05 ] || python3 -c 'from bench.gpu import real_form_model; real_form_model()'
 for s in $stages; do
   echo "== $s $(date +%T)"
@@ -24,9 +24,11 @@ for s in $stages; do
     tests) bash tests/gpu.sh -k "embedding or scorer or gemm or fused or rows or parity" ;;
     # the defaults (in-place residual, last layer for the read-out rows) against each arm
     arms) python3 -m bench.multi_item --requests 24 --ab prune_last_layer=0 mlp_chunk=1024 \
-            mlp_chunk=2048 mlp_fused=1 attn.BLOCK_NI=64 ;;
+            mlp_chunk=2048 mlp_fused=1 attn.BLOCK_NI=64 attn.BLOCK_M=64 ;;
     ranking) python3 -m bench.ranking -- --model /tmp/q05 --device cuda ;;
     http) python3 -m bench.ranking_http --server-cpus 0-9 --load-cpus 10-15 -- --model /tmp/q05 --device cuda ;;
+    # W3 is compute-bound (GEMMs at the bf16 matmul rate): FP8 x FP8 past the skinny kernels
+    fp8) OUT=$OUT/fp8 python3 -m bench.ranking -- --model /tmp/q05 --device cuda --dtype fp8 ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac 2>&1 | tee "$OUT/ranking_gpu_$s.log"
 done
