@@ -528,9 +528,12 @@ def test_output_may_not_be_the_input(main, tmp_path):
 
 def test_memory_is_flat_in_the_input_length(main, tmp_path):
     """Peak Python memory of a whole run (reading, tokenizing, classifying, writing) with 10x the
-    rows: the same, give or take (reading everything first would hold every row and its ids)."""
+    rows: the same, give or take (reading everything first would hold every row and its ids).
+    After a warm-up run: a first run's peak holds one-time allocations (8.6 MB against 1.7), and
+    how far the tokenizer thread runs ahead of the engine (at most TOKENIZE_AHEAD spans) depends
+    on the host's load, so the bound is well under what holding the rows would add, not 0."""
     peaks = []
-    for n in (2000, 20000):
+    for n in (200, 2000, 20000):
         src = tmp_path / f"q{n}.txt"
         src.write_text("".join(f"red dress number {i} in blue\n" for i in range(n)))
         out = tmp_path / f"out{n}.csv"
@@ -541,8 +544,8 @@ def test_memory_is_flat_in_the_input_length(main, tmp_path):
         finally:
             tracemalloc.stop()
         assert out.read_text().count("\n") == n + 1
-    # Measured: +54 KB for +548 KB of input; holding every row would add some 15 MB.
-    assert peaks[1] < 1.25 * peaks[0] and peaks[1] - peaks[0] < 256 * 1024, peaks
+    # Measured: 1.7 MB for both, +54 KB for +548 KB of input; holding every row would add 15 MB.
+    assert peaks[2] - peaks[1] < 1 << 20, peaks
 
 
 class Clock:
