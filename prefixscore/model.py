@@ -71,15 +71,15 @@ class Attention(nn.Module):
         if ctx.kv_out is not None:  # building the prefix cache: keep post-RoPE K/V
             ctx.kv_out.append((k, v))
         pk, pv = ctx.prefix_kv[layer]
-        if ctx.layout is None and not q.is_cuda:  # CPU: spans and masks once per forward
-            ctx.layout = span_layout(ctx.base_start, ctx.base_end, ctx.own_start, ctx.seg_offsets,
-                                     pk.shape[0], ctx.prefix_range)
         if rows is not None:  # every row's K/V, then only the read rows' attention and O
             o = attention(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                           c.head_dim ** -0.5, prefix_range=ctx.prefix_range, options=ctx.options,
                           rows=rows)
             return linear_residual(o.reshape(o.shape[0], -1), self.o_proj.weight, self.o_proj.bias,
                                    residual[rows], options=ctx.options, inplace=True)
+        if ctx.layout is None and not q.is_cuda:  # CPU: spans and masks once per forward
+            ctx.layout = span_layout(ctx.base_start, ctx.base_end, ctx.own_start, ctx.seg_offsets,
+                                     pk.shape[0], ctx.prefix_range)
         return attention_o(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                            c.head_dim ** -0.5, self.o_proj.weight, residual, ctx.seg_offsets,
                            ctx.layout, self.o_proj.bias, ctx.prefix_range, options=ctx.options,

@@ -119,7 +119,7 @@ def main():
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, tgrid=True)
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
-    at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "ROWS")}, qk_scale="fp32")
+    at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, ROWS="*i64", qk_scale="fp32")
     for T, Gq, Hkv, D, ranges in ((16, 7, 4, 128, False), (8, 7, 2, 64, False), (4096, 7, 2, 64, False),
                                   (8, 7, 2, 64, True), (4096, 7, 2, 64, True)):
         cfg, nw, ns = split_launch(AT.attn_config(T, Gq, Hkv, D, BF16, CPU))
