@@ -11,6 +11,8 @@
             scale of the model's token embeddings, through score_batch
   W6 id     the same vectors as {"id"} items into an item table (safetensors, bf16)
   one       W3 text and W6 vec one request at a time (Scorer.score): p50 / p99 per request
+  timeline  (CUDA) one batch call of W3 text and of W3 ids under the torch profiler: wall time,
+            GPU busy time (union of kernels), idle gaps (the host work the GPU waited on)
 Each batch form runs --repeats times interleaved after a warm-up (median items/s). Check: request
 0's W6 scores against transformers' inputs_embeds on the same sequences (fp32, the first 16
 items), and W6 vec == W6 id. Writes $OUT/ranking.json (bench/results without OUT).
@@ -47,6 +49,47 @@ def one_at_a_time(fn, reqs, device, rounds):
     n = len(reqs[0][1])
     return {"p50_ms": statistics.median(ms), "p99_ms": pct(ms, 99),
             "items_per_s": n * len(ms) / (sum(ms) / 1e3), "n": len(ms)}
+
+
+def busy_timeline(fn) -> dict:
+    """Where one call's time goes on the GPU (torch profiler, CUDA): its wall time, the time the
+    GPU runs a kernel (the union of kernel intervals), and the idle gaps between them (count,
+    total, the longest five with their offsets from the first kernel): idle is host work the GPU
+    waited on (tokenizing, planning, launching, collecting)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    spans = [(e.time_range.start, e.time_range.end) for e in p.events()
+             if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    return busy_of(spans, wall)
+
+
+def busy_of(spans, wall: float) -> dict:
+    """busy_timeline's arithmetic: kernel intervals (us) and the call's wall time (s)."""
+    if not spans:
+        return {"wall_ms": 1e3 * wall, "kernels": 0}
+    spans = sorted(spans)
+    merged = [list(spans[0])]
+    for a, b in spans[1:]:
+        if a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    busy = sum(b - a for a, b in merged) / 1e3
+    gaps = sorted((((merged[i + 1][0] - merged[i][1]) / 1e3, (merged[i][1] - merged[0][0]) / 1e3)
+                   for i in range(len(merged) - 1)), reverse=True)
+    return {"wall_ms": 1e3 * wall, "kernels": len(spans),
+            "gpu_span_ms": (merged[-1][1] - merged[0][0]) / 1e3, "gpu_busy_ms": busy,
+            "busy_of_wall": busy / (1e3 * wall), "idle_gaps": len(gaps),
+            "idle_ms": sum(g for g, _ in gaps),
+            "longest_gaps": [{"ms": g, "at_ms": at} for g, at in gaps[:5]]}
 
 
 def check_against_hf(sc, query, vectors, path):
@@ -115,6 +158,10 @@ def main(argv=None):
     out["w6_vec_equals_id"] = same == [[r.scores for r in res] for res in sc_t.score_batch(id_reqs[:1])]
     out["one"] = {"w3_text": one_at_a_time(sc.score, reqs, device, a.rounds),
                   "w6_vec": one_at_a_time(sc.score, vec_reqs, device, a.rounds)}
+    if device.type == "cuda":  # one batch call of each W3 form: the GPU's busy time and gaps
+        out["timeline"] = {"w3_text": busy_timeline(lambda: sc.score_batch(reqs)),
+                           "w3_ids": busy_timeline(lambda: sc.run(prepared))}
+        print("timeline", json.dumps(out["timeline"]), flush=True)
     path = m.model if m.model and os.path.isdir(m.model) else getattr(sc.loaded, "path", None)
     out["w6_max_abs_vs_hf_fp32"] = check_against_hf(sc, vec_reqs[0][0], vec_reqs[0][1][:16], path)
 
