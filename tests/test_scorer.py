@@ -532,6 +532,33 @@ def test_gpu_early_weights_and_trigger(tiny_model, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_large_passes_fused_and_pruned(tiny_model, monkeypatch):
+    """Eager passes past the skinny kernels (graphs only up to 64 tokens here): the fused large
+    GEMMs (mlp_fused, qkv_fused: RMSNorm, SiLU * up and RoPE inside them) and the last layer for
+    the read-out rows only, each against the plain path: within bf16 rounding (0.02) of its
+    scores, decisions equal but near ties."""
+    from prefixscore import engine
+
+    template, chat = TEMPLATES["query_first"]
+    requests = random_requests(48, seed=13)
+    monkeypatch.setattr(engine, "GRAPH_MAX_TOKENS", 64)
+    out = {}
+    arms = {"plain": dict(prune_last_layer=False), "pruned": {}, "mlp": dict(mlp_fused=True),
+            "qkv": dict(qkv_fused=True), "both": dict(mlp_fused=True, qkv_fused=True)}
+    for name, changes in arms.items():
+        loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+        engine.Engine.shared(loaded, **changes)
+        sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
+        out[name] = [torch.tensor([list(r.scores.values()) for r in res]) for res in sc.score_batch(requests)]
+    for name in arms:
+        for a, b in zip(out[name], out["plain"]):
+            assert (a - b).abs().max() <= 0.02, name
+            top2 = b.topk(2, dim=1).values
+            near_tie = top2[:, 0] - top2[:, 1] < 0.04
+            assert ((a.argmax(1) == b.argmax(1)) | near_tie).all(), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graph_copies_change_nothing(tiny_model, monkeypatch):
     """The small buckets' graphs copy their input in and their output out themselves
     (KernelOptions.graph_copies): scores are bitwise those of copies around the replay, for calls in a

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 # Roles of the launch-config overrides (tune): the skinny GEMM's qkv, gu (gate/up), down (the
 # residual GEMM), linear (plain), attn_o (attention + O), attn (attention alone, past the fused
-# kernel) and gu_large (gate/up + SiLU past the skinny kernels, mlp_fused).
-TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear", "attn", "gu_large")
+# kernel), gu_large and qkv_large (the GEMMs past the skinny kernels of mlp_fused and qkv_fused).
+TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear", "attn", "gu_large", "qkv_large")
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,12 @@ class KernelOptions:
     # reads the GEMM's output from L2 (kernels/gemm.gate_up_silu); 0: the whole batch at once.
     # Off until measured on the H200 (bench.multi_item --mlp-chunk).
     mlp_chunk: int = 0
-    # Past the skinny kernels, gate/up + SiLU * up as one Triton GEMM whose epilogue applies SiLU
-    # (kernels/gemm_large_triton.py: [T, 2I] never reaches HBM). Off until measured on the H200
-    # against cuBLAS + silu_mul (bench.multi_item --ab mlp_fused=1).
+    # Past the skinny kernels, the RMSNorm + gate/up + SiLU * up (mlp_fused) and the RMSNorm + QKV
+    # + RoPE (qkv_fused) as one Triton GEMM each, the rest in its loop and epilogue
+    # (kernels/gemm_large_triton.py). Off until measured on the H200 against cuBLAS and the
+    # elementwise kernels (bench.multi_item --ab mlp_fused=1,qkv_fused=1).
     mlp_fused: bool = False
+    qkv_fused: bool = False
     # An eager pass runs its last layer for the read-out rows only (Engine.prune; False: for every
     # row, the A/B baseline in bench.multi_item --ab).
     prune_last_layer: bool = True
