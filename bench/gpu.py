@@ -16,6 +16,8 @@ prefix of fixed ids, 8-token suffixes of random ids, 9 single-token labels.
   W1           batch 1: GPU time of one graph replay (CUDA events), and the whole engine call
   W2           4096 requests at once: requests/s
   W4           W1 on the 7B shape
+  buckets      one request of 1, 2, 4, 8, 16 tokens: graph replay GPU time and weight TB/s (the
+               share of the copy rate)
   peers        HF eager full prompt; HF eager with the prefix KV reused; our engine with plain torch
                kernels in one CUDA graph ("plain graph"); vLLM / SGLang when importable
   floors       weight bytes / measured copy bandwidth; 2*params*tokens / measured bf16 matmul rate
@@ -202,6 +204,19 @@ def profile_kernels(ours, suffix):
             "top": top[:25]}
 
 
+def bucket_rows(ours, floors) -> dict:
+    """One request of T suffix tokens per latency bucket (T = 1..16): the graph replay's GPU time
+    and the weight bytes it streams per second, against the copy rate (issue 35: W1 at 56% of
+    it; buckets 2-16 no slower than today)."""
+    ids = torch.randint(100, 30000, (16,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = {}
+    for T in (1, 2, 4, 8, 16):
+        s = stats(gpu_times(ours.replay_fn([ids[:T]])))
+        tbps = ours.nonemb_params * 2 / (s["p50_ms"] / 1e3) / 1e12
+        out[T] = {**s, "weight_TBps": tbps, "of_copy_rate": tbps / floors["copy_TBps"]}
+    return out
+
+
 def run_shape(shape, floors, batches, quick, latency=True):
     """Correctness, then (latency) the one-request rows, peers and profile, then the batch sweep."""
     hf = hf_model(shape)
@@ -212,6 +227,8 @@ def run_shape(shape, floors, batches, quick, latency=True):
     floor_ms = ours.nonemb_params * 2 / (floors["copy_TBps"] * 1e12) * 1e3
     res["weight_floor_ms"] = floor_ms
     if latency:
+        res["w1_buckets"] = bucket_rows(ours, floors)
+        print(shape, "buckets", res["w1_buckets"], flush=True)
         one_request_rows(res, hf, ours)
     res["sweep"] = sweep(ours, floors, floor_ms, shape, batches)
     if shape == "0.5B" and latency and not quick:  # last: torch.compile's own CUDA graphs come after ours

@@ -115,7 +115,7 @@ class Synthetic:
     def replay_fn(self, suffixes):
         """Load the plan into the static buffers once; return a function that only replays."""
         self.classify_ids(suffixes)
-        T = len(suffixes) * SUFFIX
+        T = sum(map(len, suffixes))  # (single-token labels: no branch tokens in the plan)
         if T > self.runner.max_tokens:  # eager beyond the graphs: time the whole engine call
             return lambda: self.classify_ids(suffixes)
         g = self.runner.graphs[next(b for b in self.runner.buckets if b >= T)]
