@@ -499,6 +499,9 @@ def print_table(r):
         if "profile_w1" in s:
             print(f"kernels per forward: {s['profile_w1']['kernels_total']}, GPU µs (eager, profiled): "
                   f"{s['profile_w1']['gpu_us_total']:.0f}")
+        for T, v in (s.get("w1_buckets") or {}).items():
+            print(f"bucket {T:>2} tokens: replay {v['p50_ms']:.3f} ms, weights {v['weight_TBps']:.2f} TB/s "
+                  f"({100 * v['of_copy_rate']:.0f}% of the copy rate)")
         print(f"{'batch':>6s} {'gpu ms':>8s} {'call ms':>8s} {'req/s gpu':>10s} {'req/s call':>11s} {'floor ms':>9s}")
         for b, v in s["sweep"].items():
             print(f"{b:>6} {v['gpu_ms']:8.3f} {v['call_ms']:8.3f} {v['req_per_s_gpu']:10.0f} "
