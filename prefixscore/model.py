@@ -24,7 +24,8 @@ from torch import nn
 
 from .weights.model_config import ModelConfig, rope_parameters
 from .errors import ModelLoadError
-from .kernels.attention import attention, attention_o, span_layout
+from .kernels.attention import attention, attention_o
+from .kernels.attention_cpu import group_layout
 from .kernels.fp8 import Fp8Weight
 from .kernels.fused import embed_rope
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
@@ -77,9 +78,9 @@ class Attention(nn.Module):
                           rows=rows)
             return linear_residual(o.reshape(o.shape[0], -1), self.o_proj.weight, self.o_proj.bias,
                                    residual[rows], options=ctx.options, inplace=True)
-        if ctx.layout is None and not q.is_cuda:  # CPU: spans and masks once per forward
-            ctx.layout = span_layout(ctx.base_start, ctx.base_end, ctx.own_start, ctx.seg_offsets,
-                                     pk.shape[0], ctx.prefix_range)
+        if ctx.layout is None and not q.is_cuda:  # CPU: groups of rows and masks once per forward
+            ctx.layout = group_layout(ctx.base_start, ctx.base_end, ctx.own_start, pk.shape[0],
+                                      ctx.prefix_range)
         return attention_o(q, k, v, pk, pv, ctx.base_start, ctx.base_end, ctx.own_start,
                            c.head_dim ** -0.5, self.o_proj.weight, residual, ctx.seg_offsets,
                            ctx.layout, self.o_proj.bias, ctx.prefix_range, options=ctx.options,
@@ -165,7 +166,7 @@ class Context:
     own_start: torch.Tensor
     seg_offsets: torch.Tensor | None = None  # CPU hint for the torch reference only
     kv_out: list | None = None
-    layout: tuple | None = None  # CPU attention's padded spans and masks (kernels/attention.py)
+    layout: list | None = None  # CPU attention's groups of rows and masks (kernels/attention_cpu.py)
     # (prefix_start, prefix_end) int32 [T]: the pinned keys each token sees, when prefix_kv is a
     # bank of several classifiers' prefixes (kernels/attention.py); None: all of them.
     prefix_range: tuple | None = None

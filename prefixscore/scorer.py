@@ -159,8 +159,7 @@ class Scorer:
         self.head = self._build_head(self._own_key, ConfigError)
         self.labels, self.trie = self.head.labels, self.head.trie
         check_prefix_fits(len(self.prefix_ids), self.trie.max_len, self.config.context_limit)
-        self.spans = SpanLayout(self.config, self.engine.device.type, layout, max_batch_tokens,
-                                len(self.prefix_ids))
+        self.spans = SpanLayout(layout, max_batch_tokens)
         self.prefix_kv = self.engine.prefill(self.prefix_ids)
         self._check_mode(mode, self.head)
         if layout == "packed" and mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:

@@ -2,24 +2,25 @@
 spans make passes.
 
   Span        one span: the tokens its items share (the query part), then each item's own tokens
-  SpanLayout  items per span by estimated cost (layout auto / packed / alone), the span and pass
-              token budgets, spans grouped into passes
+  SpanLayout  items per span (layout auto / packed / alone), the token budget, spans grouped into
+              passes
   plan_items  the flat Plan of some spans (what Engine.run takes)
 
 A request is one flat pass over plain `Plan` fields (any Plan is padded to a token bucket). Layouts (`layout=`):
 
-    packed  the query part once, then every item of the request, in one span
+    packed  the query part once, then every item of the request that fits the token budget, in one span
     alone   every item its own span with its own copy of the query part (no base range)
-    auto    (default) items per span by estimated cost: new-token FLOPs + the in-batch attention
-            the kernel scans. On the GPU the kernel scans an item's base range and own range
-            separately, so items do not pay for each other and auto packs whole requests; the CPU
-            reference attention is dense per span, so there auto settles on a few items per span.
+    auto    (default) packed: the attention of both devices scans an item's base range (the query
+            part) and its own range, not the items between them (the Triton kernel's two ranges,
+            the CPU path's groups of rows), so items do not pay for each other and sharing the
+            query part only saves tokens. (auto once chose fewer items per span on the CPU, whose
+            attention was dense per span.)
 
 Why not a second pass with per-request prefix KV ("in-batch prefix caching")? In this flat design a
 span's base range already *is* a per-request prefix computed in the same pass, so a second pass
 would only add a launch and a KV copy. Its one real advantage, that items do not scan past each
-other's keys, is in the attention kernel (it scans the base range, then the own range; see
-`spans.SpanLayout.scan`), where it helps packed spans and label-trie branches alike.
+other's keys, is in the attention itself (it scans the base range, then the own range), where it
+helps packed spans and label-trie branches alike.
 """
 from __future__ import annotations
 
@@ -30,15 +31,9 @@ import numpy as np
 import torch
 
 from .batch import Plan
-from .weights.model_config import ModelConfig
 from .labels import LabelTrie
 from .score_input import SOFT
 from .weights.tokenizer import common_prefix_len
-
-# Cost of one (query row, in-batch key) pair scanned by attention relative to its FLOPs in a GEMM:
-# masked tiles, online softmax and small dots run well below the matmul rate.
-ATTN_PENALTY = {"cuda": 4.0, "cpu": 2.0}
-CPU_MAX_SPAN = 2048  # the torch reference attention holds a dense [span, span] score block per head
 
 
 @dataclass
@@ -54,85 +49,43 @@ class Span:
 
 @dataclass
 class SpanLayout:
-    """The cost model and budgets of a Scorer's spans (its model's shapes, device, layout)."""
-    config: ModelConfig
-    device: str  # "cuda" or "cpu": the attention kernel decides what a span costs
+    """The layout and token budget of a Scorer's spans."""
     layout: str  # auto, packed or alone (scorer.LAYOUTS)
     max_batch_tokens: int
-    prefix_len: int  # the pinned prefix every new token scans
-
-    def max_span(self) -> int:
-        cap = self.max_batch_tokens
-        return cap if self.device == "cuda" else min(cap, CPU_MAX_SPAN)
 
     def fill(self, L: int, sizes: list[int], m: int) -> list[list[int]]:
-        """Consecutive items into spans of at most m items and the span token cap."""
+        """Consecutive items into spans of at most m items and the batch's token cap."""
         out, cur, n = [], [], L
         for j, s in enumerate(sizes):
-            if cur and (len(cur) == m or n + s > self.max_span()):
+            if cur and (len(cur) == m or n + s > self.max_batch_tokens):
                 out.append(cur)
                 cur, n = [], L
             cur.append(j)
             n += s
         return out + [cur]
 
-    def scan(self, shared: int, items: list[int]) -> float:
-        """In-batch (query row, key) pairs the attention visits for one span: the query part, then
-        items of the given sizes. The Triton kernel scans each row's base range (the query part)
-        and its own causal range separately, so an item costs ~ size x (query part + size / 2)
-        whatever else shares the span. The torch reference pads each span to a dense S x S block."""
-        if self.device == "cuda":
-            return shared * shared / 2 + sum(n * (shared + n / 2) for n in items)
-        return float((shared + sum(items)) ** 2)
-
-    def cost_weights(self) -> tuple[float, float]:
-        """FLOPs per new token (GEMMs + the pinned prefix scan) and per in-batch pair scanned."""
-        c = self.config
-        H, D, Hq, Hkv = c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads
-        per_token = 2 * (H * (Hq + 2 * Hkv) * D + Hq * D * H + 3 * H * c.intermediate_size)
-        per_token += 4 * self.prefix_len * Hq * D
-        per_pair = 4 * Hq * D * ATTN_PENALTY.get(self.device, 2.0)
-        return per_token * c.num_layers, per_pair * c.num_layers
-
     def items_per_span(self, shared: int, sizes: list[int]) -> int:
-        """How many items share one copy of the query part: all (packed), one (alone), or for
-        auto the count with the least estimated cost: new-token FLOPs + attention pairs scanned.
+        """How many items share one copy of the query part: one (alone), else all that fit (packed,
+        and auto). Both devices' attention scans each item's query part and its own tokens
+        whatever else shares the span (the Triton kernel's two ranges, the CPU path's groups of
+        rows: kernels/attention_cpu.py), so sharing the query part only saves its tokens.
         `sizes`: each item's own tokens (label branches included)."""
-        n = len(sizes)
-        if self.layout == "alone":
-            return 1
-        # On the GPU both terms of the cost only fall as spans get fewer (see scan): auto packs,
-        # without evaluating every candidate (~2 ms of Python per 100-item request).
-        if self.layout == "packed" or self.device == "cuda":
-            return n
-        w_tok, w_pair = self.cost_weights()
-
-        def cost(m):
-            spans = [[sizes[j] for j in c] for c in self.fill(shared, sizes, m)]
-            return sum(w_tok * (shared + sum(c)) + w_pair * self.scan(shared, c) for c in spans)
-
-        candidates = {n} | {2 ** k for k in range(n.bit_length()) if 2 ** k < n}
-        return min(sorted(candidates), key=cost)
+        return 1 if self.layout == "alone" else len(sizes)
 
     def passes(self, groups, branch: int):
         """Spans into flat batches under the token budget, one pass per prefix K/V, greedily in the
         order the spans come (from a list or a stream): a batch is yielded once the next span of
-        its K/V does not fit, the rest at the end. On CPU also bound the reference attention's
-        padded [spans, widest, widest] block."""
-        area = None if self.device == "cuda" else 4 * CPU_MAX_SPAN ** 2
-        filling: dict[int, tuple[list[Span], int, int]] = {}  # id(kv) -> (spans, tokens, widest)
+        its K/V does not fit, the rest at the end."""
+        filling: dict[int, tuple[list[Span], int]] = {}  # id(kv) -> (spans, tokens)
         for g in groups:
-            batch, tokens, widest = filling.get(id(g.kv), ([], 0, 0))
+            batch, tokens = filling.get(id(g.kv), ([], 0))
             S = len(g.shared) + sum(len(t) + branch for t in g.tails)
-            over = tokens + S > self.max_batch_tokens
-            if area is not None:
-                over |= (len(batch) + 1) * max(widest, S) ** 2 > area
-            if batch and over:
+            if batch and tokens + S > self.max_batch_tokens:
                 yield batch
-                batch, tokens, widest = [], 0, 0
+                batch, tokens = [], 0
             batch.append(g)
-            filling[id(g.kv)] = (batch, tokens + S, max(widest, S))
-        for batch, _, _ in filling.values():
+            filling[id(g.kv)] = (batch, tokens + S)
+        for batch, _ in filling.values():
             yield batch
 
 

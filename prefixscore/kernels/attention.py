@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention_cpu import attention_groups, group_layout
 from .fp8 import is_fp8
 from .gemm import SMALL_T_MAX, linear_residual
 from .options import KernelOptions, use_triton
@@ -86,72 +87,6 @@ def prefix_visible(prefix_range, idx, P):
     return (p >= ps) & (p < pe)
 
 
-def span_layout(base_start, base_end, own_start, seg_offsets, P, prefix_range=None):
-    """The CPU path's view of a batch, built once per forward (not per layer): spans padded to
-    [S, L] (index into the flat arrays, validity) and the boolean mask over prefix ++ span keys."""
-    T = base_start.shape[0]
-    offs = seg_offsets.tolist() if seg_offsets is not None else [0, T]
-    starts, lens = torch.tensor(offs[:-1]), torch.tensor(offs[1:]) - torch.tensor(offs[:-1])
-    L = int(lens.max())
-    ar = torch.arange(L)
-    valid = ar[None, :] < lens[:, None]
-    idx = (starts[:, None] + ar[None, :]).clamp(max=T - 1)
-    j, t = idx[:, None, :], idx[:, :, None]
-    bs, be, os_ = (x.long()[idx][:, :, None] for x in (base_start, base_end, own_start))
-    vis = (((j >= bs) & (j < be)) | ((j >= os_) & (j <= t))) & valid[:, None, :]
-    pre = (torch.ones(idx.shape[0], L, P, dtype=torch.bool) if prefix_range is None else
-           prefix_visible(prefix_range, idx, P))
-    mask = torch.cat([pre, vis], dim=-1)[:, None]
-    return idx, valid, mask
-
-
-def attention_rows(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, rows,
-                   prefix_range=None, chunk_keys: int = 1 << 16):
-    """CPU path of attention(..., rows=rows): attention_ref(...)[rows] for those query rows only.
-    Each row's in-batch keys are gathered as its base range, then its own range minus the keys the
-    base range holds (not one window from the first to the last: an item's base is the query part,
-    and between the two lie all the earlier items), padded to the longest and masked; then one
-    SDPA per chunk of rows (a chunk holds about chunk_keys keys, prefix included)."""
-    T, Hq, D = q.shape
-    rows = rows.long()
-    R, P = rows.shape[0], prefix_k.shape[0]
-    bs, be, os_ = (x.long()[rows] for x in (base_start, base_end, own_start))
-    nb = (be - bs).clamp(min=0)  # an empty base (bs == be, anywhere) adds no key
-    no = rows - os_ + 1
-    Lb, Lo = (int(n.max()) if R else 0 for n in (nb, no))
-    out = torch.empty(R, Hq, D, dtype=q.dtype)
-    step = max(1, chunk_keys // (P + Lb + Lo))
-    ab, ao = torch.arange(Lb), torch.arange(Lo)
-    for a in range(0, R, step):
-        s = slice(a, a + step)
-        jb, jo = bs[s, None] + ab, os_[s, None] + ao
-        in_base = (jo >= bs[s, None]) & (jo < be[s, None])
-        vis = torch.cat([ab < nb[s, None], (ao < no[s, None]) & ~in_base], dim=1)
-        idx = torch.cat([jb, jo], dim=1).clamp(0, T - 1)  # [c, Lb + Lo]
-        c = idx.shape[0]
-        pre = (torch.ones(c, P, dtype=torch.bool) if prefix_range is None else
-               prefix_visible(prefix_range, rows[s, None], P)[:, 0])
-        mask = torch.cat([pre, vis], dim=-1)[:, None, None]  # [c, 1, 1, P + Lb + Lo]
-        kk = torch.cat([prefix_k.expand(c, *prefix_k.shape), k[idx]], dim=1).transpose(1, 2)
-        vv = torch.cat([prefix_v.expand(c, *prefix_v.shape), v[idx]], dim=1).transpose(1, 2)
-        out[s] = F.scaled_dot_product_attention(q[rows[s]][:, :, None], kk, vv, attn_mask=mask,
-                                                scale=scale, enable_gqa=True)[:, :, 0]
-    return out
-
-
-def attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale):
-    """CPU path: the same function as attention_ref through torch's fused SDPA (a few ops per layer
-    instead of ~25; the parity tests against HF cover it, tests/kernels/test_attention_cpu.py pins it to
-    the reference)."""
-    idx, valid, mask = layout
-    S = idx.shape[0]
-    kk = torch.cat([prefix_k.expand(S, *prefix_k.shape), k[idx]], dim=1).transpose(1, 2)
-    vv = torch.cat([prefix_v.expand(S, *prefix_v.shape), v[idx]], dim=1).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[idx].transpose(1, 2), kk, vv, attn_mask=mask, scale=scale,
-                                         enable_gqa=True).transpose(1, 2)
-    return out[0] if S == 1 else out[valid]
-
-
 def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, wo, residual,
                 seg_offsets=None, layout=None, bias=None, prefix_range=None, *, options: KernelOptions,
                 inplace: bool = False):
@@ -183,7 +118,8 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,
               layout=None, prefix_range=None, *, options: KernelOptions, rows=None):
-    """Dispatch: the Triton kernel on CUDA, SDPA with a per-batch layout on CPU (or the reference).
+    """Dispatch: the Triton kernel on CUDA, SDPA over groups of rows on CPU (attention_cpu.py, with
+    the forward's layout), else the reference.
     rows (int [R], on q's device): only those query rows, -> [R, Hq, D] = attention(...)[rows]
     (the last layer of a pass, whose other rows nobody reads: model.Transformer.forward)."""
     if use_triton(q, options):
@@ -192,9 +128,9 @@ def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scal
         return attention_triton(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
                                 prefix_range=prefix_range, options=options, rows=rows)
     if rows is not None:
-        return attention_rows(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
-                              rows, prefix_range)
-    if layout is not None:  # (built with the same prefix_range)
-        return attention_sdpa(q, k, v, prefix_k, prefix_v, layout, scale)
+        layout = group_layout(base_start, base_end, own_start, prefix_k.shape[0], prefix_range, rows)
+        return attention_groups(q, k, v, prefix_k, prefix_v, layout, scale, rows.shape[0])
+    if layout is not None:  # (built with the same prefix_range: attention_cpu.group_layout)
+        return attention_groups(q, k, v, prefix_k, prefix_v, layout, scale, q.shape[0])
     return attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
                          seg_offsets, prefix_range)

@@ -1,9 +1,12 @@
-"""The CPU attention path (SDPA over a per-batch layout) equals the plain reference on random plans:
-requests with label branches and multi-item spans, prefix or none, GQA 1/2/7, fp32 1e-5 and bf16 2e-2."""
+"""The CPU attention path (SDPA over groups of rows, kernels/attention_cpu.py) equals the plain
+reference on random plans: requests with label branches and multi-item spans, and any ranges;
+prefix or none, a bank's prefix ranges, GQA 1/2/7, chunks of one group and of many; fp32 1e-5 and
+bf16 2e-2."""
 import pytest
 import torch
 
-from prefixscore.kernels.attention import attention_ref, attention_rows, attention_sdpa, span_layout
+from prefixscore.kernels.attention import attention_ref
+from prefixscore.kernels.attention_cpu import attention_groups, group_layout
 
 
 def random_plan(g, n_req):
@@ -26,7 +29,7 @@ def random_plan(g, n_req):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("seed,P,Hkv,G", [(0, 0, 2, 1), (1, 17, 2, 2), (2, 40, 1, 7), (3, 5, 4, 2)])
-def test_sdpa_path_equals_reference(seed, P, Hkv, G, dtype, tol):
+def test_groups_path_equals_reference(seed, P, Hkv, G, dtype, tol):
     g = torch.Generator().manual_seed(seed)
     bs, be, os_, offs = random_plan(g, n_req=1 + seed * 2)
     T, D = bs.shape[0], 64
@@ -34,8 +37,12 @@ def test_sdpa_path_equals_reference(seed, P, Hkv, G, dtype, tol):
     k, v = (torch.randn(T, Hkv, D, generator=g).to(dtype) for _ in range(2))
     pk, pv = (torch.randn(P, Hkv, D, generator=g).to(dtype) for _ in range(2))
     ref = attention_ref(q, k, v, pk, pv, bs, be, os_, D ** -0.5, offs)
-    got = attention_sdpa(q, k, v, pk, pv, span_layout(bs, be, os_, offs, P), D ** -0.5)
-    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+    # score budgets that fit one block a chunk, and all; groups never merged, merged as in
+    # production, and merged without a bound on the rows
+    for chunk, merge in ((1, 0), (10 ** 9, 0), (1, 64), (10 ** 9, 64), (10 ** 9, 10 ** 9)):
+        layout = group_layout(bs, be, os_, P, chunk_scores=chunk, merge_rows=merge)
+        got = attention_groups(q, k, v, pk, pv, layout, D ** -0.5, T)
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
 def general_plan(g, n_spans):
@@ -63,10 +70,10 @@ def general_plan(g, n_spans):
 @pytest.mark.parametrize("seed,P,Hkv,G,ranges", [(0, 0, 2, 1, False), (1, 17, 2, 2, True),
                                                  (2, 40, 1, 7, False), (3, 5, 4, 2, True),
                                                  (4, 9, 2, 7, False), (5, 3, 1, 2, True)])
-def test_rows_path_equals_reference_rows(seed, P, Hkv, G, ranges, dtype, tol):
-    """attention_rows (the last layer's read-out rows, in any order, repeats allowed) equals those
-    rows of the reference, on plans like the batcher's (seeds 0-3) and on any ranges (4, 5);
-    chunk_keys small enough that rows go in several chunks."""
+def test_groups_on_any_ranges_and_read_rows(seed, P, Hkv, G, ranges, dtype, tol):
+    """The groups path over every row, and over the last layer's read-out rows only (in any order,
+    repeats allowed), equals the reference, on plans like the batcher's (seeds 0-3) and on any
+    ranges (4, 5); a score budget small enough that rows go in several chunks."""
     g = torch.Generator().manual_seed(100 + seed)
     if seed < 4:
         bs, be, os_, offs = random_plan(g, n_req=2 + seed * 2)
@@ -82,5 +89,11 @@ def test_rows_path_equals_reference_rows(seed, P, Hkv, G, ranges, dtype, tol):
         pr = (a.int(), (a + torch.randint(1, P + 1, (T,), generator=g)).clamp(max=P).int())
     ref = attention_ref(q, k, v, pk, pv, bs, be, os_, D ** -0.5, offs, pr)
     rows = torch.cat([torch.randperm(T, generator=g)[:max(1, T // 3)], torch.tensor([T - 1, 0, T - 1])])
-    got = attention_rows(q, k, v, pk, pv, bs, be, os_, D ** -0.5, rows, pr, chunk_keys=3 * (P + 12))
+    budget = 3 * (P + 12)
+    got = attention_groups(q, k, v, pk, pv, group_layout(bs, be, os_, P, pr, rows, budget), D ** -0.5,
+                           rows.shape[0])
     torch.testing.assert_close(got.float(), ref[rows].float(), atol=tol, rtol=tol)
+    for merge in (0, 64, 10 ** 9):
+        layout = group_layout(bs, be, os_, P, pr, None, budget, merge)
+        got = attention_groups(q, k, v, pk, pv, layout, D ** -0.5, T)
+        torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)

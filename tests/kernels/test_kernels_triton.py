@@ -386,8 +386,8 @@ def _bank(Ps, lengths, gen):
 def test_attention_prefix_ranges(case):
     """Each request attends to its own classifier's prefix only: the reference over the bank with
     ranges equals the reference over that classifier's prefix alone, request by request; the Triton
-    kernels (alone and fused with O) and the CPU SDPA path equal the reference with ranges."""
-    from prefixscore.kernels.attention import attention_sdpa, span_layout
+    kernels (alone and fused with O) and the CPU groups path equal the reference with ranges."""
+    from prefixscore.kernels.attention_cpu import attention_groups, group_layout
     from prefixscore.kernels.attention_o_triton import attention_o_residual_small
 
     Ps, G, Hkv, D, dtype, block_m, lengths, ocfg = BANK_CASES[case]
@@ -418,9 +418,9 @@ def test_attention_prefix_ranges(case):
     cfg = None if block_m is None else {"BLOCK_M": block_m}
     _check_close(attention_triton(q, k, v, pk, pv, bs, be, own, scale, config=cfg,
                                   prefix_range=(ps, pe)), ref, dtype)
-    layout = span_layout(bs.cpu(), be.cpu(), own.cpu(), None, P, (ps.cpu(), pe.cpu()))
+    layout = group_layout(bs.cpu(), be.cpu(), own.cpu(), P, (ps.cpu(), pe.cpu()))
     f32 = [x.cpu().float() for x in (q, k, v, pk, pv)]
-    _check_close(attention_sdpa(*f32, layout, scale), attention_ref(
+    _check_close(attention_groups(*f32, layout, scale, T), attention_ref(
         *f32, bs.cpu(), be.cpu(), own.cpu(), scale, prefix_range=(ps.cpu(), pe.cpu())), torch.float32)
     N = 96
     wo = (torch.randn(N, Hq * D, generator=gen) / (Hq * D) ** 0.5).to(DEVICE, dtype)
