@@ -26,7 +26,7 @@ import torch
 from prefixscore import Classifier
 from prefixscore.weights.loading import bundled_model_path, converted_folder
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 
 
 def timed(fn, n, warmup=3):
@@ -53,11 +53,13 @@ def main():
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from hf_reference import hf_generate
+    # (tests/ itself on sys.path would make tests/kernels shadow the `kernels` package that
+    # transformers imports: the repository root is, as `python -m bench.cpu` runs from it)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.hf_reference import hf_generate
     from transformers import AutoModelForCausalLM
 
-    with open(SHARED / "data" / "intent_dev.csv", newline="") as f:
+    with open(DATA / "intent_dev.csv", newline="") as f:
         queries = [r["query"] for r in csv.DictReader(f)]
     clf = Classifier(device="cpu", dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(converted_folder(bundled_model_path()), dtype=torch.float32).eval()
