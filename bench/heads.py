@@ -30,7 +30,7 @@ from prefixscore.cli.train import format_confusion_all
 from prefixscore.train.fit_heads import FitOptions, compare_modes
 from prefixscore.prompt import SEED_LABELS, SEED_TEMPLATE
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "intent_dev.csv"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "intent_dev.csv"
 
 
 def main():
