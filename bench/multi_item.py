@@ -9,8 +9,8 @@
 Synthetic form: random weights of the Qwen2.5-0.5B shape (config only, no download), bf16, random
 token ids; the call is the SGLang-shaped `Scorer.score_ids(query, items)` with apply_softmax=true
 semantics (mode softmax over the two label tokens), CUDA graphs captured.
-  ours     per layout (packed: the query once per span; alone: a copy per item; auto: chosen by
-           estimated cost), requests one at a time: the whole call per request (ids in, scores
+  ours     per layout (packed: the query once per span; alone: a copy per item; auto: packed),
+           requests one at a time: the whole call per request (ids in, scores
            out: checks, spans, plan, graph replay, copies back) -> items/s, p50/p99 per request;
            and the batch form, 8 requests per call
   HF       transformers eager in the same run on the same weights: each item's full prompt

@@ -118,7 +118,8 @@ def add_command(sub, model_args) -> None:
                         "vocab_probs (probability under the full vocabulary; single-token labels)")
     g.add_argument("--layout", default="auto", choices=LAYOUTS,
                    help="packed: query part once per span; alone: each item with its own copy; "
-                        "auto (default): the cheaper by estimated cost")
+                        "auto (default): packed (an item's attention reads its query part and "
+                        "its own tokens only, so sharing the query costs nothing)")
     g.add_argument("--max-items", type=int, default=1024, help="most items per request")
     g.add_argument("--item-table", default=None, metavar="FILE",
                    help="item-embedding table (.safetensors or .parquet: id -> vector) for items "
