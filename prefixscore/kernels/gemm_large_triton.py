@@ -160,6 +160,8 @@ def large_config(dtype) -> dict:
 
 
 def _launch(x, w, bias, epi, ncols, out, rope, norm_eps, config, role, options):
+    """One _large_kernel launch. ncols: the kernel's N; out: EPI 1's output; rope: EPI 2's (cos,
+    sin, q, k, v, Hq, Hkv, D). Pointers an epilogue does not read get w (never dereferenced)."""
     T, K = x.shape
     assert x.dtype == w.dtype and w.shape[1] == K
     x = x if x.stride(-1) == 1 else x.contiguous()
