@@ -6,9 +6,9 @@ window: the union of its rows' base ranges, then from the first own start to its
 the base window), masked per row. The runs start as groups of rows with the same ranges (a plain
 request, a query part, one item, one label branch), and a group joins the block before it when it
 reads it and the block stays small (_merge): a classify request and its label branches are one
-block, while a multi-item request of 100 items of 150 tokens behind a 50-token query part stays 101 blocks of
-~150 x 200 scores per head, where one dense block over its 15,050 tokens (the old CPU path) was
-15,050 x 15,050.
+block, while a multi-item request of 100 items of 150 tokens behind a 50-token query part stays
+101 blocks of ~150 x 200 scores per head, where one dense block over its 15,050 tokens (the old
+CPU path) was 15,050 x 15,050.
 
 Blocks are padded to the largest of their chunk: blocks are sorted by size and chunked, so a few
 long ones do not pad many short ones (a chunk's padded scores are at most twice its blocks'), and

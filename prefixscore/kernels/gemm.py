@@ -117,16 +117,15 @@ def gate_up_silu(x, w_gu, bias=None, *, options: KernelOptions):
     q8 = None if skinny else _fp8_input(x, w_gu, options)
     if q8 is not None:
         return fp8.rows_q8(_linear(q8, w_gu, bias, x.x.dtype, options), "silu", options=options)
-    if skinny:
-        x, norm = _prologue(x, skinny, options)
-        from .gemm_triton import gate_up_silu_small
-
-        return gate_up_silu_small(x, w_gu, bias, norm=norm, options=options)
-    if options.mlp_fused and _large_fused(x, w_gu, options):
+    if not skinny and options.mlp_fused and _large_fused(x, w_gu, options):
         from .gemm_large_triton import gate_up_silu_large
 
         return gate_up_silu_large(_data(x), w_gu, bias, norm_eps=_norm_eps(x), options=options)
     x, norm = _prologue(x, skinny, options)
+    if skinny:
+        from .gemm_triton import gate_up_silu_small
+
+        return gate_up_silu_small(x, w_gu, bias, norm=norm, options=options)
     C = options.mlp_chunk
     if not C or x.shape[0] <= C:
         return silu_mul(_linear(x, w_gu, bias, None, options), options=options)
