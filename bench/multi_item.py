@@ -3,7 +3,7 @@
     python -m bench.multi_item                      (CUDA; writes $OUT/multi_item.json or bench/results)
     python -m bench.multi_item --shape tiny --device cpu --requests 3 --items 10   (a CPU smoke run)
     python -m bench.multi_item --shape 135M --device cpu --requests 6 --items 20 --ab prune_last_layer=0
-    python -m bench.multi_item --ab mlp_chunk=1024 mlp_chunk=2048 prune_last_layer=0
+    python -m bench.multi_item --ab prune_last_layer=0 attn.BLOCK_NI=64
                                                     (+ an A/B of KernelOptions against the defaults)
 
 Synthetic form: random weights of the Qwen2.5-0.5B shape (config only, no download), bf16, random
@@ -159,7 +159,7 @@ def main():
     ap.add_argument("--item-len", type=int, default=150)
     ap.add_argument("--per-call", type=int, default=8, help="requests per call in the batch form")
     ap.add_argument("--ab", nargs="*", default=[], metavar="FIELD=V[,FIELD=V]",
-                    help="A/B arms: KernelOptions changes (e.g. mlp_chunk=1024, prune_last_layer=0, "
+                    help="A/B arms: KernelOptions changes (e.g. prune_last_layer=0, "
                     "attn.BLOCK_NI=64), "
                     "each an engine over the same weights beside the defaults, packed, interleaved")
     a = ap.parse_args()
@@ -236,7 +236,7 @@ def main():
 
 
 def option_changes(spec: str) -> dict:
-    """"mlp_chunk=1024,prune_last_layer=0,attn.BLOCK_NI=64" -> {"mlp_chunk": 1024,
+    """"graph_copies=0,prune_last_layer=0,attn.BLOCK_NI=64" -> {"graph_copies": 0,
     "prune_last_layer": False, "tune": {"attn.BLOCK_NI": 64}}: each value of its KernelOptions
     field's type; role.KEY entries are launch-config overrides (KernelOptions.tune)."""
     import dataclasses

@@ -23,8 +23,7 @@ for s in $stages; do
   case $s in
     tests) bash tests/gpu.sh -k "embedding or scorer or gemm or fused or rows or parity" ;;
     # the defaults (in-place residual, last layer for the read-out rows) against each arm
-    arms) python3 -m bench.multi_item --requests 24 --ab prune_last_layer=0 mlp_chunk=1024 \
-            mlp_chunk=2048 mlp_fused=1 qkv_fused=1 mlp_fused=1,qkv_fused=1 attn.BLOCK_NI=64 \
+    arms) python3 -m bench.multi_item --requests 24 --ab prune_last_layer=0 attn.BLOCK_NI=64 \
             attn.BLOCK_M=64 ;;
     ranking) python3 -m bench.ranking -- --model /tmp/q05 --device cuda ;;
     http) python3 -m bench.ranking_http --server-cpus 0-9 --load-cpus 10-15 -- --model /tmp/q05 --device cuda ;;

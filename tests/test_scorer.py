@@ -528,10 +528,9 @@ def test_gpu_early_weights_and_trigger(tiny_model, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_large_passes_fused_and_pruned(tiny_model, monkeypatch):
-    """Eager passes past the skinny kernels (graphs only up to 64 tokens here): the fused large
-    GEMMs (mlp_fused, qkv_fused: RMSNorm, SiLU * up and RoPE inside them) and the last layer for
-    the read-out rows only, each against the plain path: within bf16 rounding (0.02) of its
+def test_gpu_large_passes_pruned(tiny_model, monkeypatch):
+    """Eager passes past the skinny kernels (graphs only up to 64 tokens here) with the last layer
+    for the read-out rows only, against the plain path: within bf16 rounding (0.02) of its
     scores, decisions equal but near ties."""
     from prefixscore import engine
 
@@ -539,8 +538,7 @@ def test_gpu_large_passes_fused_and_pruned(tiny_model, monkeypatch):
     requests = random_requests(48, seed=13)
     monkeypatch.setattr(engine, "GRAPH_MAX_TOKENS", 64)
     out = {}
-    arms = {"plain": dict(prune_last_layer=False), "pruned": {}, "mlp": dict(mlp_fused=True),
-            "qkv": dict(qkv_fused=True), "both": dict(mlp_fused=True, qkv_fused=True)}
+    arms = {"plain": dict(prune_last_layer=False), "pruned": {}}
     for name, changes in arms.items():
         loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
         engine.Engine.shared(loaded, **changes)

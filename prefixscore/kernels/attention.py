@@ -19,7 +19,6 @@ The dispatchers (attention, attention_o) take the engine's KernelOptions (kernel
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .attention_cpu import attention_groups, group_layout
 from .fp8 import is_fp8

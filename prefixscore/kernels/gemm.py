@@ -117,37 +117,12 @@ def gate_up_silu(x, w_gu, bias=None, *, options: KernelOptions):
     q8 = None if skinny else _fp8_input(x, w_gu, options)
     if q8 is not None:
         return fp8.rows_q8(_linear(q8, w_gu, bias, x.x.dtype, options), "silu", options=options)
-    if not skinny and options.mlp_fused and _large_fused(x, w_gu, options):
-        from .gemm_large_triton import gate_up_silu_large
-
-        return gate_up_silu_large(_data(x), w_gu, bias, norm_eps=_norm_eps(x), options=options)
     x, norm = _prologue(x, skinny, options)
     if skinny:
         from .gemm_triton import gate_up_silu_small
 
         return gate_up_silu_small(x, w_gu, bias, norm=norm, options=options)
-    C = options.mlp_chunk
-    if not C or x.shape[0] <= C:
-        return silu_mul(_linear(x, w_gu, bias, None, options), options=options)
-    # Row chunks: each chunk's [C, 2I] GEMM output is read back by SiLU * up while it is still in
-    # L2 (a 1024-token chunk of Qwen2.5-0.5B's is 20 MB), instead of the whole [T, 2I] through HBM
-    # (W3 on the H200: silu_mul was 2.6 ms of a 21 ms request). One output, written in place.
-    out = torch.empty(x.shape[0], w_gu.shape[0] // 2, dtype=x.dtype, device=x.device)
-    for c in range(0, x.shape[0], C):
-        silu_mul(_linear(x[c:c + C], w_gu, bias, None, options), options=options, out=out[c:c + C])
-    return out
-
-
-def _large_fused(x, w, options: KernelOptions) -> bool:
-    """A GEMM past the skinny kernels that a gemm_large_triton kernel can take: on CUDA, 16-bit
-    activations and weights of the same dtype (not FP8)."""
-    d = _data(x)
-    return use_triton(d, options) and d.dtype in (torch.bfloat16, torch.float16) and w.dtype == d.dtype
-
-
-def _norm_eps(x):
-    """A Normed's eps (its RMSNorm then runs inside the large kernel, NORM), else None."""
-    return x.eps if isinstance(x, Normed) else None
+    return silu_mul(_linear(x, w_gu, bias, None, options), options=options)
 
 
 def _rope_fits(D):
@@ -162,11 +137,6 @@ def qkv_rope(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=None, eps
     if q8 is not None:
         return rope_qk(_linear(q8, w_qkv, bias, x.x.dtype, options), cos, sin, Hq, Hkv, D, q_norm,
                        k_norm, eps, options=options)
-    if not skinny and options.qkv_fused and q_norm is None and _large_fused(x, w_qkv, options):
-        from .gemm_large_triton import qkv_rope_large
-
-        return qkv_rope_large(_data(x), w_qkv, bias, cos, sin, Hq, Hkv, D, norm_eps=_norm_eps(x),
-                              options=options)
     x, norm = _prologue(x, skinny, options)
     if skinny:
         from .gemm_triton import qkv_rope_small

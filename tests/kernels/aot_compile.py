@@ -27,7 +27,6 @@ from prefixscore.kernels import attention_triton as AT  # noqa: E402
 from prefixscore.kernels import fused_triton as F  # noqa: E402
 from prefixscore.kernels import fp8_triton as Q8  # noqa: E402
 from prefixscore.kernels import gemm_config as C  # noqa: E402
-from prefixscore.kernels import gemm_large_triton as GL  # noqa: E402
 from prefixscore.kernels import gemm_triton as G  # noqa: E402
 from prefixscore.kernels import label_head_triton as LH  # noqa: E402
 from prefixscore.kernels.options import KernelOptions  # noqa: E402
@@ -178,16 +177,6 @@ def main():
                    | {"eps": "fp32"}, dict(HQ=14, HKV=2, D=64, NH=16, QK_NORM=False))
     compile_kernel("silu_mul", F._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
                    dict(BLOCK=1024))
-    # past the skinny kernels: RMSNorm + gate/up + SiLU (mlp_fused), RMSNorm + QKV + RoPE (qkv_fused)
-    large_types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QO", "KO", "VO")}
-    large_types["eps"] = "fp32"
-    for name, K, epi, heads in (("0.5B gate/up", 896, 1, (14, 2, 64)), ("7B gate/up", 3584, 1, (28, 4, 128)),
-                                ("0.5B qkv+rope", 896, 2, (14, 2, 64)), ("7B qkv+rope", 3584, 2, (28, 4, 128))):
-        cfg, nw, ns = split_launch(GL.large_config(BF16))
-        hq, hkv, d = heads
-        compile_kernel(f"large {name}+norm {cfg}", GL._large_kernel, large_types,
-                       dict(EPI=epi, HAS_BIAS=epi == 2, NORM=True, HQ=hq, HKV=hkv, D=d,
-                            EVEN_K=K % cfg["BLOCK_K"] == 0, DOT_PREC="tf32", UPCAST=False, **cfg), nw, ns)
     for mode, m in Q8.MODES.items():  # e4m3 activations for the FP8 x FP8 GEMMs
         compile_kernel(f"rows_q8 {mode}", Q8._rows_q8_kernel,
                        {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "eps": "fp32"},
