@@ -49,7 +49,7 @@ from .fp8 import is_fp8
 from .gemm_config import _finish_config, config_rows, gemm_config, tuned
 from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, trigger, wait
-from .triton_util import _counters
+from .triton_util import _counters, _grid_sync
 
 
 @triton.jit
@@ -68,14 +68,44 @@ def _skinny_kernel(
     PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
     TGRID: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    TWO: tl.constexpr = EPI != 0
     if TGRID:  # T past one row tile (batch-invariant mode): a third grid axis over row tiles of the
         # same config, so every row is computed by the same instructions in the same order
         pid_t = tl.program_id(2)
+    else:
+        pid_t = 0
+    _skinny_unit(tl.program_id(0), tl.program_id(1), pid_t, tl.num_programs(0), CNT, 0, False,
+                 X, W, B, OUT, WS, CNT, COS, SIN, QN, KN, QO, KO, VO, SSQ_IN, R, SSQ_OUT, WSC,
+                 T, TP, stride_xt, stride_ot, eps, norm_eps, N, K, EPI, HAS_BIAS, NORM, NT, RESID,
+                 BLOCK_T, BLOCK_N, BLOCK_K, SPLIT, ITERS, DOT, DOT_PREC, UPCAST, HQ, HKV, D, QK_NORM,
+                 PRE, TRIG, FP8, TGRID, SYNC=1 if GDC else 0, XMOD="")
+
+
+@triton.jit
+def _skinny_unit(
+    pid_n, pid_k, pid_t, n_tiles, BAR, bar_target, do_sync,
+    X, W, B, OUT, WS, CNT,
+    COS, SIN, QN, KN, QO, KO, VO,
+    SSQ_IN, R, SSQ_OUT, WSC,
+    T, TP, stride_xt, stride_ot, eps, norm_eps,
+    N: tl.constexpr, K: tl.constexpr,
+    EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    NORM: tl.constexpr, NT: tl.constexpr, RESID: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, ITERS: tl.constexpr,
+    DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+    PRE: tl.constexpr, TRIG: tl.constexpr, FP8: tl.constexpr, TGRID: tl.constexpr,
+    SYNC: tl.constexpr, XMOD: tl.constexpr,
+):
+    """One program's work: column tile pid_n, K split pid_k, row tile pid_t (of n_tiles column
+    tiles). SYNC: where the weight preloads end, 1 waits for the kernel ahead (PDL), 2 for this
+    grid's other programs (triton_util._grid_sync to bar_target, when do_sync: a persistent
+    kernel's first unit of a phase, kernels/layer_triton.py). XMOD: the cache modifier of the loads
+    of activations (".cg" where other programs of the same grid wrote them: L1 is not coherent)."""
+    TWO: tl.constexpr = EPI != 0
+    if TGRID:
         t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        cnt = CNT + pid_t * tl.num_programs(0) + pid_n
+        cnt = CNT + pid_t * n_tiles + pid_n
     else:
         t = tl.arange(0, BLOCK_T)
         cnt = CNT + pid_n
@@ -120,8 +150,11 @@ def _skinny_kernel(
             if TWO:
                 wpb = tl.load(wb_ptr + kp[None, :], mask=kp_ok[None, :], other=0.0,
                               eviction_policy="evict_first")
-    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+    if SYNC == 1:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
+    elif SYNC == 2:
+        if do_sync:
+            _grid_sync(BAR, bar_target)
     if TRIG == 2:  # the next kernel may launch now (pdl.trigger)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -133,7 +166,7 @@ def _skinny_kernel(
         # buckets 8 and 16 on the H200. NT independent loads, all in flight.
         ssq = tl.zeros([BLOCK_T], tl.float32)
         for tile in tl.static_range(NT):
-            ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0)
+            ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0, cache_modifier=XMOD)
         rstd = tl.rsqrt(ssq / K + norm_eps)[:, None]
     if FP8:  # per-output-row weight scales (kernels/fp8.py)
         sc_a = tl.load(WSC + cols_a, mask=c_ok, other=0.0)[None, :]
@@ -144,7 +177,7 @@ def _skinny_kernel(
         if TWO:
             bias_b = tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if RESID:
-        r_in = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0)
+        r_in = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0, cache_modifier=XMOD)
     if EPI == 2:  # RoPE's cos / sin rows (q and k heads only; masked off for v heads)
         m_rope = t_ok[:, None] & (pid_n < HQ + HKV)
         c1 = tl.load(COS + tc * D + jc, mask=m_rope, other=0.0)
@@ -155,7 +188,7 @@ def _skinny_kernel(
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
-        xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0)
+        xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0, cache_modifier=XMOD)
         if FP8:  # e4m3 weights: to the activations' dtype in registers (scaled in the epilogue)
             wpa = wpa.to(X.dtype.element_ty)
             if TWO:
@@ -171,11 +204,11 @@ def _skinny_kernel(
     for i in range(PRE, ITERS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0)
+            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0, cache_modifier=XMOD)
             wa = tl.load(wa_ptr + k[None, :], eviction_policy="evict_first")
         else:
             k_ok = k < K
-            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=XMOD)
             wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if FP8:
             wa = wa.to(X.dtype.element_ty)

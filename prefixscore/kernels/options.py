@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 # Roles of the launch-config overrides (tune): the skinny GEMM's qkv, gu (gate/up), down (the
 # residual GEMM), linear (plain), attn_o (attention + O), attn (attention alone, past the fused
-# kernel), gu_large and qkv_large (the GEMMs past the skinny kernels of mlp_fused and qkv_fused).
-TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear", "attn", "gu_large", "qkv_large")
+# kernel), layer (the persistent block's launch: per_sm, num_warps; kernels/layer_triton.py).
+TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear", "attn", "layer")
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,13 @@ class KernelOptions:
     # The engine's small buckets copy their input in and their output out inside the CUDA graph
     # (engine.GRAPH_COPY_MAX_BYTES); False: every bucket copies around the replay (bench/ A/B).
     graph_copies: bool = True
-    # Past the skinny kernels, gate/up GEMM + SiLU * up in row chunks of this many tokens, so SiLU
-    # reads the GEMM's output from L2 (kernels/gemm.gate_up_silu); 0: the whole batch at once.
-    # Off until measured on the H200 (bench.multi_item --mlp-chunk).
-    mlp_chunk: int = 0
-    # Past the skinny kernels, the RMSNorm + gate/up + SiLU * up (mlp_fused) and the RMSNorm + QKV
-    # + RoPE (qkv_fused) as one Triton GEMM each, the rest in its loop and epilogue
-    # (kernels/gemm_large_triton.py). Off until measured on the H200 against cuBLAS and the
-    # elementwise kernels (bench.multi_item --ab mlp_fused=1,qkv_fused=1).
-    mlp_fused: bool = False
-    qkv_fused: bool = False
     # An eager pass runs its last layer for the read-out rows only (Engine.prune; False: for every
     # row, the A/B baseline in bench.multi_item --ab).
     prune_last_layer: bool = True
+    # At T <= 16 (the latency buckets) each block as one persistent kernel whose phases are the four
+    # kernels' units, separated by grid barriers (kernels/layer_triton.py). Off: it lost on the
+    # H200 (25.5 us a block against 18.3, bench.layer).
+    persistent_layer: bool = False
 
     def __post_init__(self):
         tune = tuple(sorted(dict(self.tune).items()))  # (a key given twice: its last value)

@@ -45,3 +45,18 @@ def _counters(device, n: int = 0):
             _RETIRED.append(buf)
         buf = _COUNTERS[key] = torch.zeros(max(_MAX_TILES, n), dtype=torch.int32, device=device)
     return buf
+
+
+@triton.jit
+def _grid_sync(BAR, target):
+    """A barrier across the programs of a persistent grid (kernels/layer_triton.py): arrive on the
+    int32 counter BAR, then wait until it reaches target (the number of programs times the barriers
+    passed so far). As cooperative groups' grid.sync: the block's stores, one release by one thread,
+    acquire loads until the count is in, the block released together. Every program must be
+    resident at once (the launcher sizes the grid by occupancy), and the interpreter, which runs
+    programs one after another, must never reach it (it would spin for ever)."""
+    tl.debug_barrier()  # every thread's stores before the release
+    tl.atomic_add(BAR, 1, sem="release", scope="gpu")
+    while tl.atomic_add(BAR, 0, sem="acquire", scope="gpu") < target:  # (an acquire load: PTX)
+        pass
+    tl.debug_barrier()

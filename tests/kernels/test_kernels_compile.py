@@ -27,6 +27,6 @@ def test_kernels_compile_for_sm90():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # every kernel family, in its production configs
     for family in ("skinny 0.5B", "skinny 7B", "attention T=", "attention (batch-invariant)",
-                   "attention+O", "label head",
+                   "attention+O", "label head", "layer 0.5B",
                    "rms_norm", "rope_qk", "silu_mul", "embed_rope"):
         assert any(l.startswith("ok " + family) for l in compiled), family

@@ -1,0 +1,105 @@
+"""The persistent block kernel (issue 35) against the four kernels it is made of, on the GPU.
+
+    python -m bench.layer [--tokens 1,8,16]        (CUDA; writes $OUT/layer.json or bench/results)
+
+Qwen2.5-0.5B's block (random bf16 weights, a 40-token pinned prefix), T tokens: the four skinny
+kernels (kernels/gemm_triton.py, kernels/attention_o_triton.py) against kernels/layer_triton.py
+in launch variants: one launch of the four phases (three grid barriers), two launches of two,
+four launches of one (no barrier: what the phases' own code costs), at 1 or 2 programs per SM and
+4 or 8 warps (KernelOptions.tune layer.per_sm / layer.num_warps). Each variant: bitwise against
+the four kernels, then 24 blocks in one CUDA graph, µs per block (median of 50 replays, bench.kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from bench.kernels import graph_us
+from prefixscore.kernels.options import KernelOptions
+
+HID, INTER, HQ, HKV, D, P, EPS = 896, 4864, 14, 2, 64, 40, 1e-6
+LAUNCHES = {1: ((0, 3),), 2: ((0, 1), (2, 3)), 4: ((0, 0), (1, 1), (2, 2), (3, 3))}
+
+
+def block(T, seed):
+    """Random inputs and weights of one block, T tokens of one request after the prefix."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s, scale=0.5):
+        return (torch.randn(*s, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x = r(T, HID)
+    pos = torch.arange(P, P + T, device="cuda")
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2, device="cuda").float() / D))
+    emb = torch.cat([pos.float()[:, None] * inv[None]] * 2, -1)
+    z = torch.zeros(T, dtype=torch.int32, device="cuda")
+    return dict(x=x, ssq=x.float().square().sum(-1)[None].contiguous(),
+                wqkv=r((HQ + 2 * HKV) * D, HID, scale=0.025), bqkv=r((HQ + 2 * HKV) * D),
+                cos=emb.cos().bfloat16(), sin=emb.sin().bfloat16(), pk=r(P, HKV, D), pv=r(P, HKV, D),
+                z=z, wo=r(HID, HQ * D, scale=0.025), wgu=r(2 * INTER, HID, scale=0.025),
+                wd=r(HID, INTER, scale=0.01))
+
+
+def four(b):
+    from prefixscore.kernels.attention_o_triton import attention_o_residual_small
+    from prefixscore.kernels.gemm_triton import gate_up_silu_small, linear_residual_small, qkv_rope_small
+
+    q, k, v = qkv_rope_small(b["x"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], HQ, HKV, D,
+                             norm=(EPS, b["ssq"]))
+    x1, s1 = attention_o_residual_small(q, k, v, b["pk"], b["pv"], b["z"], b["z"], b["z"], D ** -0.5,
+                                        b["wo"], b["x"])
+    h = gate_up_silu_small(x1, b["wgu"], None, norm=(EPS, s1))
+    return linear_residual_small(h, b["wd"], None, x1)
+
+
+def persistent(b, launches, options):
+    from prefixscore.kernels.layer_triton import layer_small
+
+    out = None
+    for ph in launches:
+        x2, s2, out = layer_small(b["x"], b["ssq"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], None, None,
+                                  EPS, b["pk"], b["pv"], b["z"], b["z"], b["z"], D ** -0.5, b["wo"],
+                                  b["wgu"], None, b["wd"], None, EPS, HQ, HKV, D, phases=ph, out=out,
+                                  options=options)
+    return x2, s2
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,8,16")
+    a = ap.parse_args(argv)
+    res = {"device": torch.cuda.get_device_name(), "shape": "Qwen2.5-0.5B block", "prefix": P, "rows": {}}
+    for T in map(int, a.tokens.split(",")):
+        b = block(T, seed=T)
+        want, _ = four(b)
+        rows = {"four kernels": {"us_per_block": graph_us(lambda: four(b), launches=24, reps=50)}}
+        print(f"T={T:2d} {'four kernels':32s} {rows['four kernels']['us_per_block']:6.2f} µs", flush=True)
+        for per_sm in (1, 2):
+            for warps in (4, 8):
+                for n, launches in LAUNCHES.items():
+                    key = f"per_sm={per_sm},warps={warps},launches={n}"
+                    opt = KernelOptions(tune={"layer.per_sm": per_sm, "layer.num_warps": warps})
+                    try:
+                        got, _ = persistent(b, launches, opt)
+                    except AssertionError as e:  # the grid does not fit at once
+                        rows[key] = {"error": str(e)}
+                        print(f"T={T:2d} {key:32s} {e}", flush=True)
+                        continue
+                    diff = (got.float() - want.float()).abs().max().item()
+                    us = graph_us(lambda: persistent(b, launches, opt), launches=24, reps=50)
+                    rows[key] = {"us_per_block": us, "bitwise": bool(torch.equal(got, want)), "max_diff": diff}
+                    print(f"T={T:2d} {key:32s} {us or float('nan'):6.2f} µs  bitwise {rows[key]['bitwise']} "
+                          f"(max |diff| {diff:.1e})", flush=True)
+        res["rows"][T] = rows
+    out = Path(os.environ.get("OUT", "bench/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "layer.json").write_text(json.dumps(res, indent=1))
+    print(f"wrote {out / 'layer.json'}")
+
+
+if __name__ == "__main__":
+    main()
