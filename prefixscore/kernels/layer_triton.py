@@ -47,7 +47,7 @@ from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, wait
 from .triton_util import _counters, _grid_sync, _num_sms
 
-# A skinny phase's launch config as one constexpr tuple (the order _skinny_phase unpacks)
+# A phase's launch config as one constexpr tuple, in the order _layer_kernel indexes it (C0[0] ...)
 SKINNY_KEYS = ("BLOCK_N", "BLOCK_K", "SPLIT", "ITERS", "PRE", "NT", "TILES")
 ATTN_KEYS = ("BLOCK_N", "BLOCK_P", "BLOCK_NI", "EARLY", "TILES", "SPLIT")
 
