@@ -14,9 +14,11 @@ A phase's work units are the programs of the kernel it replaces (column tile x K
 column tile x head), dealt to the programs in turn; the phases are separated by a grid barrier
 (triton_util._grid_sync) instead of kernel boundaries. Each program's first unit of a phase loads
 its leading weight tiles (PRE, as before a PDL wait) before the barrier, so the next phase's
-weight stream starts while the last programs of this one finish. The math and the order of every
-sum are the four kernels'; the attention + O unit runs at this kernel's warps where its own kernel
-runs 8, which can move a value by one bf16 step (H200: T = 1 and 16 bitwise, T = 8 one step).
+weight stream starts while the last programs of this one finish. The math is the four kernels';
+two things can round a sum differently: the attention + O unit runs at this kernel's warps where
+its own kernel runs 8, and a phase with more units than the grid has programs runs fewer K splits
+(0.5B's down: 8 instead of 10). H200: x2 bitwise the four kernels' at T = 1 and 16, one bf16 step
+off at T = 8. Every bucket of up to 16 tokens runs the one configuration, as the four kernels do.
 
 Measured (H200, bench.layer, Qwen2.5-0.5B's block, T = 8, one graph of 24 blocks): 25.5 us a
 block against the four kernels' 18.3. Each barrier costs ~0.45 us (one launch of all four phases

@@ -147,8 +147,10 @@ def test_config_fits_the_grid(dims, grid):
 @pytest.mark.parametrize("T", [1, 8, 16])
 def test_gpu_one_launch(T):
     """One launch, three grid barriers: bitwise the four phases launched apart (the same units),
-    the same on every run and in a CUDA graph replay, and within one bf16 step of the four kernels
-    (its attention + O unit runs at other warps: layer_triton's docstring)."""
+    the same on every run and in a CUDA graph replay, and close to the four kernels: its attention
+    + O unit runs at other warps and its down GEMM in fewer K splits (units capped to the grid), so
+    sums round differently; within 4 bf16 steps (2^-5) at each tensor's scale, where a wrong input
+    or epilogue is off by the whole value."""
     case = (896, 4864, 14, 2, 64, T, 40, True, False, False, False)
     b = make_block(case, torch.bfloat16, 300 + T)
     one = run_layer(b)
@@ -165,7 +167,6 @@ def test_gpu_one_launch(T):
     torch.cuda.synchronize()
     for name, g, w in zip(NAMES, got, one):
         assert torch.equal(g, w), name
-    four = run_four(b)
-    for name, g, w in zip(NAMES, one, four):
-        if g.dtype == torch.bfloat16:  # one step of bf16 at the value's magnitude
-            assert ((g.float() - w.float()).abs() <= w.float().abs() * 2 ** -7 + 1e-6).all(), name
+    for name, g, w in zip(NAMES, one, run_four(b)):
+        scale = w.float().abs().max().item()
+        torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -5, atol=2 ** -5 * scale, msg=name)
