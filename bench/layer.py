@@ -8,12 +8,15 @@ in launch variants: one launch of the four phases (three grid barriers), two lau
 four launches of one (no barrier: what the phases' own code costs), at 1 or 2 programs per SM and
 4 or 8 warps (KernelOptions.tune layer.per_sm / layer.num_warps). Each variant: bitwise against
 the four kernels, then 24 blocks in one CUDA graph, µs per block (median of 50 replays, bench.kernels).
+Then the default launch's phases (%globaltimer in every program): each phase's share of the
+critical path (the four kernels' own times: bench.timeline) and how far apart programs finish it.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 
 import torch
@@ -56,6 +59,31 @@ def four(b):
     return linear_residual_small(h, b["wd"], None, x1)
 
 
+def phase_times(b, options, runs=20):
+    """Where one launch of the four phases spends its time (%globaltimer per program, eager): per
+    phase, from the last program done with the phase before (the first to start, for phase 0) to
+    the last one done with this one -- the grid's critical path through it, barrier included --
+    and how far apart the programs finish it (ns; medians over `runs` launches)."""
+    from prefixscore.kernels.layer_triton import layer_small
+
+    times = torch.zeros((2 * torch.cuda.get_device_properties(0).multi_processor_count, 5),
+                        dtype=torch.int64, device="cuda")
+    crit, spread = [[] for _ in range(4)], [[] for _ in range(4)]
+    for _ in range(runs):
+        times.zero_()
+        layer_small(b["x"], b["ssq"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], None, None, EPS, b["pk"],
+                    b["pv"], b["z"], b["z"], b["z"], D ** -0.5, b["wo"], b["wgu"], None, b["wd"], None,
+                    EPS, HQ, HKV, D, options=options, times=times)
+        t = times[times[:, 0] > 0].cpu().double()
+        for p in range(4):
+            before = t[:, 0].min() if p == 0 else t[:, p].max()
+            crit[p].append((t[:, p + 1].max() - before).item())
+            spread[p].append((t[:, p + 1].max() - t[:, p + 1].min()).item())
+    names = ("QKV", "attention + O", "gate/up", "down")
+    return {n: {"critical_us": statistics.median(c) / 1e3, "finish_spread_us": statistics.median(s) / 1e3}
+            for n, c, s in zip(names, crit, spread)}
+
+
 def persistent(b, launches, options):
     from prefixscore.kernels.layer_triton import layer_small
 
@@ -94,6 +122,10 @@ def main(argv=None):
                     rows[key] = {"us_per_block": us, "bitwise": bool(torch.equal(got, want)), "max_diff": diff}
                     print(f"T={T:2d} {key:32s} {us or float('nan'):6.2f} µs  bitwise {rows[key]['bitwise']} "
                           f"(max |diff| {diff:.1e})", flush=True)
+        rows["phases, one launch"] = phase_times(b, KernelOptions())
+        for name, v in rows["phases, one launch"].items():
+            print(f"T={T:2d} phase {name:14s} critical {v['critical_us']:6.2f} µs, programs finish "
+                  f"{v['finish_spread_us']:5.2f} µs apart", flush=True)
         res["rows"][T] = rows
     out = Path(os.environ.get("OUT", "bench/results"))
     out.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def _layer_kernel(
     X, SSQ0, WQKV, BQKV, COS, SIN, QN, KN, Q, K, V,
     PK, PV, BS, BE, OS, PS, PE, WO, X1, SSQ1,
     WGU, BGU, H, WD, BD, X2, SSQ2,
-    WS, CNT, BAR,
+    WS, CNT, BAR, TIMES,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
     T, P, qk_scale, eps, norm_eps,
     HID: tl.constexpr, INTER: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
@@ -78,10 +78,12 @@ def _layer_kernel(
     MLP_BIAS: tl.constexpr, RANGES: tl.constexpr,
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
     BLOCK_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    FIRST: tl.constexpr, LAST: tl.constexpr, GDC: tl.constexpr,
+    FIRST: tl.constexpr, LAST: tl.constexpr, GDC: tl.constexpr, TIMED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    if TIMED:  # TIMES [G, 5] int64: each program's start, then the end of its share of each phase
+        tl.store(TIMES + pid * 5, tl.extra.cuda.globaltimer())
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     # phase p's sync: the kernel ahead (PDL) for the first phase, else the barrier number p - FIRST
     # (targets count arrivals since the launch; BAR is zeroed again at the end)
@@ -95,6 +97,8 @@ def _layer_kernel(
                          T, BLOCK_T, HID, 0, eps, norm_eps, NQKV, HID, 2, QKV_BIAS, True, C0[5],
                          False, BLOCK_T, C0[0], C0[1], C0[2], C0[3], True, DOT_PREC, UPCAST, HQ,
                          HKV, D, QK_NORM, C0[4], 0, False, False, SYNC=S0, XMOD=".cg")
+    if TIMED and FIRST <= 0 and 0 <= LAST:
+        tl.store(TIMES + pid * 5 + 1, tl.extra.cuda.globaltimer())
     if FIRST <= 1 and 1 <= LAST:
         S1: tl.constexpr = (1 if GDC else 0) if FIRST == 1 else 2
         n = C1[4] * C1[5]
@@ -106,6 +110,8 @@ def _layer_kernel(
                          qk_scale, HID, HQ, HQ // HKV, D, HQ // C1[5], BLOCK_T, C1[0], C1[1],
                          C1[2], DOT_PREC, UPCAST, C1[3], True, 0, RANGES, False, SYNC=S1,
                          XMOD=".cg")
+    if TIMED and FIRST <= 1 and 1 <= LAST:
+        tl.store(TIMES + pid * 5 + 2, tl.extra.cuda.globaltimer())
     if FIRST <= 2 and 2 <= LAST:
         S2: tl.constexpr = (1 if GDC else 0) if FIRST == 2 else 2
         n = C2[6] * C2[2]
@@ -116,6 +122,8 @@ def _layer_kernel(
                          T, BLOCK_T, HID, INTER, 0.0, norm_eps, 2 * INTER, HID, 1, MLP_BIAS, True,
                          C2[5], False, BLOCK_T, C2[0], C2[1], C2[2], C2[3], True, DOT_PREC, UPCAST,
                          1, 1, 1, False, C2[4], 0, False, False, SYNC=S2, XMOD=".cg")
+    if TIMED and FIRST <= 2 and 2 <= LAST:
+        tl.store(TIMES + pid * 5 + 3, tl.extra.cuda.globaltimer())
     if FIRST <= 3 and 3 <= LAST:
         S3: tl.constexpr = (1 if GDC else 0) if FIRST == 3 else 2
         n = C3[6] * C3[2]
@@ -126,6 +134,8 @@ def _layer_kernel(
                          T, BLOCK_T, INTER, HID, 0.0, 0.0, HID, INTER, 0, MLP_BIAS, False, 1, True,
                          BLOCK_T, C3[0], C3[1], C3[2], C3[3], True, DOT_PREC, UPCAST, 1, 1, 1,
                          False, C3[4], 0, False, False, SYNC=S3, XMOD=".cg")
+    if TIMED and LAST == 3:
+        tl.store(TIMES + pid * 5 + 4, tl.extra.cuda.globaltimer())
     if LAST > FIRST:  # every program is past every barrier once all have arrived here: the last
         # to arrive zeroes both counters for the next launch (and the next graph replay)
         if tl.atomic_add(BAR + 1, 1, sem="acq_rel", scope="gpu") == G - 1:
@@ -208,12 +218,14 @@ def _resident(compiled, num_warps, device) -> int:
 def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, prefix_v, base_start,
                 base_end, own_start, scale, wo, w_gu, b_gu, w_down, b_down, norm_eps, Hq, Hkv, D,
                 prefix_range=None, phases=(0, 3), options: KernelOptions = DEFAULTS,
-                out=None):
+                out=None, times=None):
     """One block (model.Block's math on the skinny path) for T <= MAX_T tokens -> (x2 [T, hidden],
     ssq [tiles, T] fp32), as qkv_rope_small, attention_o_residual_small, gate_up_silu_small and
     linear_residual_small in turn. x: the residual stream; ssq: its row sums of squares by column
     tile (the producer's). phases: (first, last) to run in this launch; `out`: the intermediates
-    (q, k, v, x1, ssq1, h, x2, ssq2) of a launch that ran the earlier phases (tests)."""
+    (q, k, v, x1, ssq1, h, x2, ssq2) of a launch that ran the earlier phases (tests). times (CUDA,
+    bench.layer): int64 [programs, 5] for each program's %globaltimer at its start and at the end
+    of its share of each phase (ns), to see which phase the grid waits on."""
     T, hidden = x.shape
     inter = w_gu.shape[0] // 2
     P = prefix_k.shape[0]
@@ -245,7 +257,7 @@ def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, 
             none if q_norm is None else q_norm, none if k_norm is None else k_norm, q, k, v,
             pk, pv, base_start, base_end, own_start, ps, pe, wo, x1, ssq1,
             w_gu, none if b_gu is None else b_gu, h, w_down, none if b_down is None else b_down, x2,
-            ssq2, ws, cnt, bar,
+            ssq2, ws, cnt, bar, none if times is None else times,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             pk.stride(0), pk.stride(1), pv.stride(0), pv.stride(1),
             T, P, scale * 1.4426950408889634, float(qk_eps), float(norm_eps))
@@ -254,9 +266,11 @@ def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, 
               RANGES=prefix_range is not None, C0=cfg["C0"], C1=cfg["C1"], C2=cfg["C2"],
               C3=cfg["C3"], BLOCK_T=cfg["BLOCK_T"],
               DOT_PREC="ieee" if dt == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-              FIRST=phases[0], LAST=phases[1], num_warps=launch["num_warps"], num_stages=3,
+              FIRST=phases[0], LAST=phases[1], TIMED=times is not None, num_warps=launch["num_warps"],
+              num_stages=3,
               **launch_kwargs(dev, options))
     g = min(grid, cfg["units"])
+    assert times is None or (times.dtype == torch.int64 and times.shape[0] >= g and not _INTERPRETED)
     if not _INTERPRETED and phases[1] > phases[0]:
         # every program resident, or the first barrier never opens
         fits = _resident(_layer_kernel.warmup(*args, grid=(g,), **kw), launch["num_warps"], dev)
