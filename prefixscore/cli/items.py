@@ -12,7 +12,7 @@ import os
 import torch
 
 from .common import common_args, err, quiet
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError
 from ..train.item_encoder import KINDS, POOLINGS
 from ..train.item_fit import FitOptions
 

@@ -6,7 +6,6 @@ import csv
 import json
 from pathlib import Path
 
-import pytest
 from safetensors import safe_open
 
 from prefixscore.prompt import SEED_LABELS, SEED_TEMPLATE
