@@ -131,8 +131,11 @@ class Block(nn.Module):
         the O and down GEMMs add into it in place (gemm.linear_residual), each after the last read
         of the value it replaces."""
         a, m = self.self_attn, self.mlp
-        if rows is None and ctx.kv_out is None and persistent.fits(
-                x, ssq, a.wqkv, a.o_proj.weight, a.o_proj.bias, a.c.head_dim, ctx.options):
+        eps = self.input_layernorm.eps
+        if (rows is None and ctx.kv_out is None and eps == self.post_attention_layernorm.eps  # (one
+                # eps for both norms in the persistent kernel: every supported config has one)
+                and persistent.fits(x, ssq, a.wqkv, a.o_proj.weight, a.o_proj.bias, a.c.head_dim,
+                                    ctx.options)):
             return self.persistent(x, ssq, cos, sin, ctx, layer)
         x, ssq = a(Normed(x, ssq, self.input_layernorm.eps), x, cos, sin, ctx, layer, rows)
         return m(Normed(x, ssq, self.post_attention_layernorm.eps), x, ctx.options)
@@ -145,7 +148,7 @@ class Block(nn.Module):
         return persistent.block(x, ssq, a.wqkv, a.bqkv, cos, sin, *qn, c.rms_norm_eps, pk, pv,
                                 ctx.base_start, ctx.base_end, ctx.own_start, c.head_dim ** -0.5,
                                 a.o_proj.weight, m.wgu, m.bgu, m.down_proj.weight, m.down_proj.bias,
-                                self.post_attention_layernorm.eps, c.num_heads, c.num_kv_heads,
+                                self.input_layernorm.eps, c.num_heads, c.num_kv_heads,
                                 c.head_dim, ctx.prefix_range, options=ctx.options)
 
     def fuse(self):

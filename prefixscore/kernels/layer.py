@@ -1,7 +1,7 @@
 """A whole transformer block for few tokens as one persistent kernel (kernels/layer_triton.py):
 when it applies, and the call. The four-kernel path (kernels/gemm.py, kernels/attention.py) stays
-the fallback and the reference: the persistent kernel runs the same units in the same order, so
-its outputs are bitwise the four kernels'."""
+the fallback and the reference: the persistent kernel runs the same units (the same math; where a
+sum may round differently: layer_triton's docstring)."""
 from __future__ import annotations
 
 import torch
