@@ -64,16 +64,12 @@ def phase_times(b, options, runs=20):
     phase, from the last program done with the phase before (the first to start, for phase 0) to
     the last one done with this one -- the grid's critical path through it, barrier included --
     and how far apart the programs finish it (ns; medians over `runs` launches)."""
-    from prefixscore.kernels.layer_triton import layer_small
-
     times = torch.zeros((2 * torch.cuda.get_device_properties(0).multi_processor_count, 5),
                         dtype=torch.int64, device="cuda")
     crit, spread = [[] for _ in range(4)], [[] for _ in range(4)]
     for _ in range(runs):
         times.zero_()
-        layer_small(b["x"], b["ssq"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], None, None, EPS, b["pk"],
-                    b["pv"], b["z"], b["z"], b["z"], D ** -0.5, b["wo"], b["wgu"], None, b["wd"], None,
-                    EPS, HQ, HKV, D, options=options, times=times)
+        persistent(b, LAUNCHES[1], options, times=times)
         t = times[times[:, 0] > 0].cpu().double()
         for p in range(4):
             before = t[:, 0].min() if p == 0 else t[:, p].max()
@@ -84,7 +80,9 @@ def phase_times(b, options, runs=20):
             for n, c, s in zip(names, crit, spread)}
 
 
-def persistent(b, launches, options):
+def persistent(b, launches, options, times=None):
+    """The block through layer_small in one launch per (first, last) of `launches`; times: the
+    programs' %globaltimer stamps (layer_small's)."""
     from prefixscore.kernels.layer_triton import layer_small
 
     out = None
@@ -92,7 +90,7 @@ def persistent(b, launches, options):
         x2, s2, out = layer_small(b["x"], b["ssq"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], None, None,
                                   EPS, b["pk"], b["pv"], b["z"], b["z"], b["z"], D ** -0.5, b["wo"],
                                   b["wgu"], None, b["wd"], None, EPS, HQ, HKV, D, phases=ph, out=out,
-                                  options=options)
+                                  options=options, times=times)
     return x2, s2
 
 

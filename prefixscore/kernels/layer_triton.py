@@ -160,7 +160,7 @@ def _skinny_phase(T, ncols, K, epi, dtype, device, role, grid, options, block_n=
     tuned(cfg, role, options)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
-    w_bytes = (2 if epi == 1 else 1) * ncols * K * torch.tensor([], dtype=dtype).element_size()
+    w_bytes = (2 if epi == 1 else 1) * ncols * K * dtype.itemsize
     if epi == 2:
         w_bytes *= 2  # ncols counts half heads
     while block_n is None and triton.cdiv(ncols, cfg["BLOCK_N"]) > grid:  # more columns a unit
@@ -175,6 +175,7 @@ def _skinny_phase(T, ncols, K, epi, dtype, device, role, grid, options, block_n=
     return cfg
 
 
+@functools.lru_cache(maxsize=None)  # (per launch otherwise: read-only, options are frozen)
 def layer_config(T, hidden, inter, Hq, Hkv, D, nt0, dtype, device, grid, options) -> dict:
     """Each phase's config (constexpr tuples in SKINNY_KEYS / ATTN_KEYS order) for a grid of
     `grid` programs, and the workspace each phase needs."""
