@@ -8,8 +8,11 @@ in launch variants: one launch of the four phases (three grid barriers), two lau
 four launches of one (no barrier: what the phases' own code costs), at 1 or 2 programs per SM and
 4 or 8 warps (KernelOptions.tune layer.per_sm / layer.num_warps). Each variant: bitwise against
 the four kernels, then 24 blocks in one CUDA graph, µs per block (median of 50 replays, bench.kernels).
-Then the default launch's phases (%globaltimer in every program): each phase's share of the
-critical path (the four kernels' own times: bench.timeline) and how far apart programs finish it.
+--tune: one launch under KernelOptions.tune overrides (roles qkv, attn_o, gu, down, layer;
+layer.uncap 1 keeps each phase's own kernel's config, more units than programs). Then each phase
+alone, PDL off: its kernel against the persistent phase in a launch of its own. Then the default
+launch's phases (%globaltimer in every program): each phase's share of the critical path and how
+far apart programs finish it.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from prefixscore.kernels.options import KernelOptions
 
 HID, INTER, HQ, HKV, D, P, EPS = 896, 4864, 14, 2, 64, 40, 1e-6
 LAUNCHES = {1: ((0, 3),), 2: ((0, 1), (2, 3)), 4: ((0, 0), (1, 1), (2, 2), (3, 3))}
+PHASES = ("QKV", "attention + O", "gate/up", "down")
 
 
 def block(T, seed):
@@ -47,16 +51,51 @@ def block(T, seed):
                 wd=r(HID, INTER, scale=0.01))
 
 
-def four(b):
+def four_phases(b, options=KernelOptions()):
+    """The four kernels as four calls, each reading what the ones before left in `st`."""
     from prefixscore.kernels.attention_o_triton import attention_o_residual_small
     from prefixscore.kernels.gemm_triton import gate_up_silu_small, linear_residual_small, qkv_rope_small
 
-    q, k, v = qkv_rope_small(b["x"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], HQ, HKV, D,
-                             norm=(EPS, b["ssq"]))
-    x1, s1 = attention_o_residual_small(q, k, v, b["pk"], b["pv"], b["z"], b["z"], b["z"], D ** -0.5,
-                                        b["wo"], b["x"])
-    h = gate_up_silu_small(x1, b["wgu"], None, norm=(EPS, s1))
-    return linear_residual_small(h, b["wd"], None, x1)
+    st = {}
+
+    def qkv():
+        st["qkv"] = qkv_rope_small(b["x"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], HQ, HKV, D,
+                                   norm=(EPS, b["ssq"]), options=options)
+
+    def attn_o():
+        st["x1"] = attention_o_residual_small(*st["qkv"], b["pk"], b["pv"], b["z"], b["z"], b["z"],
+                                              D ** -0.5, b["wo"], b["x"], options=options)
+
+    def gate_up():
+        st["h"] = gate_up_silu_small(st["x1"][0], b["wgu"], None, norm=(EPS, st["x1"][1]), options=options)
+
+    def down():
+        st["x2"] = linear_residual_small(st["h"], b["wd"], None, st["x1"][0], options=options)
+
+    return (qkv, attn_o, gate_up, down), st
+
+
+def four(b):
+    calls, st = four_phases(b)
+    for c in calls:
+        c()
+    return st["x2"]
+
+
+def isolated(b):
+    """Each phase alone, 24 launches of it in one graph with PDL off (every launch waits for the
+    one before to end): the four kernels' own time against the persistent kernel's phase in a
+    launch of its own (same inputs), µs per launch."""
+    off = KernelOptions(pdl=False)
+    calls, _ = four_phases(b, off)
+    for c in calls:
+        c()
+    _, _, out = persistent(b, LAUNCHES[1], off)
+    rows = {}
+    for p, (name, c) in enumerate(zip(PHASES, calls)):
+        rows[name] = {"kernel_us": graph_us(c, launches=24, reps=50),
+                      "phase_us": graph_us(lambda: persistent(b, ((p, p),), off, out=out), launches=24, reps=50)}
+    return rows
 
 
 def phase_times(b, options, runs=20):
@@ -75,28 +114,30 @@ def phase_times(b, options, runs=20):
             before = t[:, 0].min() if p == 0 else t[:, p].max()
             crit[p].append((t[:, p + 1].max() - before).item())
             spread[p].append((t[:, p + 1].max() - t[:, p + 1].min()).item())
-    names = ("QKV", "attention + O", "gate/up", "down")
     return {n: {"critical_us": statistics.median(c) / 1e3, "finish_spread_us": statistics.median(s) / 1e3}
-            for n, c, s in zip(names, crit, spread)}
+            for n, c, s in zip(PHASES, crit, spread)}
 
 
-def persistent(b, launches, options, times=None):
-    """The block through layer_small in one launch per (first, last) of `launches`; times: the
-    programs' %globaltimer stamps (layer_small's)."""
+def persistent(b, launches, options, times=None, out=None):
+    """The block through layer_small in one launch per (first, last) of `launches` -> x2, its ssq
+    and the intermediates; times: the programs' %globaltimer stamps (layer_small's); out: the
+    intermediates of a run of the phases before the first launched."""
     from prefixscore.kernels.layer_triton import layer_small
 
-    out = None
     for ph in launches:
         x2, s2, out = layer_small(b["x"], b["ssq"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], None, None,
                                   EPS, b["pk"], b["pv"], b["z"], b["z"], b["z"], D ** -0.5, b["wo"],
                                   b["wgu"], None, b["wd"], None, EPS, HQ, HKV, D, phases=ph, out=out,
                                   options=options, times=times)
-    return x2, s2
+    return x2, s2, out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,16")
+    ap.add_argument("--quick", action="store_true", help="the default launch only (2 programs of 4 warps an SM)")
+    ap.add_argument("--tune", action="append", default=[],
+                    help='one launch under KernelOptions.tune overrides, JSON (repeatable): {"down.SPLIT": 10}')
     a = ap.parse_args(argv)
     res = {"device": torch.cuda.get_device_name(), "shape": "Qwen2.5-0.5B block", "prefix": P, "rows": {}}
     for T in map(int, a.tokens.split(",")):
@@ -104,13 +145,13 @@ def main(argv=None):
         want, _ = four(b)
         rows = {"four kernels": {"us_per_block": graph_us(lambda: four(b), launches=24, reps=50)}}
         print(f"T={T:2d} {'four kernels':32s} {rows['four kernels']['us_per_block']:6.2f} µs", flush=True)
-        for per_sm in (1, 2):
-            for warps in (4, 8):
+        for per_sm in (2,) if a.quick else (1, 2):
+            for warps in (4,) if a.quick else (4, 8):
                 for n, launches in LAUNCHES.items():
                     key = f"per_sm={per_sm},warps={warps},launches={n}"
                     opt = KernelOptions(tune={"layer.per_sm": per_sm, "layer.num_warps": warps})
                     try:
-                        got, _ = persistent(b, launches, opt)
+                        got, _, _ = persistent(b, launches, opt)
                     except AssertionError as e:  # the grid does not fit at once
                         rows[key] = {"error": str(e)}
                         print(f"T={T:2d} {key:32s} {e}", flush=True)
@@ -120,6 +161,17 @@ def main(argv=None):
                     rows[key] = {"us_per_block": us, "bitwise": bool(torch.equal(got, want)), "max_diff": diff}
                     print(f"T={T:2d} {key:32s} {us or float('nan'):6.2f} µs  bitwise {rows[key]['bitwise']} "
                           f"(max |diff| {diff:.1e})", flush=True)
+        for t in a.tune:
+            opt = KernelOptions(tune=json.loads(t))
+            got, _, _ = persistent(b, LAUNCHES[1], opt)
+            diff = (got.float() - want.float()).abs().max().item()
+            us = graph_us(lambda: persistent(b, LAUNCHES[1], opt), launches=24, reps=50)
+            rows[f"tune {t}"] = {"us_per_block": us, "max_diff": diff}
+            print(f"T={T:2d} tune {t:27s} {us or float('nan'):6.2f} µs  (max |diff| {diff:.1e})", flush=True)
+        rows["phases alone, no PDL"] = isolated(b)
+        for name, v in rows["phases alone, no PDL"].items():
+            print(f"T={T:2d} alone {name:14s} kernel {v['kernel_us']:6.2f} µs, persistent phase "
+                  f"{v['phase_us']:6.2f} µs", flush=True)
         rows["phases, one launch"] = phase_times(b, KernelOptions())
         for name, v in rows["phases, one launch"].items():
             print(f"T={T:2d} phase {name:14s} critical {v['critical_us']:6.2f} µs, programs finish "

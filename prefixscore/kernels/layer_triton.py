@@ -149,7 +149,8 @@ MAX_T = 16  # the latency buckets; past them the four kernels (and cuBLAS) take 
 # it) and warps per program; KernelOptions.tune's layer.per_sm / layer.num_warps override them.
 # H200 (bench.layer, T = 8): 2 programs of 4 warps 25.5 us a layer, 1 of 4 30.3, 1 of 8 30.7; 2 of
 # 8 do not fit (255 registers).
-LAUNCH = dict(per_sm=2, num_warps=4)
+# uncap 1 (bench.layer A/B): each phase keeps its own kernel's config, units past the grid in turn.
+LAUNCH = dict(per_sm=2, num_warps=4, uncap=0)
 
 
 def _skinny_phase(T, ncols, K, epi, dtype, device, role, grid, options, block_n=None, nt=1):
@@ -239,7 +240,8 @@ def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, 
     sms = _num_sms(dev)
     launch = tuned(dict(LAUNCH), "layer", options)
     grid = sms * launch["per_sm"]
-    cfg = layer_config(T, hidden, inter, Hq, Hkv, D, ssq.shape[0], dt, dev, grid, options)
+    cfg = layer_config(T, hidden, inter, Hq, Hkv, D, ssq.shape[0], dt, dev,
+                       1 << 30 if launch["uncap"] else grid, options)
     if out is None:
         kw = dict(dtype=dt, device=dev)
         f32 = dict(dtype=torch.float32, device=dev)
@@ -250,7 +252,8 @@ def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, 
     q, k, v, x1, ssq1, h, x2, ssq2 = out
     ws = torch.empty(cfg["ws"], dtype=torch.float32, device=dev)
     cnt = _counters(dev)
-    bar = cnt[cnt.numel() - 2:]  # the barrier's two counters (split-K counters come from the front)
+    # the barrier's two counters and its flag (_grid_sync; split-K counters come from the front)
+    bar = cnt[cnt.numel() - 3:]
     if P == 0:  # never read; avoids handing the launcher an empty (null) pointer
         prefix_k, prefix_v = k, v
     ps, pe = prefix_range if prefix_range is not None else (base_start, base_start)

@@ -47,6 +47,24 @@ def _counters(device, n: int = 0):
     return buf
 
 
+def barrier_stalled(device) -> bool:
+    """Whether a grid barrier gave up (_grid_sync's flag, the last counter of a buffer) since the
+    last call; clears it. A host sync: tests and bench/ only."""
+    hit = False
+    for key, buf in list(_COUNTERS.items()) + [(None, b) for b in _RETIRED]:
+        if key is None or key[0] == str(device):
+            hit |= bool(buf[-1].item())
+            buf[-1] = 0
+    return hit
+
+
+# A grid barrier gives up after this many polls (seconds at ~1 us a poll; a real wait is
+# microseconds) and raises the flag BAR + 2 instead of hanging the GPU: a program that never
+# arrives (a grid that is not all resident at once) then costs a wrong result that
+# layer_triton.stalled() reports, not a machine.
+SPIN_LIMIT = tl.constexpr(1 << 22)
+
+
 @triton.jit
 def _grid_sync(BAR, target):
     """A barrier across the programs of a persistent grid (kernels/layer_triton.py): arrive on the
@@ -54,9 +72,15 @@ def _grid_sync(BAR, target):
     passed so far). As cooperative groups' grid.sync: the block's stores, one release by one thread,
     acquire loads until the count is in, the block released together. Every program must be
     resident at once (the launcher sizes the grid by occupancy), and the interpreter, which runs
-    programs one after another, must never reach it (it would spin for ever)."""
+    programs one after another, must never reach it (it would spin for ever). Bounded: SPIN_LIMIT
+    polls, then the flag BAR + 2."""
     tl.debug_barrier()  # every thread's stores before the release
     tl.atomic_add(BAR, 1, sem="release", scope="gpu")
-    while tl.atomic_add(BAR, 0, sem="acquire", scope="gpu") < target:  # (an acquire load: PTX)
-        pass
+    n = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")  # (an acquire load: PTX)
+    polls = 0
+    while (n < target) & (polls < SPIN_LIMIT):
+        n = tl.atomic_add(BAR, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if n < target:
+        tl.atomic_xchg(BAR + 2, 1, scope="gpu")
     tl.debug_barrier()

@@ -26,6 +26,7 @@ from prefixscore.kernels.gemm_triton import (  # noqa: E402
 from prefixscore.kernels.label_head import rms_norm as rms_norm_ref  # noqa: E402
 from prefixscore.kernels.layer_triton import layer_config, layer_small  # noqa: E402
 from prefixscore.kernels.options import DEFAULTS  # noqa: E402
+from prefixscore.kernels.triton_util import barrier_stalled  # noqa: E402
 from tests.kernels.test_kernels_triton import make_plan  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -104,14 +105,27 @@ def run_reference(b):
     return x1, x1 + torch.nn.functional.linear(h, b["wd"], b["bd"])
 
 
+def assert_near(name, g, w):
+    """On CUDA the persistent kernel's attention + O unit runs at other warps than its own kernel
+    (and its down GEMM in fewer K splits), so sums round differently from there on: within 4 bf16
+    steps (2^-5) at each tensor's scale, where a wrong input or epilogue is off by the whole value."""
+    scale = w.float().abs().max().item()
+    torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -5, atol=2 ** -5 * scale, msg=name)
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_each_phase_equals_its_kernel(case):
     """Each phase in a launch of its own, chained: every intermediate bitwise the four kernels'
-    (the interpreter runs both at the same precision, so any difference is a different sum)."""
+    under the interpreter (it runs both at the same precision, so any difference is a different
+    sum); on CUDA, QKV bitwise (the same unit at the same warps) and the rest near (assert_near)."""
     b = make_block(CASES[case], torch.bfloat16, 100 + case)
     got = run_layer(b, [(p, p) for p in range(4)])
-    for name, g, w in zip(NAMES, got, run_four(b)):
-        assert g.shape == w.shape and torch.equal(g, w), (name, (g.float() - w.float()).abs().max())
+    for i, (name, g, w) in enumerate(zip(NAMES, got, run_four(b))):
+        assert g.shape == w.shape, name
+        if CUDA and i >= 3:
+            assert_near(name, g, w)
+        else:
+            assert torch.equal(g, w), (name, (g.float() - w.float()).abs().max())
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -147,10 +161,7 @@ def test_config_fits_the_grid(dims, grid):
 @pytest.mark.parametrize("T", [1, 8, 16])
 def test_gpu_one_launch(T):
     """One launch, three grid barriers: bitwise the four phases launched apart (the same units),
-    the same on every run and in a CUDA graph replay, and close to the four kernels: its attention
-    + O unit runs at other warps and its down GEMM in fewer K splits (units capped to the grid), so
-    sums round differently; within 4 bf16 steps (2^-5) at each tensor's scale, where a wrong input
-    or epilogue is off by the whole value."""
+    the same on every run and in a CUDA graph replay, and near the four kernels (assert_near)."""
     case = (896, 4864, 14, 2, 64, T, 40, True, False, False, False)
     b = make_block(case, torch.bfloat16, 300 + T)
     one = run_layer(b)
@@ -168,5 +179,5 @@ def test_gpu_one_launch(T):
     for name, g, w in zip(NAMES, got, one):
         assert torch.equal(g, w), name
     for name, g, w in zip(NAMES, one, run_four(b)):
-        scale = w.float().abs().max().item()
-        torch.testing.assert_close(g.float(), w.float(), rtol=2 ** -5, atol=2 ** -5 * scale, msg=name)
+        assert_near(name, g, w)
+    assert not barrier_stalled(torch.device("cuda"))  # every barrier opened (none gave up)
