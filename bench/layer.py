@@ -1,6 +1,7 @@
 """The persistent block kernel (issue 35) against the four kernels it is made of, on the GPU.
 
-    python -m bench.layer [--tokens 1,8,16]        (CUDA; writes $OUT/layer.json or bench/results)
+    python -m bench.layer [--tokens 1,8,16] [--quick] [--sweep] [--tune JSON]
+                                                   (CUDA; writes $OUT/layer.json or bench/results)
 
 Qwen2.5-0.5B's block (random bf16 weights, a 40-token pinned prefix), T tokens: the four skinny
 kernels (kernels/gemm_triton.py, kernels/attention_o_triton.py) against kernels/layer_triton.py
@@ -26,10 +27,25 @@ import torch
 
 from bench.kernels import graph_us
 from prefixscore.kernels.options import KernelOptions
+from prefixscore.kernels.triton_util import barrier_stalled
 
 HID, INTER, HQ, HKV, D, P, EPS = 896, 4864, 14, 2, 64, 40, 1e-6
 LAUNCHES = {1: ((0, 3),), 2: ((0, 1), (2, 3)), 4: ((0, 0), (1, 1), (2, 2), (3, 3))}
 PHASES = ("QKV", "attention + O", "gate/up", "down")
+# --sweep: the one-launch variants worth timing (each a KernelOptions.tune). Why each: the sm_90
+# build of the default launch preloads 2 of down's 5 K-steps before its barrier (its own kernel: all
+# 4 of 4, at 10 splits); rotated dealing lets the programs idle in one phase load the next one's
+# weights during it (as PDL's co-resident kernels do), which pays where adjacent phases' units fit
+# the grid together (QKV 126 + attention 98 at 128 columns + gate/up 152 ... down 112 at 4 splits).
+SWEEP = (
+    {"down.PRE": 4},
+    {"down.BLOCK_K": 64, "down.PRE": 8},
+    {"layer.rotate": 1},
+    {"layer.rotate": 1, "attn_o.BLOCK_N": 128, "down.SPLIT": 4, "down.PRE": 8},
+    {"attn_o.BLOCK_N": 128},
+    {"layer.uncap": 1},
+    {"layer.coop": 1},
+)
 
 
 def block(T, seed):
@@ -93,8 +109,9 @@ def isolated(b):
     _, _, out = persistent(b, LAUNCHES[1], off)
     rows = {}
     for p, (name, c) in enumerate(zip(PHASES, calls)):
+        phase = lambda: persistent(b, ((p, p),), off, out=out)  # noqa: E731
         rows[name] = {"kernel_us": graph_us(c, launches=24, reps=50),
-                      "phase_us": graph_us(lambda: persistent(b, ((p, p),), off, out=out), launches=24, reps=50)}
+                      "phase_us": graph_us(phase, launches=24, reps=50)}
     return rows
 
 
@@ -135,10 +152,14 @@ def persistent(b, launches, options, times=None, out=None):
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,16")
-    ap.add_argument("--quick", action="store_true", help="the default launch only (2 programs of 4 warps an SM)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the default launch only (2 programs of 4 warps an SM)")
+    ap.add_argument("--sweep", action="store_true", help="--tune with each of SWEEP")
     ap.add_argument("--tune", action="append", default=[],
                     help='one launch under KernelOptions.tune overrides, JSON (repeatable): {"down.SPLIT": 10}')
     a = ap.parse_args(argv)
+    if a.sweep:
+        a.tune += [json.dumps(t) for t in SWEEP]
     res = {"device": torch.cuda.get_device_name(), "shape": "Qwen2.5-0.5B block", "prefix": P, "rows": {}}
     for T in map(int, a.tokens.split(",")):
         b = block(T, seed=T)
@@ -163,11 +184,17 @@ def main(argv=None):
                           f"(max |diff| {diff:.1e})", flush=True)
         for t in a.tune:
             opt = KernelOptions(tune=json.loads(t))
-            got, _, _ = persistent(b, LAUNCHES[1], opt)
+            try:
+                got, _, _ = persistent(b, LAUNCHES[1], opt)
+            except Exception as e:  # a config the kernel refuses (grid, registers): note it, go on
+                rows[f"tune {t}"] = {"error": repr(e)[:300]}
+                print(f"T={T:2d} tune {t} failed: {rows[f'tune {t}']['error']}", flush=True)
+                continue
             diff = (got.float() - want.float()).abs().max().item()
             us = graph_us(lambda: persistent(b, LAUNCHES[1], opt), launches=24, reps=50)
             rows[f"tune {t}"] = {"us_per_block": us, "max_diff": diff}
-            print(f"T={T:2d} tune {t:27s} {us or float('nan'):6.2f} µs  (max |diff| {diff:.1e})", flush=True)
+            print(f"T={T:2d} tune {t:27s} {us or float('nan'):6.2f} µs  (max |diff| {diff:.1e}, "
+                  f"barrier gave up: {barrier_stalled(torch.device('cuda'))})", flush=True)
         rows["phases alone, no PDL"] = isolated(b)
         for name, v in rows["phases alone, no PDL"].items():
             print(f"T={T:2d} alone {name:14s} kernel {v['kernel_us']:6.2f} µs, persistent phase "

@@ -55,10 +55,11 @@ ATTN_KEYS = ("BLOCK_N", "BLOCK_P", "BLOCK_NI", "EARLY", "TILES", "SPLIT")
 
 
 @triton.jit
-def _phase_sync(pid, n_units, BAR, target, SYNC: tl.constexpr):
-    """A program with no unit in this phase still takes part in its barrier (SYNC 2) or waits for
-    the kernel ahead (SYNC 1) before it goes on to the next phase's loads."""
-    if pid >= n_units:
+def _phase_sync(v, n_units, BAR, target, SYNC: tl.constexpr):
+    """A program with no unit in this phase (its place v past the units) still takes part in its
+    barrier (SYNC 2) or waits for the kernel ahead (SYNC 1) before it goes on to the next phase's
+    loads."""
+    if v >= n_units:
         if SYNC == 1:
             wait()
         elif SYNC == 2:
@@ -79,9 +80,17 @@ def _layer_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
     BLOCK_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     FIRST: tl.constexpr, LAST: tl.constexpr, GDC: tl.constexpr, TIMED: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
+    # Units per phase; with ROTATE, phase p's units go first to the programs that had none in phase
+    # p - 1 (its dealing starts where p - 1's ended), so those load p's weights during p - 1, as a
+    # PDL-launched kernel's programs do beside the kernel ahead. v: this program's place in a phase.
+    N0: tl.constexpr = C0[6] * C0[2]
+    N1: tl.constexpr = C1[4] * C1[5]
+    N2: tl.constexpr = C2[6] * C2[2]
+    N3: tl.constexpr = C3[6] * C3[2]
     if TIMED:  # TIMES [G, 5] int64: each program's start, then the end of its share of each phase
         tl.store(TIMES + pid * 5, tl.extra.cuda.globaltimer())
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -89,10 +98,10 @@ def _layer_kernel(
     # (targets count arrivals since the launch; BAR is zeroed again at the end)
     if FIRST <= 0 and 0 <= LAST:
         S0: tl.constexpr = (1 if GDC else 0) if FIRST == 0 else 2
-        n = C0[6] * C0[2]
-        _phase_sync(pid, n, BAR, (0 - FIRST) * G, S0)
-        for u in range(pid, n, G):
-            _skinny_unit(u // C0[2], u % C0[2], 0, C0[6], BAR, (0 - FIRST) * G, u == pid,
+        v = pid
+        _phase_sync(v, N0, BAR, (0 - FIRST) * G, S0)
+        for u in range(v, N0, G):
+            _skinny_unit(u // C0[2], u % C0[2], 0, C0[6], BAR, (0 - FIRST) * G, u == v,
                          X, WQKV, BQKV, X, WS, CNT, COS, SIN, QN, KN, Q, K, V, SSQ0, X, X, X,
                          T, BLOCK_T, HID, 0, eps, norm_eps, NQKV, HID, 2, QKV_BIAS, True, C0[5],
                          False, BLOCK_T, C0[0], C0[1], C0[2], C0[3], True, DOT_PREC, UPCAST, HQ,
@@ -101,10 +110,10 @@ def _layer_kernel(
         tl.store(TIMES + pid * 5 + 1, tl.extra.cuda.globaltimer())
     if FIRST <= 1 and 1 <= LAST:
         S1: tl.constexpr = (1 if GDC else 0) if FIRST == 1 else 2
-        n = C1[4] * C1[5]
-        _phase_sync(pid, n, BAR, (1 - FIRST) * G, S1)
-        for u in range(pid, n, G):
-            _attn_o_unit(u // C1[5], u % C1[5], BAR, (1 - FIRST) * G, u == pid,
+        v = (pid + G - (N0 % G if ROTATE else 0)) % G
+        _phase_sync(v, N1, BAR, (1 - FIRST) * G, S1)
+        for u in range(v, N1, G):
+            _attn_o_unit(u // C1[5], u % C1[5], BAR, (1 - FIRST) * G, u == v,
                          Q, K, V, PK, PV, BS, BE, OS, PS, PE, WO, X, X1, SSQ1, WS, CNT, X,
                          sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, T, P,
                          qk_scale, HID, HQ, HQ // HKV, D, HQ // C1[5], BLOCK_T, C1[0], C1[1],
@@ -114,10 +123,10 @@ def _layer_kernel(
         tl.store(TIMES + pid * 5 + 2, tl.extra.cuda.globaltimer())
     if FIRST <= 2 and 2 <= LAST:
         S2: tl.constexpr = (1 if GDC else 0) if FIRST == 2 else 2
-        n = C2[6] * C2[2]
-        _phase_sync(pid, n, BAR, (2 - FIRST) * G, S2)
-        for u in range(pid, n, G):
-            _skinny_unit(u // C2[2], u % C2[2], 0, C2[6], BAR, (2 - FIRST) * G, u == pid,
+        v = (pid + G - ((N0 + N1) % G if ROTATE else 0)) % G
+        _phase_sync(v, N2, BAR, (2 - FIRST) * G, S2)
+        for u in range(v, N2, G):
+            _skinny_unit(u // C2[2], u % C2[2], 0, C2[6], BAR, (2 - FIRST) * G, u == v,
                          X1, WGU, BGU, H, WS, CNT, X, X, X, X, X, X, X, SSQ1, X, X, X,
                          T, BLOCK_T, HID, INTER, 0.0, norm_eps, 2 * INTER, HID, 1, MLP_BIAS, True,
                          C2[5], False, BLOCK_T, C2[0], C2[1], C2[2], C2[3], True, DOT_PREC, UPCAST,
@@ -126,10 +135,10 @@ def _layer_kernel(
         tl.store(TIMES + pid * 5 + 3, tl.extra.cuda.globaltimer())
     if FIRST <= 3 and 3 <= LAST:
         S3: tl.constexpr = (1 if GDC else 0) if FIRST == 3 else 2
-        n = C3[6] * C3[2]
-        _phase_sync(pid, n, BAR, (3 - FIRST) * G, S3)
-        for u in range(pid, n, G):
-            _skinny_unit(u // C3[2], u % C3[2], 0, C3[6], BAR, (3 - FIRST) * G, u == pid,
+        v = (pid + G - ((N0 + N1 + N2) % G if ROTATE else 0)) % G
+        _phase_sync(v, N3, BAR, (3 - FIRST) * G, S3)
+        for u in range(v, N3, G):
+            _skinny_unit(u // C3[2], u % C3[2], 0, C3[6], BAR, (3 - FIRST) * G, u == v,
                          H, WD, BD, X2, WS, CNT, X, X, X, X, X, X, X, X, X1, SSQ2, X,
                          T, BLOCK_T, INTER, HID, 0.0, 0.0, HID, INTER, 0, MLP_BIAS, False, 1, True,
                          BLOCK_T, C3[0], C3[1], C3[2], C3[3], True, DOT_PREC, UPCAST, 1, 1, 1,
@@ -149,8 +158,11 @@ MAX_T = 16  # the latency buckets; past them the four kernels (and cuBLAS) take 
 # it) and warps per program; KernelOptions.tune's layer.per_sm / layer.num_warps override them.
 # H200 (bench.layer, T = 8): 2 programs of 4 warps 25.5 us a layer, 1 of 4 30.3, 1 of 8 30.7; 2 of
 # 8 do not fit (255 registers).
-# uncap 1 (bench.layer A/B): each phase keeps its own kernel's config, units past the grid in turn.
-LAUNCH = dict(per_sm=2, num_warps=4, uncap=0)
+# bench.layer A/B knobs: uncap 1, each phase keeps its own kernel's config (units past the grid run
+# in turn); coop 1, a cooperative launch (the driver then guarantees every program resident at once,
+# even beside another stream's kernels, where the occupancy check below cannot).
+# rotate 1, each phase's units dealt first to the programs idle in the phase before (_layer_kernel).
+LAUNCH = dict(per_sm=2, num_warps=4, uncap=0, coop=0, rotate=0)
 
 
 def _skinny_phase(T, ncols, K, epi, dtype, device, role, grid, options, block_n=None, nt=1):
@@ -273,10 +285,12 @@ def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, 
               RANGES=prefix_range is not None, C0=cfg["C0"], C1=cfg["C1"], C2=cfg["C2"],
               C3=cfg["C3"], BLOCK_T=cfg["BLOCK_T"],
               DOT_PREC="ieee" if dt == torch.float32 else "tf32", UPCAST=_INTERPRETED,
-              FIRST=phases[0], LAST=phases[1], TIMED=times is not None, num_warps=launch["num_warps"],
+              FIRST=phases[0], LAST=phases[1], TIMED=times is not None, ROTATE=bool(launch["rotate"]),
+              num_warps=launch["num_warps"],
               num_stages=3,
               **launch_kwargs(dev, options))
-    g = min(grid, cfg["units"])
+    # (rotated dealing wants the whole grid: programs idle in one phase are the next one's loaders)
+    g = grid if launch["rotate"] else min(grid, cfg["units"])
     assert times is None or (times.dtype == torch.int64 and times.shape[0] >= g and not _INTERPRETED)
     if not _INTERPRETED and phases[1] > phases[0]:
         # every program resident, or the first barrier never opens (checked once per compiled
@@ -285,5 +299,7 @@ def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, 
         if key not in _FITS:
             _FITS[key] = _resident(_layer_kernel.warmup(*args, grid=(g,), **kw), launch["num_warps"], dev)
         assert _FITS[key] * sms >= g, f"persistent layer: {g} programs, {_FITS[key]} per SM fit"
+    if launch["coop"] and not _INTERPRETED:
+        kw["launch_cooperative_grid"] = True
     _layer_kernel[(g,)](*args, **kw)
     return x2, ssq2, out

@@ -25,7 +25,7 @@ from prefixscore.kernels.gemm_triton import (  # noqa: E402
     gate_up_silu_small, linear_residual_small, qkv_rope_small)
 from prefixscore.kernels.label_head import rms_norm as rms_norm_ref  # noqa: E402
 from prefixscore.kernels.layer_triton import layer_config, layer_small  # noqa: E402
-from prefixscore.kernels.options import DEFAULTS  # noqa: E402
+from prefixscore.kernels.options import DEFAULTS, KernelOptions  # noqa: E402
 from prefixscore.kernels.triton_util import barrier_stalled  # noqa: E402
 from tests.kernels.test_kernels_triton import make_plan  # noqa: E402
 
@@ -71,14 +71,14 @@ def make_block(case, dtype, seed):
         bd=r(hid) if mlp_bias else None, Hq=Hq, Hkv=Hkv, D=D, prefix_range=prefix_range)
 
 
-def run_layer(b, phases=((0, 3),)):
+def run_layer(b, phases=((0, 3),), options=DEFAULTS):
     """The block through layer_small, in one launch per (first, last) -> the 8 intermediates."""
     out = None
     for ph in phases:
         _, _, out = layer_small(b["x"], b["ssq"], b["wqkv"], b["bqkv"], b["cos"], b["sin"], b["q_norm"],
                                 b["k_norm"], EPS, b["pk"], b["pv"], b["bs"], b["be"], b["own"],
                                 b["scale"], b["wo"], b["wgu"], b["bgu"], b["wd"], b["bd"], EPS, b["Hq"],
-                                b["Hkv"], b["D"], b["prefix_range"], phases=ph, out=out)
+                                b["Hkv"], b["D"], b["prefix_range"], phases=ph, out=out, options=options)
     return out
 
 
@@ -126,6 +126,17 @@ def test_each_phase_equals_its_kernel(case):
             assert_near(name, g, w)
         else:
             assert torch.equal(g, w), (name, (g.float() - w.float()).abs().max())
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_rotated_dealing_is_the_same_block(case):
+    """layer.rotate (each phase's units dealt first to the programs idle in the phase before)
+    moves units between programs, never changes one: every intermediate bitwise the same."""
+    b = make_block(CASES[case], torch.bfloat16, 400 + case)
+    phases = [(0, 3)] if CUDA else [(p, p) for p in range(4)]
+    rotated = run_layer(b, phases, KernelOptions(tune={"layer.rotate": 1}))
+    for name, g, w in zip(NAMES, rotated, run_layer(b, phases)):
+        assert torch.equal(g, w), name
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
