@@ -18,13 +18,20 @@ weight stream starts while the last programs of this one finish. The math is the
 two things can round a sum differently: the attention + O unit runs at this kernel's warps where
 its own kernel runs 8, and a phase with more units than the grid has programs runs fewer K splits
 (0.5B's down: 8 instead of 10). H200: x2 bitwise the four kernels' at T = 1 and 16, one bf16 step
-off at T = 8. Every bucket of up to 16 tokens runs the one configuration, as the four kernels do.
+off at T = 8; H100: bitwise at 1, 8 and 16. Every bucket of up to 16 tokens runs the one configuration, as the four kernels do.
 
-Measured (H200, bench.layer, Qwen2.5-0.5B's block, T = 8, one graph of 24 blocks): 25.5 us a
-block against the four kernels' 18.3. Each barrier costs ~0.45 us (one launch of all four phases
-25.5, four launches of one phase 24.1); the rest is the phases' own code: no PDL triggers between
-them, fewer K splits (units capped to the grid), 4 warps for attention, 255 registers. Off by
-default (KernelOptions.persistent_layer) until it wins.
+Measured (bench.layer, Qwen2.5-0.5B's block, T = 8, one graph of 24 blocks): 25.5 us a block
+against the four kernels' 18.3 on the H200, 25.8 against 19.2 on the H100. Each barrier costs
+~0.45 us (one launch of all four phases 25.5, four launches of one phase 24.1); the rest is where
+weights load. PDL runs two kernels' programs side by side, so a kernel's weights stream during the
+whole kernel ahead; here a program loads a phase's weights once its unit of the phase before is
+done, and the sm_90 build preloads 2 of down's 5 K-steps (its own kernel: 4 of 4, at 10 splits).
+Per-phase critical path on the H100 (TIMED): QKV 3.8, attention + O 6.9, gate/up 8.3, down 5.4 us.
+Off by default (KernelOptions.persistent_layer) until it wins.
+
+ROTATE (layer.rotate): phase p's units are dealt starting where phase p - 1's ended, so the
+programs idle in p - 1 take p's first units and load their weights during p - 1, which pays where
+adjacent phases' units fit the grid together (bench.layer --sweep has such configs).
 
 FIRST / LAST (constexpr) pick the phases one launch runs: the engine runs 0..3; the tests run one
 phase per launch under the interpreter, which executes programs one after another and would spin
@@ -32,7 +39,10 @@ for ever at a barrier (a launch of one phase has none).
 
 Every program must be resident at once or the barrier never opens: the grid is the SM count times
 the programs per SM that the compiled kernel's registers and shared memory allow (at most 2), and
-the units of each phase are capped to the grid.
+the units of each phase are capped to the grid. (layer.coop makes it a cooperative launch, which
+the driver keeps resident even beside another stream's kernels.) A barrier that still never opens
+gives up after triton_util.SPIN_LIMIT polls and raises a flag (barrier_stalled): a wrong result
+the tests catch, not a hung GPU.
 """
 from __future__ import annotations
 
