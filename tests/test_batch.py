@@ -134,9 +134,11 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_scores_do_not_depend_on_the_bucket():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_gpu_scores_do_not_depend_on_the_bucket(persistent):
     """One request replayed in every bucket of up to 16 tokens that holds it: bitwise the same
-    scores. Padding tokens and the bucket's size must not reach a real row (up to 16 tokens the
+    scores, with the four kernels a block and with the persistent block kernel (one configuration
+    for every T <= 16 too). Padding tokens and the bucket's size must not reach a real row (up to 16 tokens the
     kernels' tiles and K splits are the same; Triton's T % 16 == 0 variant once summed a row's norm
     in another order). Past 16 the tiles change with T, and so may the last bits. Qwen2.5-0.5B
     widths, 6 layers of random weights, 48 requests: the difference showed from layer 8 of 24."""
@@ -144,6 +146,7 @@ def test_gpu_scores_do_not_depend_on_the_bucket():
 
     from prefixscore.weights.model_config import ModelConfig
     from prefixscore.engine import Engine
+    from prefixscore.kernels.options import KernelOptions
     from prefixscore.weights.loading import from_tensors
 
     cfg = AutoConfig.for_model("qwen2", hidden_size=896, intermediate_size=4864, num_attention_heads=14,
@@ -157,7 +160,7 @@ def test_gpu_scores_do_not_depend_on_the_bucket():
             p.uniform_(0.8, 1.2) if "norm" in n else p.normal_(0, 0.02)
     loaded = from_tensors(ModelConfig.from_hf(cfg), hf.state_dict(), None, "random",
                           torch.device("cuda"), torch.bfloat16)
-    engine = Engine(loaded)
+    engine = Engine(loaded, KernelOptions.from_env(persistent_layer=persistent))
     trie = LabelTrie([str(t) for t in range(100, 109)], [[t] for t in range(100, 109)], None)
     prefix = engine.prefill(list(range(200, 248)))
     weight = engine.label_weight(trie.columns)
