@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The persistent block kernel (issue 35) on the H200 in one device call: its GPU tests, then
+# bench.layer (the one launch against the four kernels, the --sweep variants, each phase alone, the
+# per-phase critical path), then bench.latency's W1 and bucket rows for both paths. Each stage is
+# bounded (a grid that hangs would otherwise hold the machine until the call's limit) and writes
+# its log and JSON under $OUT as it finishes.
+#
+#   bash bench/persistent_gpu.sh [tests] [layer] [latency]        (default: all, in this order)
+#
+# Needs .whl/ (bench/gpu_wheels.txt) and .carry/ (SmolLM2's tokenizer files), as tests/gpu.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+for s in ${*:-tests layer latency}; do
+  echo "== $s $(date +%T)"
+  case $s in
+    tests) timeout -s KILL 150 bash tests/gpu.sh -k "test_kernels_layer or persistent or depend_on_the_bucket" ;;
+    layer) timeout -s KILL 200 python3 -m bench.layer --tokens 8,16 --quick --sweep ;;
+    latency) timeout -s KILL 300 python3 -m bench.latency --skip-7b --quick ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac 2>&1 | tee "$OUT/persistent_gpu_$s.log"
+  echo "== $s rc=${PIPESTATUS[0]} $(date +%T)"
+done
