@@ -36,12 +36,15 @@ PHASES = ("QKV", "attention + O", "gate/up", "down")
 # build of the default launch preloads 2 of down's 5 K-steps before its barrier (its own kernel: all
 # 4 of 4, at 10 splits); rotated dealing lets the programs idle in one phase load the next one's
 # weights during it (as PDL's co-resident kernels do), which pays where adjacent phases' units fit
-# the grid together (QKV 126 + attention 98 at 128 columns + gate/up 152 ... down 112 at 4 splits).
+# the grid together (QKV 126 + attention 98 at 128 columns + gate/up 152 ... down 112 at 4 splits);
+# the trigger lets the next block's programs start loading as this one's down phase runs.
 SWEEP = (
     {"down.PRE": 4},
     {"down.BLOCK_K": 64, "down.PRE": 8},
     {"layer.rotate": 1},
     {"layer.rotate": 1, "attn_o.BLOCK_N": 128, "down.SPLIT": 4, "down.PRE": 8},
+    {"layer.trigger": 1},
+    {"layer.trigger": 1, "layer.rotate": 1, "attn_o.BLOCK_N": 128, "down.SPLIT": 4, "down.PRE": 8},
     {"attn_o.BLOCK_N": 128},
     {"layer.uncap": 1},
     {"layer.coop": 1},

@@ -31,7 +31,10 @@ Off by default (KernelOptions.persistent_layer) until it wins.
 
 ROTATE (layer.rotate): phase p's units are dealt starting where phase p - 1's ended, so the
 programs idle in p - 1 take p's first units and load their weights during p - 1, which pays where
-adjacent phases' units fit the grid together (bench.layer --sweep has such configs).
+adjacent phases' units fit the grid together (bench.layer --sweep has such configs). LAUNCH_NEXT
+(layer.trigger): every program lets the next kernel launch as it enters the down phase, so the next
+block's programs take the slots ours leave, load their weights and wait at their PDL wait, where
+otherwise the next launch follows our end.
 
 FIRST / LAST (constexpr) pick the phases one launch runs: the engine runs 0..3; the tests run one
 phase per launch under the interpreter, which executes programs one after another and would spin
@@ -90,7 +93,7 @@ def _layer_kernel(
     C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr,
     BLOCK_T: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     FIRST: tl.constexpr, LAST: tl.constexpr, GDC: tl.constexpr, TIMED: tl.constexpr,
-    ROTATE: tl.constexpr,
+    ROTATE: tl.constexpr, LAUNCH_NEXT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -143,6 +146,10 @@ def _layer_kernel(
                          1, 1, 1, False, C2[4], 0, False, False, SYNC=S2, XMOD=".cg")
     if TIMED and FIRST <= 2 and 2 <= LAST:
         tl.store(TIMES + pid * 5 + 3, tl.extra.cuda.globaltimer())
+    if GDC and LAUNCH_NEXT and LAST == 3:  # (layer.trigger) the next kernel may launch now: its
+        # programs take the slots ours leave, load their weights and wait for our end (PDL), which
+        # the four kernels' down does too; without it the next block's launch follows our end
+        tl.extra.cuda.gdc_launch_dependents()
     if FIRST <= 3 and 3 <= LAST:
         S3: tl.constexpr = (1 if GDC else 0) if FIRST == 3 else 2
         v = (pid + G - ((N0 + N1 + N2) % G if ROTATE else 0)) % G
@@ -171,8 +178,9 @@ MAX_T = 16  # the latency buckets; past them the four kernels (and cuBLAS) take 
 # bench.layer A/B knobs: uncap 1, each phase keeps its own kernel's config (units past the grid run
 # in turn); coop 1, a cooperative launch (the driver then guarantees every program resident at once,
 # even beside another stream's kernels, where the occupancy check below cannot).
-# rotate 1, each phase's units dealt first to the programs idle in the phase before (_layer_kernel).
-LAUNCH = dict(per_sm=2, num_warps=4, uncap=0, coop=0, rotate=0)
+# rotate 1, each phase's units dealt first to the programs idle in the phase before (_layer_kernel);
+# trigger 1, the next kernel launches as the down phase starts (PDL).
+LAUNCH = dict(per_sm=2, num_warps=4, uncap=0, coop=0, rotate=0, trigger=0)
 
 
 def _skinny_phase(T, ncols, K, epi, dtype, device, role, grid, options, block_n=None, nt=1):
@@ -296,6 +304,7 @@ def layer_small(x, ssq, wqkv, bqkv, cos, sin, q_norm, k_norm, qk_eps, prefix_k, 
               C3=cfg["C3"], BLOCK_T=cfg["BLOCK_T"],
               DOT_PREC="ieee" if dt == torch.float32 else "tf32", UPCAST=_INTERPRETED,
               FIRST=phases[0], LAST=phases[1], TIMED=times is not None, ROTATE=bool(launch["rotate"]),
+              LAUNCH_NEXT=bool(launch["trigger"]),
               num_warps=launch["num_warps"],
               num_stages=3,
               **launch_kwargs(dev, options))

@@ -186,11 +186,11 @@ def main():
                     **{p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "CNT", "BAR")}, TIMES="*i64",
                     qk_scale="fp32", eps="fp32", norm_eps="fp32")
     for qk_norm, ranges, timed, rotate in ((False, False, False, False), (True, True, False, False),
-                                           (False, False, True, True)):
+                                           (False, False, True, True)):  # (the last: layer.trigger too)
         cfg = LT.layer_config(16, 896, 4864, 14, 2, 64, 28, BF16, CPU, 264, KernelOptions())
         consts = dict(HID=896, INTER=4864, HQ=14, HKV=2, D=64, QK_NORM=qk_norm, QKV_BIAS=not qk_norm,
                       MLP_BIAS=False, RANGES=ranges, BLOCK_T=16, DOT_PREC="tf32",
-                      UPCAST=False, FIRST=0, LAST=3, TIMED=timed, ROTATE=rotate,
+                      UPCAST=False, FIRST=0, LAST=3, TIMED=timed, ROTATE=rotate, LAUNCH_NEXT=rotate,
                       **{k: cfg[k] for k in ("C0", "C1", "C2", "C3")})
         compile_kernel(f"layer 0.5B qk_norm={qk_norm} ranges={ranges} timed={timed} rotate={rotate} {consts}",
                        LT._layer_kernel,

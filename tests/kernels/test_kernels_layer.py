@@ -192,3 +192,34 @@ def test_gpu_one_launch(T):
     for name, g, w in zip(NAMES, one, run_four(b)):
         assert_near(name, g, w)
     assert not barrier_stalled(torch.device("cuda"))  # every barrier opened (none gave up)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_chained_blocks_with_trigger_and_rotation():
+    """Three blocks in a row, each reading the one before's x2 and its sums of squares, eager and
+    replayed in a CUDA graph: with layer.trigger (the next launch's programs start before this one
+    ends, and must still read its writes) and layer.rotate, bitwise the default launches'."""
+    case = (896, 4864, 14, 2, 64, 8, 40, True, False, False, False)
+    b = make_block(case, torch.bfloat16, 500)
+
+    def chain(options):
+        x, ssq = b["x"], b["ssq"]
+        for _ in range(3):
+            x, ssq, _ = layer_small(x, ssq, b["wqkv"], b["bqkv"], b["cos"], b["sin"], None, None, EPS,
+                                    b["pk"], b["pv"], b["bs"], b["be"], b["own"], b["scale"], b["wo"],
+                                    b["wgu"], b["bgu"], b["wd"], b["bd"], EPS, b["Hq"], b["Hkv"], b["D"],
+                                    options=options)
+        return x
+
+    want = chain(DEFAULTS)
+    fast = KernelOptions(tune={"layer.trigger": 1, "layer.rotate": 1})
+    assert torch.equal(chain(fast), want)
+    chain(fast)  # warm-up on the capture stream's side
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain(fast)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert not barrier_stalled(torch.device("cuda"))
