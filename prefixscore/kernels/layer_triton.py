@@ -18,7 +18,8 @@ weight stream starts while the last programs of this one finish. The math is the
 two things can round a sum differently: the attention + O unit runs at this kernel's warps where
 its own kernel runs 8, and a phase with more units than the grid has programs runs fewer K splits
 (0.5B's down: 8 instead of 10). H200: x2 bitwise the four kernels' at T = 1 and 16, one bf16 step
-off at T = 8; H100: bitwise at 1, 8 and 16. Every bucket of up to 16 tokens runs the one configuration, as the four kernels do.
+off at T = 8; H100: bitwise at 1, 8 and 16. Every bucket of up to 16 tokens runs the one
+configuration, as the four kernels do.
 
 Measured (bench.layer, Qwen2.5-0.5B's block, T = 8, one graph of 24 blocks): 25.5 us a block
 against the four kernels' 18.3 on the H200, 25.8 against 19.2 on the H100. Each barrier costs

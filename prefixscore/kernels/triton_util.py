@@ -51,17 +51,24 @@ def barrier_stalled(device) -> bool:
     """Whether a grid barrier gave up (_grid_sync's flag, the last counter of a buffer) since the
     last call; clears it. A host sync: tests and bench/ only."""
     hit = False
-    for key, buf in list(_COUNTERS.items()) + [(None, b) for b in _RETIRED]:
-        if key is None or key[0] == str(device):
+    for buf in list(_COUNTERS.values()) + _RETIRED:
+        if _same_device(buf.device, torch.device(device)):
             hit |= bool(buf[-1].item())
             buf[-1] = 0
     return hit
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """cuda and cuda:0 alike (an index left out is the current device's)."""
+    def index(d):
+        return d.index if d.index is not None or d.type != "cuda" else torch.cuda.current_device()
+    return a.type == b.type and index(a) == index(b)
+
+
 # A grid barrier gives up after this many polls (seconds at ~1 us a poll; a real wait is
 # microseconds) and raises the flag BAR + 2 instead of hanging the GPU: a program that never
 # arrives (a grid that is not all resident at once) then costs a wrong result that
-# layer_triton.stalled() reports, not a machine.
+# barrier_stalled() reports, not a machine.
 SPIN_LIMIT = tl.constexpr(1 << 22)
 
 

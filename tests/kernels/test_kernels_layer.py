@@ -168,6 +168,18 @@ def test_config_fits_the_grid(dims, grid):
     assert cfg["units"] <= grid and cfg["ws"] >= 16 * cfg["C3"][2] * hid
 
 
+def test_barrier_stalled_reads_and_clears_the_flag():
+    """A barrier that gave up leaves 1 in its buffer's last counter: reported once (for the device
+    named with or without its index), then cleared."""
+    from prefixscore.kernels.triton_util import _counters
+
+    buf = _counters(torch.device(DEVICE))
+    assert not barrier_stalled(DEVICE)
+    buf[-1] = 1
+    assert barrier_stalled(torch.device(DEVICE)) and buf[-1].item() == 0
+    assert not barrier_stalled(DEVICE)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("T", [1, 8, 16])
 def test_gpu_one_launch(T):
