@@ -204,7 +204,12 @@ def profile_kernels(ours, suffix):
             "top": top[:25]}
 
 
-PATHS = {"four kernels": {}, "persistent": {"persistent_layer": True}}  # bucket_rows' engines
+# bucket_rows' engines: today's, the persistent block's default launch, and its launch with rotated
+# dealing, the next block triggered early and the unit counts that let adjacent phases share the
+# grid (bench.layer's SWEEP; the overrides also reach the four kernels of the read-out layer)
+PATHS = {"four kernels": {}, "persistent": {"persistent_layer": True},
+         "persistent, rotated": {"persistent_layer": True, "layer.rotate": 1, "layer.trigger": 1,
+                                 "attn_o.BLOCK_N": 128, "down.SPLIT": 4, "down.PRE": 8}}
 
 
 def bucket_rows(ours, floors) -> dict:
@@ -232,7 +237,7 @@ def bucket_rows(ours, floors) -> dict:
                 rows[T]["max_abs_diff"] = (scores - out["four kernels"][T].pop("_scores")).abs().max().item()
             else:
                 rows[T]["_scores"] = scores
-            print(f"bucket {T:>2} {path:12s} replay {s['p50_ms']:.4f} ms "
+            print(f"bucket {T:>2} {path:20s} replay {s['p50_ms']:.4f} ms "
                   f"({100 * rows[T]['of_copy_rate']:.0f}% of the copy rate)", flush=True)
     for rows in out.values():
         for r in rows.values():
