@@ -10,14 +10,7 @@
 # Needs .whl/ (bench/gpu_wheels.txt) and .carry/ (SmolLM2's tokenizer files), as tests/gpu.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 for s in ${*:-tests layer latency}; do
   echo "== $s $(date +%T)"
   case $s in

@@ -8,14 +8,7 @@
 # Needs .whl/ (bench/gpu_wheels.txt) and .carry/ (SmolLM2's tokenizer files), as tests/gpu.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source bench/gpu_env.sh
 stages=${*:-tests arms ranking http fp8}
 [ -d /tmp/q05 ] || python3 -c 'from bench.gpu import real_form_model; real_form_model()'
 for s in $stages; do

@@ -180,6 +180,19 @@ def test_barrier_stalled_reads_and_clears_the_flag():
     assert not barrier_stalled(DEVICE)
 
 
+def replayed(fn):
+    """fn's output from a CUDA graph of it, replayed three times (warmed up first, as a capture
+    wants)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    return got
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("T", [1, 8, 16])
 def test_gpu_one_launch(T):
@@ -192,14 +205,7 @@ def test_gpu_one_launch(T):
     for name, g, w in zip(NAMES, one, apart):
         assert torch.equal(g, w), name
     assert all(torch.equal(g, w) for g, w in zip(one, run_layer(b)))
-    run_layer(b)  # warm-up on the capture stream's side
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = run_layer(b)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    for name, g, w in zip(NAMES, got, one):
+    for name, g, w in zip(NAMES, replayed(lambda: run_layer(b)), one):
         assert torch.equal(g, w), name
     for name, g, w in zip(NAMES, one, run_four(b)):
         assert_near(name, g, w)
@@ -226,12 +232,5 @@ def test_gpu_chained_blocks_with_trigger_and_rotation():
     want = chain(DEFAULTS)
     fast = KernelOptions(tune={"layer.trigger": 1, "layer.rotate": 1})
     assert torch.equal(chain(fast), want)
-    chain(fast)  # warm-up on the capture stream's side
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = chain(fast)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(got, want)
+    assert torch.equal(replayed(lambda: chain(fast)), want)
     assert not barrier_stalled(torch.device("cuda"))
