@@ -30,3 +30,16 @@ def test_kernels_compile_for_sm90():
                    "attention+O", "label head", "layer 0.5B",
                    "rms_norm", "rope_qk", "silu_mul", "embed_rope"):
         assert any(l.startswith("ok " + family) for l in compiled), family
+
+
+@pytest.mark.skipif(PTXAS is None or not PTXAS.exists(), reason="no triton, or its wheel ships no ptxas")
+def test_gluon_stream_probe_compiles_for_sm90():
+    """bench/gluon_stream.py (the Gluon re-plan's premise, run on the GPU by bench/persistent_gpu.sh):
+    the interpreter does not run Gluon, so its CPU coverage is this build of every variant."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "bench.gluon_stream", "--compile-only"], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    built = [l for l in r.stdout.splitlines() if l.startswith("ok gluon_stream")]
+    assert len(built) == 4 and all("tma 4" in l for l in built), r.stdout
