@@ -7,6 +7,8 @@
   invariance 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (0.5B): differing bits
   real form  the real-text path (seed prompt in the chat template, real queries) through
              Classifier(dtype="fp8") vs bf16: classify() wall p50 and decisions agreement
+Three arms: bf16, fp8 (e4m3 weights multiplied in bf16) and "fp8, fp16 dot" (the same weights,
+QKV and gate/up multiplied in fp16: KernelOptions.fp8_fp16); on the 7B shape W1 is W4.
 
     device run:  python -m bench.fp8_gpu [--skip-7b] [--quick]     (writes $OUT/fp8_gpu.json)
 Targets: W1 (0.5B) <= 0.35 ms; W2 >= 1.6x bf16 req/s; agreement with HF fp32 within 1 point of
@@ -115,6 +117,10 @@ def real_form(quick: bool) -> dict:
     return res
 
 
+def variants_of(r: dict) -> list:
+    return [k for k in ("bf16", "fp8", "fp8, fp16 dot") if k in r]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -126,6 +132,8 @@ def main(argv=None):
         hf = hf_model(shape)
         # graphs up to 8,192 tokens (512 requests): W2's 65,536 tokens run eagerly either way
         variants = {"bf16": Synthetic(hf, max_tokens=8192), "fp8": Synthetic(hf, max_tokens=8192, fp8=True)}
+        # the same e4m3 weights, QKV and gate/up multiplied in fp16 (KernelOptions.fp8_fp16)
+        variants["fp8, fp16 dot"] = variants["fp8"].variant(8192, fp8_fp16=True)
         r = results["shapes"][shape] = {"fidelity": fidelity(hf, variants, 200 if a.quick else 500)}
         print(shape, json.dumps(r["fidelity"]), flush=True)
         one = random_suffixes(1, seed=9)
@@ -150,17 +158,17 @@ def main(argv=None):
         results["real_form"] = {"error": repr(e)}
     print("real form", json.dumps(results["real_form"]), flush=True)
     (OUT / "fp8_gpu.json").write_text(json.dumps(results, indent=1))
-    print(f"\n{'shape':<6} {'dtype':<6} {'W1 gpu p50':>10} {'W1 call':>8} {'weights MB':>10} "
+    print(f"\n{'shape':<6} {'dtype':<13} {'W1 gpu p50':>10} {'W1 call':>8} {'weights MB':>10} "
           f"{'W2 req/s':>9} {'agree/n':>8} {'max|d|':>7} {'flips':>5}")
     for shape, r in results["shapes"].items():
         f = r["fidelity"]
-        print(f"{shape:<6} {'hf16':<6} {'':>10} {'':>8} {'':>10} {'':>9} "
+        print(f"{shape:<6} {'hf16':<13} {'':>10} {'':>8} {'':>10} {'':>9} "
               f"{f['hf_bf16']['agree_with_hf_fp32']:>4}/{f['n']:<3} "
               f"{f['hf_bf16']['max_abs_diff_vs_hf_fp32']:7.3f} {f['hf_bf16']['flips_on_clear_margin']:>5}")
-        for name in ("bf16", "fp8"):
+        for name in variants_of(r):
             v, fv = r[name], f[name]
             w2 = max(v["sweep"].items(), key=lambda kv: int(kv[0]))[1]["req_per_s"] if v["sweep"] else 0
-            print(f"{shape:<6} {name:<6} {v['w1_gpu']['p50_ms']:10.4f} {v['w1_call']['p50_ms']:8.4f} "
+            print(f"{shape:<6} {name:<13} {v['w1_gpu']['p50_ms']:10.4f} {v['w1_call']['p50_ms']:8.4f} "
                   f"{v['weight_mb']:10.0f} {w2:9.0f} {fv['agree_with_hf_fp32']:>4}/{f['n']:<3} "
                   f"{fv['max_abs_diff_vs_hf_fp32']:7.3f} {fv['flips_on_clear_margin']:>5}")
 

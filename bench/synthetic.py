@@ -5,6 +5,7 @@ made: an A/B arm is another engine over the same weights (Synthetic.arm), never 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import statistics
@@ -132,6 +133,17 @@ class Synthetic:
             else:
                 changes[name.lower()] = value
         return Engine(self.loaded, dataclasses.replace(self.engine.options, tune=tune, **changes))
+
+    def variant(self, max_tokens=32768, **switches) -> "Synthetic":
+        """This model under an arm's engine (the same weights, arm's switches), with its own pinned
+        prefix (prefilled by that engine) and graphs: a peer for fidelity and timing alike."""
+        v = copy.copy(self)
+        v.engine = self.arm(**switches)
+        v.prefix = v.engine.prefill(v.prefix_ids)
+        v.weight = v.engine.label_weight(v.trie.columns)
+        v.capture = v.engine.capture(v.prefix, v.weight, True, max_tokens)
+        v.runner = v.engine.graphs[(id(v.prefix), id(v.weight), True)]
+        return v
 
 
 def random_suffixes(n, seed):

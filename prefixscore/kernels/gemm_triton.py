@@ -24,7 +24,9 @@ NORM: x is the residual stream and w has the RMSNorm weight folded into its colu
 rms_norm(x) @ w^T = rstd[t] * (x @ w^T): the loop is the plain GEMM's and the epilogue scales each
 row by rstd, summed from the ssq the producer left (no norm kernel, no extra pass over x).
 (Normalising x inside the loop instead puts elementwise work between x's load and tl.dot, which
-Triton then stops pipelining: +11 us per 7B GEMM on the H200.)
+Triton then stops pipelining: +11 us per 7B GEMM on the H200. With e4m3 weights it does scale x
+inside the loop, to multiply in fp16 (F16 below); the sm_90 build still streams x and the weights
+through cp.async there.)
 
 PRE (0.5B-class weights, pdl.early): the first PRE K-steps' weight tiles are loaded into registers
 before the PDL wait, as one tile multiplied in one dot, and the loop runs the rest; TRIG lets the
@@ -66,7 +68,7 @@ def _skinny_kernel(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
-    TGRID: tl.constexpr,
+    TGRID: tl.constexpr, F16: tl.constexpr,
 ):
     if TGRID:  # T past one row tile (batch-invariant mode): a third grid axis over row tiles of the
         # same config, so every row is computed by the same instructions in the same order
@@ -77,7 +79,7 @@ def _skinny_kernel(
                  X, W, B, OUT, WS, CNT, COS, SIN, QN, KN, QO, KO, VO, SSQ_IN, R, SSQ_OUT, WSC,
                  T, TP, stride_xt, stride_ot, eps, norm_eps, N, K, EPI, HAS_BIAS, NORM, NT, RESID,
                  BLOCK_T, BLOCK_N, BLOCK_K, SPLIT, ITERS, DOT, DOT_PREC, UPCAST, HQ, HKV, D, QK_NORM,
-                 PRE, TRIG, FP8, TGRID, SYNC=1 if GDC else 0, XMOD="")
+                 PRE, TRIG, FP8, TGRID, SYNC=1 if GDC else 0, XMOD="", F16=F16)
 
 
 @triton.jit
@@ -95,14 +97,22 @@ def _skinny_unit(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, FP8: tl.constexpr, TGRID: tl.constexpr,
-    SYNC: tl.constexpr, XMOD: tl.constexpr,
+    SYNC: tl.constexpr, XMOD: tl.constexpr, F16: tl.constexpr = False,
 ):
     """One program's work: column tile pid_n, K split pid_k, row tile pid_t (of n_tiles column
     tiles). SYNC: where the weight preloads end, 1 waits for the kernel ahead (PDL), 2 for this
     grid's other programs (triton_util._grid_sync to bar_target, when do_sync: a persistent
     kernel's first unit of a phase, kernels/layer_triton.py). XMOD: the cache modifier of the loads
-    of activations (".cg" where other programs of the same grid wrote them: L1 is not coherent)."""
+    of activations (".cg" where other programs of the same grid wrote them: L1 is not coherent).
+    F16 (FP8 and NORM only): the dot in fp16 (KernelOptions.fp8_fp16)."""
     TWO: tl.constexpr = EPI != 0
+    # F16: e4m3 weights behind a norm multiplied in fp16, not bf16. e4m3 -> fp16 is one conversion
+    # per two values (cvt.rn.f16x2.e4m3x2) where bf16 takes a second, scalar one per value (sm_90
+    # build: cvt.bf16.f16), and conversions issue at 16 a clock per SM: three per two weights cap
+    # the weight stream near 2.8 TB/s on the H200, one per two lifts the cap past HBM. Normed rows
+    # fit fp16 (|x * rstd| <= sqrt(K)), so rstd scales x before the dot instead of the sum after
+    # it; other inputs (O's, down's) have no such bound and stay bf16.
+    tl.static_assert(not F16 or (FP8 and NORM))
     if TGRID:
         t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         cnt = CNT + pid_t * n_tiles + pid_n
@@ -189,7 +199,12 @@ def _skinny_unit(
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
         xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0, cache_modifier=XMOD)
-        if FP8:  # e4m3 weights: to the activations' dtype in registers (scaled in the epilogue)
+        if F16:
+            xp = (xp.to(tl.float32) * rstd).to(tl.float16)
+            wpa = wpa.to(tl.float16)
+            if TWO:
+                wpb = wpb.to(tl.float16)
+        elif FP8:  # e4m3 weights: to the activations' dtype in registers (scaled in the epilogue)
             wpa = wpa.to(X.dtype.element_ty)
             if TWO:
                 wpb = wpb.to(X.dtype.element_ty)
@@ -210,7 +225,10 @@ def _skinny_unit(
             k_ok = k < K
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=XMOD)
             wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if FP8:
+        if F16:
+            xv = (xv.to(tl.float32) * rstd).to(tl.float16)
+            wa = wa.to(tl.float16)
+        elif FP8:
             wa = wa.to(X.dtype.element_ty)
         # acc += x @ w^T, inlined (a nested jit call costs ~10 ms per call in the interpreter)
         if DOT:
@@ -227,7 +245,9 @@ def _skinny_unit(
             else:
                 wb = tl.load(wb_ptr + k[None, :], mask=k_ok[None, :], other=0.0,
                              eviction_policy="evict_first")
-            if FP8:
+            if F16:
+                wb = wb.to(tl.float16)
+            elif FP8:
                 wb = wb.to(X.dtype.element_ty)
             if DOT:
                 if UPCAST:
@@ -265,7 +285,7 @@ def _skinny_unit(
             acc_a *= sc_a
             if TWO:
                 acc_b *= sc_b
-        if NORM:
+        if NORM and not F16:
             acc_a *= rstd
             acc_b *= rstd
         if HAS_BIAS:
@@ -368,6 +388,7 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, FP8=wsc is not None, TGRID=ntt > 1,
+        F16=options.fp8_fp16 and wsc is not None and norm is not None,
         TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi], options),
         **cfg, **launch_kwargs(x.device, options),
     )

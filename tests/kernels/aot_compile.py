@@ -58,6 +58,7 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     assert k.asm.get("cubin"), f"{name}: no cubin"
     assert "griddepcontrol.wait" in k.asm["ptx"], f"{name}: no PDL wait"
     print(f"ok {name}", flush=True)
+    return k
 
 
 def split_launch(cfg):
@@ -66,10 +67,10 @@ def split_launch(cfg):
 
 
 def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           nt=28, trig=False, cfg=None, fp8=False, tgrid=False):
+           nt=28, trig=False, cfg=None, fp8=False, tgrid=False, f16=False):
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
     fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). tgrid: over row tiles
-    (batch-invariant mode)."""
+    (batch-invariant mode). f16: the dot in fp16 (KernelOptions.fp8_fp16; fp8 and norm only)."""
     cfg = cfg or C.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n, fp8=fp8)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
@@ -82,8 +83,12 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
         types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
                   DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, FP8=fp8,
-                  TGRID=tgrid, **cfg)
-    compile_kernel(f"skinny {name} fp8={fp8} tgrid={tgrid} {cfg}", G._skinny_kernel, types, consts, nw, ns)
+                  TGRID=tgrid, F16=f16, **cfg)
+    k = compile_kernel(f"skinny {name} fp8={fp8} tgrid={tgrid} f16={f16} {cfg}", G._skinny_kernel, types,
+                       consts, nw, ns)
+    if f16:  # e4m3 -> fp16 only, one conversion per two weights (gemm_triton.py, F16)
+        ptx = k.asm["ptx"]
+        assert "cvt.bf16.f16" not in ptx and ".f32.f16.f16.f32" in ptx, f"{name}: e4m3 not multiplied in fp16"
 
 
 def main():
@@ -112,6 +117,11 @@ def main():
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True, fp8=True)
     skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112, fp8=True)
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True)
+    # ... with the dot in fp16 behind the norm (KernelOptions.fp8_fp16; the 0.5B one preloads)
+    skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128,
+           nt=56, fp8=True, f16=True)
+    skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112, fp8=True, f16=True)
+    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, fp8=True, f16=True)
     # batch-invariant mode: the T = 16 configs over row tiles
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, tgrid=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, tgrid=True)

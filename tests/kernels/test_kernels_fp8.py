@@ -3,10 +3,10 @@ kernels with e4m3 weights (kernels/gemm_triton.py, FP8) against dequantize-then-
 and a quantized model against the same model holding the dequantized weights.
 
 The kernels run compiled on CUDA, else under the Triton CPU interpreter (which converts e4m3 as
-the GPU does). Fresh random inputs per run. Tolerances: the kernels multiply the same bf16 values
-(e4m3 values are exact in bf16) and scale the fp32 sum once, so they differ from the reference
-only by summation order and the output's bf16 rounding: bf16's 2e-2 (abs and rel), as the bf16
-kernel tests.
+the GPU does). Fresh random inputs per run. Tolerances: the kernels multiply the same values
+(e4m3 values are exact in bf16 and fp16; behind a norm the fp16 operand x * rstd is rounded once
+more, 2^-11 relative) and scale the fp32 sum once, so they differ from the reference by summation
+order and the output's bf16 rounding: bf16's 2e-2 (abs and rel), as the bf16 kernel tests.
 """
 import os
 import random
@@ -27,7 +27,7 @@ fix_interpreter()
 from prefixscore.kernels import fp8  # noqa: E402
 from prefixscore.kernels.fp8 import E4M3_MAX, Fp8Weight  # noqa: E402
 from prefixscore.kernels.gemm import gate_up_silu_ref, qkv_rope_ref  # noqa: E402
-from prefixscore.kernels.options import DEFAULTS  # noqa: E402
+from prefixscore.kernels.options import DEFAULTS, KernelOptions  # noqa: E402
 from prefixscore.kernels.gemm_triton import (  # noqa: E402
     gate_up_silu_small, linear_residual_small, linear_small, qkv_rope_small)
 
@@ -114,18 +114,64 @@ def test_residual_fp8():
     torch.testing.assert_close(ssq.sum(0), out.float().pow(2).sum(1), rtol=1e-4, atol=1e-3)
 
 
-def test_gate_up_fp8_with_norm():
-    """The gated epilogue (two accumulators, two scale rows) after a fused RMSNorm (NORM)."""
+def residual_rows(T, H, gen):
+    """Rows of a residual stream: magnitudes spread over two orders (rstd far from 1, so a norm
+    applied twice or not at all shows), one row past fp16's range (massive activations: the
+    kernel's fp16 operands must be the normed rows, |x * rstd| <= sqrt(H), not x)."""
+    x = torch.randn(T, H, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen)) * 4
+    x[T // 2] *= 1e5
+    return x.to(DEVICE, BF), x.to(BF).float().pow(2).sum(1)[None, :].contiguous()  # ssq: one producer tile
+
+
+def normed(x):
+    return x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_gate_up_fp8_with_norm(fp16):
+    """The gated epilogue (two accumulators, two scale rows) after a fused RMSNorm (NORM); with
+    fp8_fp16 the norm scales x before an fp16 dot instead of the sum after a bf16 one."""
     gen = seed()
     T, H, I = 5, 160, 64
-    x = torch.randn(T, H, generator=gen).to(DEVICE, BF)
-    ssq = x.float().pow(2).sum(1)[None, :].contiguous()  # one producer tile
+    x, ssq = residual_rows(T, H, gen)
     w = Fp8Weight.quantize(weight(2 * I, H, gen) * 0.5)
     w = Fp8Weight(w.q.to(DEVICE), w.scale.to(DEVICE))
-    out = gate_up_silu_small(x, w, config=SMALL, norm=(1e-6, ssq))
-    h = (x.float() * torch.rsqrt(x.float().pow(2).mean(1, keepdim=True) + 1e-6))
-    ref = gate_up_silu_ref(h, w.dequantize())
+    out = gate_up_silu_small(x, w, config=SMALL, norm=(1e-6, ssq), options=KernelOptions(fp8_fp16=fp16))
+    ref = gate_up_silu_ref(normed(x), w.dequantize())
+    assert out.isfinite().all()
     torch.testing.assert_close(out.float(), ref.float(), atol=2 * TOL, rtol=2 * TOL)
+
+
+def test_fp8_fp16_switch_reaches_the_kernel():
+    """KernelOptions.fp8_fp16 changes the arithmetic (x * rstd rounded to fp16 before the dot, not
+    the fp32 sum scaled after it): of 5 x 64 bf16 outputs, each off by ~2^-11 before its own 2^-8
+    rounding, some round apart (all 320 alike: ~0.9^320). Without this, both arms could run one path."""
+    gen = seed()
+    x, ssq = residual_rows(5, 160, gen)
+    w = Fp8Weight.quantize(weight(128, 160, gen) * 0.5)
+    w = Fp8Weight(w.q.to(DEVICE), w.scale.to(DEVICE))
+    a, b = (gate_up_silu_small(x, w, config=SMALL, norm=(1e-6, ssq), options=KernelOptions(fp8_fp16=f))
+            for f in (False, True))
+    assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_qkv_rope_fp8_with_norm(fp16):
+    """QKV + RoPE after a fused RMSNorm, e4m3 weights, the dot in bf16 or fp16 (as gate/up's)."""
+    gen = seed()
+    Hq, Hkv, D, K, T = 4, 2, 32, 96, 5
+    w = Fp8Weight.quantize(weight((Hq + 2 * Hkv) * D, K, gen).to(DEVICE))
+    b = torch.randn((Hq + 2 * Hkv) * D, generator=gen).to(DEVICE, BF)
+    x, ssq = residual_rows(T, K, gen)
+    ang = torch.rand(T, D // 2, generator=gen) * 6.28
+    ang = torch.cat([ang, ang], -1)
+    cos, sin = ang.cos().to(DEVICE, BF), ang.sin().to(DEVICE, BF)
+    ref = qkv_rope_ref(normed(x), w.dequantize(), b.float(), cos.float(), sin.float(), Hq, Hkv, D)
+    res = qkv_rope_small(x, w, b, cos, sin, Hq, Hkv, D, config=None if CUDA else {"BLOCK_K": 32, "SPLIT": 3},
+                         norm=(1e-6, ssq), options=KernelOptions(fp8_fp16=fp16))
+    for o, r in zip(res, ref):
+        assert o.shape == r.shape and o.isfinite().all()
+        torch.testing.assert_close(o.float(), r.float(), atol=TOL, rtol=TOL)
 
 
 def test_qkv_rope_fp8():
