@@ -108,8 +108,9 @@ def _skinny_unit(
     TWO: tl.constexpr = EPI != 0
     # F16: e4m3 weights behind a norm multiplied in fp16, not bf16. e4m3 -> fp16 is one conversion
     # per two values (cvt.rn.f16x2.e4m3x2) where bf16 takes a second, scalar one per value (sm_90
-    # build: cvt.bf16.f16), and conversions issue at 16 a clock per SM: three per two weights cap
-    # the weight stream near 2.8 TB/s on the H200, one per two lifts the cap past HBM. Normed rows
+    # build: cvt.bf16.f16), and the CUDA guide rates conversions at 16 a clock per SM: three per two
+    # weights would cap the weight stream near 2.8 TB/s on the H200, one per two lifts the cap past
+    # HBM (an estimate: KernelOptions.fp8_fp16 is off until bench.fp8_gpu times it). Normed rows
     # fit fp16 (|x * rstd| <= sqrt(K)), so rstd scales x before the dot instead of the sum after
     # it; other inputs (O's, down's) have no such bound and stay bf16.
     tl.static_assert(not F16 or (FP8 and NORM))
