@@ -8,7 +8,7 @@
   real form  the real-text path (seed prompt in the chat template, real queries) through
              Classifier(dtype="fp8") vs bf16: classify() wall p50 and decisions agreement
 Three arms: bf16, fp8 (e4m3 weights multiplied in bf16) and "fp8, fp16 dot" (the same weights,
-QKV and gate/up multiplied in fp16: KernelOptions.fp8_fp16); on the 7B shape W1 is W4.
+QKV, gate/up and down multiplied in fp16: KernelOptions.fp8_fp16); on the 7B shape W1 is W4.
 
     device run:  python -m bench.fp8_gpu [--skip-7b] [--quick]     (writes $OUT/fp8_gpu.json)
 Targets: W1 (0.5B) <= 0.35 ms; W2 >= 1.6x bf16 req/s; agreement with HF fp32 within 1 point of
@@ -132,7 +132,7 @@ def main(argv=None):
         hf = hf_model(shape)
         # graphs up to 8,192 tokens (512 requests): W2's 65,536 tokens run eagerly either way
         variants = {"bf16": Synthetic(hf, max_tokens=8192), "fp8": Synthetic(hf, max_tokens=8192, fp8=True)}
-        # the same e4m3 weights, QKV and gate/up multiplied in fp16 (KernelOptions.fp8_fp16)
+        # the same e4m3 weights, QKV, gate/up and down multiplied in fp16 (KernelOptions.fp8_fp16)
         variants["fp8, fp16 dot"] = variants["fp8"].variant(8192, fp8_fp16=True)
         r = results["shapes"][shape] = {"fidelity": fidelity(hf, variants, 200 if a.quick else 500)}
         print(shape, json.dumps(r["fidelity"]), flush=True)

@@ -26,7 +26,7 @@ from .weights.model_config import ModelConfig, rope_parameters
 from .errors import ModelLoadError
 from .kernels.attention import attention, attention_o
 from .kernels.attention_cpu import group_layout
-from .kernels.fp8 import Fp8Weight
+from .kernels.fp8 import Fp8Weight, fp16_input_scale
 from .kernels.fused import embed_rope
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
 from .kernels import layer as persistent
@@ -220,6 +220,8 @@ class Transformer(nn.Module):
             a, m = layer.self_attn, layer.mlp
             a.wqkv, m.wgu = Fp8Weight.quantize(a.wqkv), Fp8Weight.quantize(m.wgu)
             a.o_proj, m.down_proj = Fp8Linear(a.o_proj), Fp8Linear(m.down_proj)
+            # down's input is bounded by gate/up's weights: it may multiply in fp16 (fp8_fp16)
+            m.down_proj.weight.x_scale = fp16_input_scale(m.wgu, m.bgu)
         return self
 
     def weight_bytes(self, *extra: torch.Tensor) -> int:

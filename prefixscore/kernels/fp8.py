@@ -19,6 +19,8 @@ SiLU * up before down); O's input, the attention output, is quantized by a pass 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .options import KernelOptions, use_triton
@@ -32,13 +34,19 @@ class Fp8Weight:
 
     Duck-types the few tensor attributes the GEMM dispatch reads (shape, dtype, device, numel,
     element_size): dtype is e4m3, so code that requires a bf16 weight (the fused attention + O
-    kernel) takes its other path."""
+    kernel) takes its other path.
 
-    __slots__ = ("q", "scale")
+    x_scale: a power of two under which every input row this weight can meet fits fp16
+    (|x| * x_scale <= FP16_ROOM, a bound from the weights that produce x: fp16_input_scale), or
+    None where no bound is known; the few-token GEMM then may multiply in fp16 (KernelOptions.
+    fp8_fp16) without a norm in front."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+    __slots__ = ("q", "scale", "x_scale")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, x_scale: float | None = None):
         assert q.dtype == E4M3 and q.dim() == 2 and scale.shape == (q.shape[0],)
         self.q, self.scale = q.contiguous(), scale.float().contiguous()
+        self.x_scale = x_scale
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> "Fp8Weight":
@@ -84,6 +92,25 @@ class Fp8Weight:
 
 def is_fp8(w) -> bool:
     return isinstance(w, Fp8Weight)
+
+
+FP16_ROOM = 16384.0  # 2^14: a quarter of fp16's largest value, room for the roundings on the way
+
+
+def fp16_input_scale(w_gu: Fp8Weight, b_gu: torch.Tensor | None) -> float:
+    """x_scale of the down projection: a power of two s with |silu(g) * u| * s <= FP16_ROOM for
+    every row. g and u are rows of the gate/up GEMM's output over a normed row h, whose L2 norm is
+    at most sqrt(K) (rms_norm: mean(h^2) <= 1; its weight is folded into w_gu), so |g| <= sqrt(K) *
+    max ||gate row|| + max |bias| (Cauchy-Schwarz), the same for u, and |silu(g)| <= max(|g|, 0.28).
+    A bound, not a measurement: loose by ~sqrt(K) a factor, which costs nothing while it fits."""
+    w = w_gu.dequantize()
+    inter, k = w.shape[0] // 2, w.shape[1]
+    norms = w.norm(dim=1)
+    b = b_gu.float().abs() if b_gu is not None else torch.zeros(2 * inter, device=w.device)
+    g = k ** 0.5 * norms[:inter].max().item() + b[:inter].max().item()
+    u = k ** 0.5 * norms[inter:].max().item() + b[inter:].max().item()
+    bound = max(g, 0.2785) * u
+    return 2.0 ** min(0, math.floor(math.log2(FP16_ROOM / bound))) if bound > 0 else 1.0
 
 
 def supported(device: torch.device) -> str | None:

@@ -59,7 +59,7 @@ def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
     SSQ_IN, R, SSQ_OUT, WSC,
-    T, TP, stride_xt, stride_ot, eps, norm_eps,
+    T, TP, stride_xt, stride_ot, eps, norm_eps, xs,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, NT: tl.constexpr, RESID: tl.constexpr,
@@ -79,7 +79,7 @@ def _skinny_kernel(
                  X, W, B, OUT, WS, CNT, COS, SIN, QN, KN, QO, KO, VO, SSQ_IN, R, SSQ_OUT, WSC,
                  T, TP, stride_xt, stride_ot, eps, norm_eps, N, K, EPI, HAS_BIAS, NORM, NT, RESID,
                  BLOCK_T, BLOCK_N, BLOCK_K, SPLIT, ITERS, DOT, DOT_PREC, UPCAST, HQ, HKV, D, QK_NORM,
-                 PRE, TRIG, FP8, TGRID, SYNC=1 if GDC else 0, XMOD="", F16=F16)
+                 PRE, TRIG, FP8, TGRID, SYNC=1 if GDC else 0, XMOD="", F16=F16, xs=xs)
 
 
 @triton.jit
@@ -97,14 +97,15 @@ def _skinny_unit(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, FP8: tl.constexpr, TGRID: tl.constexpr,
-    SYNC: tl.constexpr, XMOD: tl.constexpr, F16: tl.constexpr = False,
+    SYNC: tl.constexpr, XMOD: tl.constexpr, F16: tl.constexpr = False, xs=1.0,
 ):
     """One program's work: column tile pid_n, K split pid_k, row tile pid_t (of n_tiles column
     tiles). SYNC: where the weight preloads end, 1 waits for the kernel ahead (PDL), 2 for this
     grid's other programs (triton_util._grid_sync to bar_target, when do_sync: a persistent
     kernel's first unit of a phase, kernels/layer_triton.py). XMOD: the cache modifier of the loads
     of activations (".cg" where other programs of the same grid wrote them: L1 is not coherent).
-    F16 (FP8 and NORM only): the dot in fp16 (KernelOptions.fp8_fp16)."""
+    F16 (FP8 only): the dot in fp16 (KernelOptions.fp8_fp16), x scaled by rstd (NORM) or by xs (a
+    power of two under which x fits fp16: Fp8Weight.x_scale) before it."""
     TWO: tl.constexpr = EPI != 0
     # F16: e4m3 weights behind a norm multiplied in fp16, not bf16. e4m3 -> fp16 is one conversion
     # per two values (cvt.rn.f16x2.e4m3x2) where bf16 takes a second, scalar one per value (sm_90
@@ -112,8 +113,9 @@ def _skinny_unit(
     # weights would cap the weight stream near 2.8 TB/s on the H200, one per two lifts the cap past
     # HBM (an estimate: KernelOptions.fp8_fp16 is off until bench.fp8_gpu times it). Normed rows
     # fit fp16 (|x * rstd| <= sqrt(K)), so rstd scales x before the dot instead of the sum after
-    # it; other inputs (O's, down's) have no such bound and stay bf16.
-    tl.static_assert(not F16 or (FP8 and NORM))
+    # it; down's rows fit once scaled by xs, a power of two from a bound on gate/up's weights
+    # (fp8.fp16_input_scale), undone exactly in the epilogue; O's input has no bound: bf16.
+    tl.static_assert(not F16 or FP8)
     if TGRID:
         t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         cnt = CNT + pid_t * n_tiles + pid_n
@@ -179,6 +181,11 @@ def _skinny_unit(
         for tile in tl.static_range(NT):
             ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0, cache_modifier=XMOD)
         rstd = tl.rsqrt(ssq / K + norm_eps)[:, None]
+    if F16:  # what scales x into fp16's range before the dot
+        if NORM:
+            xmul = rstd
+        else:
+            xmul = xs
     if FP8:  # per-output-row weight scales (kernels/fp8.py)
         sc_a = tl.load(WSC + cols_a, mask=c_ok, other=0.0)[None, :]
         if TWO:
@@ -201,7 +208,7 @@ def _skinny_unit(
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
         xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0, cache_modifier=XMOD)
         if F16:
-            xp = (xp.to(tl.float32) * rstd).to(tl.float16)
+            xp = (xp.to(tl.float32) * xmul).to(tl.float16)
             wpa = wpa.to(tl.float16)
             if TWO:
                 wpb = wpb.to(tl.float16)
@@ -227,7 +234,7 @@ def _skinny_unit(
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=XMOD)
             wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if F16:
-            xv = (xv.to(tl.float32) * rstd).to(tl.float16)
+            xv = (xv.to(tl.float32) * xmul).to(tl.float16)
             wa = wa.to(tl.float16)
         elif FP8:
             wa = wa.to(X.dtype.element_ty)
@@ -283,6 +290,10 @@ def _skinny_unit(
 
     if last:
         if FP8:  # a row's scale factors out of its dot product: applied once, to the sum
+            if F16 and not NORM:  # x was scaled by xs (a power of two: exact both ways)
+                sc_a = sc_a * (1.0 / xs)
+                if TWO:
+                    sc_b = sc_b * (1.0 / xs)
             acc_a *= sc_a
             if TWO:
                 acc_b *= sc_b
@@ -350,6 +361,9 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     """norm: (eps, ssq) of NORM; resid: (residual, ssq_out) of RESID."""
     T, K = x.shape
     N = w.shape[0]
+    # fp16 dot (KernelOptions.fp8_fp16): behind a norm, or where the weight knows its input's bound
+    f16 = options.fp8_fp16 and is_fp8(w) and (norm is not None or w.x_scale is not None)
+    xs = w.x_scale if f16 and norm is None else 1.0
     w, wsc = (w.q, w.scale) if is_fp8(w) else (w, None)
     cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size(), w.element_size(), options)
     ntt = triton.cdiv(T, cfg["BLOCK_T"])  # row tiles: 1 unless batch-invariant (config_rows)
@@ -384,12 +398,12 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
         ssq_in, r, ssq_out, wsc if wsc is not None else x,
-        T, tp, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps,
+        T, tp, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps, xs,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, FP8=wsc is not None, TGRID=ntt > 1,
-        F16=options.fp8_fp16 and wsc is not None and norm is not None,
+        F16=f16,
         TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi], options),
         **cfg, **launch_kwargs(x.device, options),
     )

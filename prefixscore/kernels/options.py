@@ -54,9 +54,10 @@ class KernelOptions:
     # kernels' units, separated by grid barriers (kernels/layer_triton.py). Off: it lost on the
     # H200 (25.5 us a block against 18.3, bench.layer).
     persistent_layer: bool = False
-    # e4m3 weights behind a norm (QKV, gate/up at T <= 64) multiplied in fp16, x scaled by its
-    # rstd first: one conversion per two weights instead of three (gemm_triton.py, F16). Off until
-    # bench.fp8_gpu measures it against today's bf16 dot (fidelity and W1/W4, same run).
+    # e4m3 weights multiplied in fp16 at T <= 64 (QKV and gate/up, x scaled by its rstd first; down,
+    # x scaled by a power of two that a bound on gate/up's weights gives): one conversion per two
+    # weights instead of three (gemm_triton.py, F16). Off until bench.fp8_gpu measures it against
+    # today's bf16 dot (fidelity and W1/W4, same run).
     fp8_fp16: bool = False
 
     def __post_init__(self):

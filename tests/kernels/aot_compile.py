@@ -70,7 +70,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
            nt=28, trig=False, cfg=None, fp8=False, tgrid=False, f16=False):
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
     fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). tgrid: over row tiles
-    (batch-invariant mode). f16: the dot in fp16 (KernelOptions.fp8_fp16; fp8 and norm only)."""
+    (batch-invariant mode). f16: the dot in fp16 (KernelOptions.fp8_fp16; fp8 only)."""
     cfg = cfg or C.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n, fp8=fp8)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
@@ -78,7 +78,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
     cfg, nw, ns = split_launch(cfg)
     types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
     types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
-                  "eps": "fp32", "norm_eps": "fp32"})
+                  "eps": "fp32", "norm_eps": "fp32", "xs": "fp32"})
     if fp8:
         types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
@@ -117,11 +117,12 @@ def main():
     skinny("0.5B o+residual (T=64)", 64, 896, 896, 0, 896, resid=True, fp8=True)
     skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112, fp8=True)
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True)
-    # ... with the dot in fp16 behind the norm (KernelOptions.fp8_fp16; the 0.5B one preloads)
+    # ... with the dot in fp16 (KernelOptions.fp8_fp16): behind the norm (the 0.5B one preloads), down
     skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128,
            nt=56, fp8=True, f16=True)
     skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112, fp8=True, f16=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, fp8=True, f16=True)
+    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, f16=True)  # (x * x_scale)
     # batch-invariant mode: the T = 16 configs over row tiles
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, tgrid=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, tgrid=True)

@@ -8,6 +8,7 @@ the GPU does). Fresh random inputs per run. Tolerances: the kernels multiply the
 more, 2^-11 relative) and scale the fp32 sum once, so they differ from the reference by summation
 order and the output's bf16 rounding: bf16's 2e-2 (abs and rel), as the bf16 kernel tests.
 """
+import math
 import os
 import random
 
@@ -142,6 +143,45 @@ def test_gate_up_fp8_with_norm(fp16):
     torch.testing.assert_close(out.float(), ref.float(), atol=2 * TOL, rtol=2 * TOL)
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+def test_residual_fp8_fp16_input_scale(fp16):
+    """Down's GEMM (+ residual) with x_scale = 2^-4 and rows up to 2^14 / x_scale (past fp16's
+    largest value): the fp16 arm scales x into range before the dot and back after it, exactly."""
+    gen = seed()
+    N, K, T = 96, 192, 5
+    w = Fp8Weight.quantize(weight(N, K, gen).to(DEVICE))
+    w.x_scale = 2.0 ** -4
+    x = torch.randn(T, K, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen))
+    x = (x / x.abs().amax(1, keepdim=True) * torch.tensor([1.0, 30.0, 2e3, 1e5, 2 ** 18])[:, None]).to(DEVICE, BF)
+    r = torch.randn(T, N, generator=gen).to(DEVICE, BF)
+    out, _ = linear_residual_small(x, w, None, r, config=SMALL, options=KernelOptions(fp8_fp16=fp16))
+    y = fp8.linear_ref(x.float(), w)
+    assert out.isfinite().all()
+    err = (out.float() - (r.float() + y)).abs()
+    assert (err <= TOL * (1 + r.float().abs() + y.abs())).all(), err.max()
+
+
+def test_fp16_input_scale_bounds_down_inputs():
+    """fp8.fp16_input_scale: a power of two <= 1 under which silu(g) * u of any residual row (rms-
+    normed, any magnitude) stays within FP16_ROOM, and within a factor 2 of the bound it proves."""
+    gen = seed()
+    H, I = 64, 96
+    wgu = weight(2 * I, H, gen) * 40  # large rows: the bound needs a scale below 1
+    bgu = torch.randn(2 * I, generator=gen)
+    q = Fp8Weight.quantize(wgu)
+    s = fp8.fp16_input_scale(q, bgu)
+    assert s <= 1 and math.log2(s) == round(math.log2(s))
+    x = torch.randn(256, H, generator=gen) * torch.exp(3 * torch.randn(256, 1, generator=gen))
+    x[:, 0] += 1e4 * torch.randn(256, generator=gen)  # massive activations in one channel
+    gu = normed(x) @ q.dequantize().t() + bgu
+    h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+    assert h.abs().max() * s <= fp8.FP16_ROOM
+    w = q.dequantize()
+    bound = ((H ** 0.5 * w[:I].norm(dim=1).max() + bgu[:I].abs().max())
+             * (H ** 0.5 * w[I:].norm(dim=1).max() + bgu[I:].abs().max()))
+    assert bound * s > fp8.FP16_ROOM / 2
+
+
 def test_fp8_fp16_switch_reaches_the_kernel():
     """KernelOptions.fp8_fp16 changes the arithmetic (x * rstd rounded to fp16 before the dot, not
     the fp32 sum scaled after it): of 5 x 64 bf16 outputs, each off by ~2^-11 before its own 2^-8
@@ -233,6 +273,7 @@ def test_quantized_model_equals_dequantized_weights(tiny_model):
     for lq, lp in zip(q.engine.model.layers, plain.engine.model.layers):
         a, m = lq.self_attn, lq.mlp
         assert all(map(is_fp8, (a.wqkv, a.o_proj.weight, m.wgu, m.down_proj.weight)))
+        assert 0 < m.down_proj.weight.x_scale <= 1 and a.o_proj.weight.x_scale is None  # (fp8_fp16)
         lp.self_attn.wqkv = a.wqkv.dequantize()
         lp.self_attn.o_proj.weight.data = a.o_proj.weight.dequantize()
         lp.mlp.wgu = m.wgu.dequantize()
