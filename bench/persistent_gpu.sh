@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The persistent block kernel (issue 35) on the H200 in one device call: its GPU tests, then
+# Issue 35 on the H200: the GPU tests of the persistent block and the FP8 kernels, then
 # bench.layer (the one launch against the four kernels, the --sweep variants, each phase alone, the
 # per-phase critical path), then bench.latency's W1 and bucket rows for both paths, then
 # bench.fp8_gpu (W1/W4 and fidelity with e4m3 weights multiplied in bf16 and in fp16:
@@ -18,7 +18,7 @@ source bench/gpu_env.sh
 for s in ${*:-tests layer latency fp8 gluon}; do
   echo "== $s $(date +%T)"
   case $s in
-    tests) timeout -s KILL 150 bash tests/gpu.sh -k "test_kernels_layer or persistent or depend_on_the_bucket" ;;
+    tests) timeout -s KILL 150 bash tests/gpu.sh -k "test_kernels_layer or persistent or depend_on_the_bucket or fp8" ;;
     layer) timeout -s KILL 200 python3 -m bench.layer --tokens 8,16 --quick --sweep ;;
     latency) timeout -s KILL 300 python3 -m bench.latency --skip-7b --quick ;;
     fp8) timeout -s KILL 560 python3 -m bench.fp8_gpu --quick ;;
