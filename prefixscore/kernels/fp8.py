@@ -3,10 +3,10 @@
 At batch 1 a forward is bound by reading the weights (0.5B: ~0.5 ms of a 0.6 ms request on the
 H200), so storing the linear layers' weights in one byte instead of two halves what each GEMM
 streams. Per output channel, because a row's scale then factors out of its dot product: the GEMM
-multiplies the e4m3 values (converted in registers: to fp16 behind a norm, whose rows fit fp16,
-else to the activations' dtype; gemm_triton.py F16 says why) and scales each output column once
-in the epilogue, exactly (scale * sum(x * q) == sum(x * (q * scale)) in real arithmetic), and
-split-K partials stay unscaled until they are summed.
+multiplies the e4m3 values (converted in registers to the activations' dtype, or to fp16 where the
+input's range is bounded: KernelOptions.fp8_fp16, gemm_triton.py F16) and scales each output
+column once in the epilogue, exactly (scale * sum(x * q) == sum(x * (q * scale)) in real
+arithmetic), and split-K partials stay unscaled until they are summed.
 
 Which weights: the four linears of each block (QKV, O, gate/up, down), quantized after the RMSNorm
 weights are folded into QKV and gate/up (model.py fuse), so the fold is not rounded twice. The

@@ -107,7 +107,7 @@ def _skinny_unit(
     F16 (FP8 only): the dot in fp16 (KernelOptions.fp8_fp16), x scaled by rstd (NORM) or by xs (a
     power of two under which x fits fp16: Fp8Weight.x_scale) before it."""
     TWO: tl.constexpr = EPI != 0
-    # F16: e4m3 weights behind a norm multiplied in fp16, not bf16. e4m3 -> fp16 is one conversion
+    # F16: e4m3 weights multiplied in fp16, not bf16. e4m3 -> fp16 is one conversion
     # per two values (cvt.rn.f16x2.e4m3x2) where bf16 takes a second, scalar one per value (sm_90
     # build: cvt.bf16.f16), and the CUDA guide rates conversions at 16 a clock per SM: three per two
     # weights would cap the weight stream near 2.8 TB/s on the H200, one per two lifts the cap past
