@@ -1,7 +1,7 @@
 """Can a warp-specialized TMA ring keep HBM busy across grid barriers? (the Gluon re-plan's premise)
 
     python -m bench.gluon_stream [--layers 24] [--tokens 16]     (CUDA, sm_90; writes $OUT/gluon_stream.json)
-    python -m bench.gluon_stream --compile-only                   (any machine: the sm_90 builds)
+    python -m bench.gluon_stream --compile-only      (any machine: the sm_90 builds, the reference's check)
 
 The Triton persistent block (kernels/layer_triton.py) loses to the four kernels because a program
 can preload the next phase's weights only into registers, about 64 KB, so ~40% of each layer
@@ -277,9 +277,31 @@ def main(argv=None):
     print(f"wrote {out_dir / 'gluon_stream.json'}")
 
 
+def check_reference(G=5, layers=2):
+    """reference() against the producer's dealing spelled out tile by tile (CPU): the sums a correct
+    kernel must match, so a GPU run's WRONG means the kernel."""
+    gen = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(layers * N, K, generator=gen) * 0.05).to(torch.bfloat16) for N, K in SHAPES]
+    x = torch.randn(16, INTER, generator=gen).to(torch.bfloat16)
+    ref, mag = reference(ws, x, G)
+    want = torch.zeros(G, 16, BN)
+    for g in range(G):
+        for l in range(layers):
+            for w, (N, K) in zip(ws, SHAPES):
+                KT = K // BK
+                tiles = (N // BN) * KT
+                for i in range(g * tiles // G, (g + 1) * tiles // G):
+                    r, c = l * N + (i // KT) * BN, (i % KT) * BK
+                    want[g] += x[:, c:c + BK].float() @ w[r:r + BN, c:c + BK].float().t()
+    assert torch.allclose(ref, want, rtol=0, atol=1e-6 * mag.max().item()), (ref - want).abs().max()
+    assert (mag >= ref.abs()).all()
+    print("ok gluon_stream reference", flush=True)
+
+
 def compile_only():
     """Each variant through the whole pipeline to an sm_90 cubin (no GPU: the interpreter does not
-    run Gluon). Prints shared memory and the ring's TMA and mbarrier counts."""
+    run Gluon). Prints shared memory and the ring's TMA and mbarrier counts. Then the reference's
+    check (check_reference)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -299,6 +321,7 @@ def compile_only():
         assert k.asm.get("cubin") and "cp.async.bulk.tensor" in ptx
         print(f"ok gluon_stream sync={sync} stages={stages}: shared {k.metadata.shared} B, "
               f"tma {ptx.count('cp.async.bulk.tensor')}, mbarrier {ptx.count('mbarrier.')}", flush=True)
+    check_reference()
 
 
 if __name__ == "__main__":

@@ -35,11 +35,13 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.skipif(PTXAS is None or not PTXAS.exists(), reason="no triton, or its wheel ships no ptxas")
 def test_gluon_stream_probe_compiles_for_sm90():
     """bench/gluon_stream.py (the Gluon re-plan's premise, run on the GPU by bench/persistent_gpu.sh):
-    the interpreter does not run Gluon, so its CPU coverage is this build of every variant."""
+    the interpreter does not run Gluon, so its CPU coverage is this build of every variant, and the
+    torch sums it checks the kernel against, checked against the dealing tile by tile."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-m", "bench.gluon_stream", "--compile-only"], env=env, cwd=root,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    built = [l for l in r.stdout.splitlines() if l.startswith("ok gluon_stream")]
+    built = [l for l in r.stdout.splitlines() if l.startswith("ok gluon_stream sync=")]
     assert len(built) == 4 and all("tma 4" in l for l in built), r.stdout
+    assert "ok gluon_stream reference" in r.stdout, r.stdout  # its sums against the tile-by-tile ones
