@@ -104,14 +104,20 @@ def _consume(X, bufs, ready, empty, it, acc, g, G, N: gl.constexpr, K: gl.conste
 
 
 @gluon.jit
+def _store_tile(P, acc, g, BT: gl.constexpr, BN: gl.constexpr):
+    """CTA g's [BT, BN] fp32 accumulator to P[g]."""
+    ol: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+    o = gl.convert_layout(acc, ol)
+    r = gl.arange(0, BT, layout=gl.SliceLayout(1, ol))
+    c = gl.arange(0, BN, layout=gl.SliceLayout(0, ol))
+    gl.store(P + g * BT * BN + r[:, None] * BN + c[None, :], o)
+
+
+@gluon.jit
 def _phase_end(Y, BAR, FLAG, acc, j, g, G, SYNC: gl.constexpr, BT: gl.constexpr, BN: gl.constexpr):
     """The phase's output out, then the grid barrier (bounded: a stall raises FLAG, never hangs)."""
     if SYNC:
-        ol: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
-        o = gl.convert_layout(acc, ol)
-        r = gl.arange(0, BT, layout=gl.SliceLayout(1, ol))
-        c = gl.arange(0, BN, layout=gl.SliceLayout(0, ol))
-        gl.store(Y + g * BT * BN + r[:, None] * BN + c[None, :], o)
+        _store_tile(Y, acc, g, BT, BN)
         gl.thread_barrier()  # every consumer warp's stores before the one arrival
         gl.atomic_add(BAR, 1, sem="release", scope="gpu")
         n = 0
@@ -137,11 +143,7 @@ def _consumer(X, Y, OUT, BAR, FLAG, bufs, ready, empty, L, G, SYNC: gl.constexpr
         _phase_end(Y, BAR, FLAG, acc, 4 * l + 2, g, G, SYNC, BT, BN)
         it, acc = _consume(X, bufs, ready, empty, it, acc, g, G, 896, K3, K3, BT, BN, BK, STAGES)
         _phase_end(Y, BAR, FLAG, acc, 4 * l + 3, g, G, SYNC, BT, BN)
-    ol: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
-    o = gl.convert_layout(acc, ol)
-    r = gl.arange(0, BT, layout=gl.SliceLayout(1, ol))
-    c = gl.arange(0, BN, layout=gl.SliceLayout(0, ol))
-    gl.store(OUT + g * BT * BN + r[:, None] * BN + c[None, :], o)
+    _store_tile(OUT, acc, g, BT, BN)
 
 
 @gluon.jit

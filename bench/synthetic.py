@@ -101,10 +101,7 @@ class Synthetic:
         self.trie = LabelTrie([str(t) for t in LABELS], [[t] for t in LABELS], None)
         g = torch.Generator().manual_seed(1)
         self.prefix_ids = torch.randint(100, 30000, (PREFIX,), generator=g).tolist()
-        self.prefix = self.engine.prefill(self.prefix_ids)
-        self.weight = self.engine.label_weight(self.trie.columns)
-        self.capture = self.engine.capture(self.prefix, self.weight, True, max_tokens)
-        self.runner = self.engine.graphs[(id(self.prefix), id(self.weight), True)]
+        self._pin(max_tokens)
         p = sum(x.numel() for n, x in hf.named_parameters() if "embed" not in n and "lm_head" not in n)
         self.nonemb_params = p
 
@@ -139,11 +136,15 @@ class Synthetic:
         prefix (prefilled by that engine) and graphs: a peer for fidelity and timing alike."""
         v = copy.copy(self)
         v.engine = self.arm(**switches)
-        v.prefix = v.engine.prefill(v.prefix_ids)
-        v.weight = v.engine.label_weight(v.trie.columns)
-        v.capture = v.engine.capture(v.prefix, v.weight, True, max_tokens)
-        v.runner = v.engine.graphs[(id(v.prefix), id(v.weight), True)]
+        v._pin(max_tokens)
         return v
+
+    def _pin(self, max_tokens):
+        """The engine's pinned prefix, label rows and graphs up to max_tokens."""
+        self.prefix = self.engine.prefill(self.prefix_ids)
+        self.weight = self.engine.label_weight(self.trie.columns)
+        self.capture = self.engine.capture(self.prefix, self.weight, True, max_tokens)
+        self.runner = self.engine.graphs[(id(self.prefix), id(self.weight), True)]
 
 
 def random_suffixes(n, seed):
