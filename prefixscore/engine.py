@@ -102,6 +102,34 @@ class Engine:
         self.model(torch.tensor(ids, device=self.device), torch.arange(P, device=self.device), ctx)
         return [(k.contiguous(), v.contiguous()) for k, v in kv]
 
+    @torch.inference_mode()
+    def query_kv(self, base, capacity: int) -> "QueryKV":
+        """A request's own K/V buffer of `capacity` rows: `base` (the pinned prefix's K/V, or the
+        engine's empty one) first, the rest filled a chunk at a time by extend()."""
+        return QueryKV(base, capacity, self.config, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def extend(self, kv: "QueryKV", ids: list[int]) -> None:
+        """Compute `ids` as the next tokens after kv's filled rows (positions continue there; each
+        attends to every filled row and causally to the chunk) and write their K/V into kv: one
+        bounded pass of a prompt longer than a pass (a score request's query part). Chunk by chunk
+        this is the causal prefill of the whole prompt, its sums taken over other splits (the
+        prefix part, then the chunk's own, merged by log-sum-exp), so equal to one pass within
+        rounding, not bitwise. Queued without a host sync on CUDA."""
+        n, c = kv.filled, len(ids)
+        if n + c > kv.capacity:
+            raise ValueError(f"{c} tokens past the {kv.capacity - n} left in this K/V")
+        zeros = torch.zeros(c, dtype=torch.int32, device=self.device)
+        out: list = []
+        ctx = Context(kv.view(n), zeros, zeros, zeros, torch.tensor([0, c]), kv_out=out,
+                      options=self.options)
+        tokens = torch.tensor(ids, device=self.device)
+        self.model(tokens, torch.arange(n, n + c, device=self.device), ctx)
+        for (k, v), (bk, bv) in zip(out, kv.bufs):
+            bk[n:n + c].copy_(k)
+            bv[n:n + c].copy_(v)
+        kv.filled = n + c
+
     def label_weight(self, columns: list[int]) -> torch.Tensor:
         """The output head's rows for the label tokens only: an N-row projection, never the vocab."""
         return self.lm_head[torch.tensor(columns, device=self.device)].contiguous()
@@ -216,6 +244,32 @@ class Engine:
             logits = (x[c:c + 1024] @ self.lm_head.t()).float()
             out.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
         return torch.cat(out).cpu()
+
+
+class QueryKV:
+    """One request's K/V past what every request shares: per layer (k, v) [capacity, Hkv, D],
+    its first rows the base (pinned prefix) K/V, then the tokens Engine.extend computed. view(n)
+    is the first n rows as the per-layer list a Context takes, one list object per n, so spans
+    over the same rows share a pass (spans.SpanLayout.passes groups by it)."""
+
+    def __init__(self, base, capacity: int, config, device, dtype):
+        P = base[0][0].shape[0]
+        shape = (capacity, config.num_kv_heads, config.head_dim)
+        self.bufs = []
+        for bk, bv in base:
+            k, v = torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
+            k[:P].copy_(bk)
+            v[:P].copy_(bv)
+            self.bufs.append((k, v))
+        self.capacity, self.filled = capacity, P
+        self._views: dict[int, list] = {}
+
+    def view(self, n: int) -> list:
+        if n > self.filled:
+            raise ValueError(f"{n} rows asked of a K/V with {self.filled} filled")
+        if n not in self._views:
+            self._views[n] = [(k[:n], v[:n]) for k, v in self.bufs]
+        return self._views[n]
 
 
 def _soft(plan: Plan):

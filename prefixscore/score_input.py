@@ -41,6 +41,11 @@ class Prepared:
     # or None (a text item); None for a request of text items only.
     soft: list | None = None
 
+    def subset(self, idx: list[int]) -> "Prepared":
+        """Items idx of this request, in that order (the query part is every item's)."""
+        soft = None if self.soft is None else [self.soft[i] for i in idx]
+        return Prepared([self.items[i] for i in idx], [self.full[i] for i in idx], self.shared, soft)
+
 
 @dataclass
 class ScoreCall:

@@ -37,6 +37,7 @@ from .labels import LabelHead, LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
 from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, run_ahead
 from .prompt import Prompt, check_prefix_fits, check_template, sentinel
+from .score_run import ScoreRun
 from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, SoftItem, label_key
 from .spans import Span, SpanLayout, plan_items, request_spans
 from .values import ItemResult, ModelSpec
@@ -404,15 +405,26 @@ class Scorer:
         """score_request's second half: a parsed request (ScoreInput.parse, here or in a server's
         front end) -> SGLang's response. The request's label set is built here (an LRU of
         REQUEST_HEADS), its labels checked to be single tokens and to suit the mode."""
-        if call.labels is None and call.label_token_ids is None:
-            head = self.head
-        else:
-            head = self._head(call.labels, call.label_token_ids, InputError, single=True)
-        mode = "softmax" if call.apply_softmax else "vocab_probs"
-        self._check_mode(mode, head, InputError)
+        head, mode = self.call_head(call)
         computed = []
         results = self.run([call.prep], mode, head, computed=computed)[0]
         n = computed[0]  # the tokens computed: the pinned prefix is not, the query part once a span
         return {"scores": [[r.scores[l] for l in head.labels] for r in results],
                 "labels": head.labels, "model": self.loaded.name, "object": "scoring",
                 "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}
+
+    def call_head(self, call: ScoreCall) -> tuple[LabelHead, str]:
+        """A parsed request's label head and mode (InputError for a label set it cannot score)."""
+        if call.labels is None and call.label_token_ids is None:
+            head = self.head
+        else:
+            head = self._head(call.labels, call.label_token_ids, InputError, single=True)
+        mode = "softmax" if call.apply_softmax else "vocab_probs"
+        self._check_mode(mode, head, InputError)
+        return head, mode
+
+    def begin(self, call: ScoreCall, depth: int | None = None, tokens: int | None = None):
+        """A parsed request to run a pass at a time (score_run.ScoreRun: the engine loop's way,
+        its long query part in chunks under a pass budget of `tokens`): score_call's answer, step
+        by step."""
+        return ScoreRun(self, call, depth, tokens)

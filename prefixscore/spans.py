@@ -153,26 +153,37 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
     )
 
 
+def by_start(prep, prefix_ids: list[int]) -> dict[int, list[int]]:
+    """A request's items by where their new tokens start: past the pinned prefix (its length), or
+    0 for an item that disagrees with it (computed with no cache)."""
+    P, out = len(prefix_ids), {}
+    for i, ids in enumerate(prep.full):
+        start = P if P and len(ids) > P and ids[:P] == prefix_ids else 0
+        out.setdefault(start, []).append(i)
+    return out
+
+
+def query_part(prep, start: int, idx: list[int]) -> tuple[list[int], list[int], int]:
+    """(ref, q, L) of items idx starting at `start`: ref the request's tokens before the item slot
+    past start; q per item how many of its tokens equal ref's (at least one token of its own stays,
+    for the read-out); L the length the items share, the one that saves the most tokens (an item
+    whose tokens merge deeper across the slot boundary shares less: q < L)."""
+    full, ref = prep.full, prep.shared[start:]
+    q = [min(common_prefix_len(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
+    L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
+    return ref, q, L
+
+
 def request_spans(layout: SpanLayout, prep, prefix_ids: list[int], prefix_kv, no_prefix, branch: int,
                   one_per_span: bool) -> list[Span]:
     """Split one request (a score_input.Prepared) into spans. `branch`: label-branch tokens per item; one_per_span when
     the labels branch more than once (a branch then takes its item's whole span as base)."""
-    P, full = len(prefix_ids), prep.full
-    by_start: dict[int, list[int]] = {}
-    for i, ids in enumerate(full):  # an item that disagrees with the pinned prefix: no cache
-        start = P if P and len(ids) > P and ids[:P] == prefix_ids else 0
-        by_start.setdefault(start, []).append(i)
-    groups = []
-    for start, idx in by_start.items():
+    full, groups = prep.full, []
+    soft = (lambda ids: None) if prep.soft is None else (lambda ids: [prep.soft[i] for i in ids])
+    for start, idx in by_start(prep, prefix_ids).items():
         kv = prefix_kv if start else no_prefix
-        ref = prep.shared[start:]
-        # Per item, how many of its tokens equal the query part's (at least one token of its
-        # own stays, for the read-out). Share the length that saves the most tokens; an item
-        # whose tokens merge deeper across the slot boundary is computed alone.
-        q = [min(common_prefix_len(full[i][start:], ref), len(full[i]) - start - 1) for i in idx]
-        L = max(set(q), key=lambda n: (n * sum(x >= n for x in q), n))
+        ref, q, L = query_part(prep, start, idx)
         aligned = [i for i, n in zip(idx, q) if n >= L]
-        soft = (lambda ids: None) if prep.soft is None else (lambda ids: [prep.soft[i] for i in ids])
         groups += [Span(start, kv, [], [full[i][start:]], [i], soft([i])) for i, n in zip(idx, q) if n < L]
         sizes = [len(full[i]) - start - L + branch for i in aligned]
         m = 1 if one_per_span else layout.items_per_span(L, sizes)
@@ -180,3 +191,24 @@ def request_spans(layout: SpanLayout, prep, prefix_ids: list[int], prefix_kv, no
             ids = [aligned[j] for j in chunk]
             groups.append(Span(start, kv, ref[:L], [full[i][start + L:] for i in ids], ids, soft(ids)))
     return groups
+
+
+def cached_spans(layout: SpanLayout, prep, idx: list[int], start: int, q: list[int], L: int, kv,
+                 branch: int, one_per_span: bool) -> list[Span]:
+    """Spans of items idx (starting at `start`, q and L as query_part gives them) over a request's
+    own K/V that holds its query part (engine.QueryKV, filled through start + L): an item's tail
+    starts where it stops agreeing with the query part, min(q, L), and attends to that many rows
+    of the K/V (causal, so they are exactly the rows its own prompt would give), no shared tokens
+    in the pass."""
+    full, spans, by_len = prep.full, [], {}
+    soft = (lambda ids: None) if prep.soft is None else (lambda ids: [prep.soft[i] for i in ids])
+    for i, n in zip(idx, q):
+        by_len.setdefault(min(n, L), []).append(i)
+    for n, ids in by_len.items():
+        sizes = [len(full[i]) - start - n + branch for i in ids]
+        m = 1 if one_per_span else layout.items_per_span(0, sizes)
+        for chunk in layout.fill(0, sizes, m):
+            its = [ids[j] for j in chunk]
+            spans.append(Span(start + n, kv.view(start + n), [], [full[i][start + n:] for i in its],
+                              its, soft(its)))
+    return spans

@@ -53,6 +53,8 @@ class BaseClient:
         self.rids = itertools.count()
         self.jobs: dict[int, tuple] = {}  # rid -> (job, row) or ScoreReq future
         self.outbox: list = []  # messages built in this event-loop pass
+        # score requests the engine has run some passes of: rid -> (its last ProgressOut, when)
+        self.running: dict[int, tuple[P.ProgressOut, float]] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
         self.queued = 0  # the engine's queue depth in its last answer
         self.last_out = 0.0  # when the engine last answered (time.monotonic())
@@ -81,6 +83,23 @@ class BaseClient:
     def health(self) -> dict:
         """What /healthz adds about the engines (several: dp_client); one says nothing more."""
         return {}
+
+    def progress(self, fut) -> P.ProgressOut | None:
+        """How far the engine got with a score request's future (None: no pass run yet)."""
+        rids = self.rids_of.get(fut, ())
+        entry = self.running.get(rids[0]) if len(rids) == 1 else None
+        return None if entry is None else entry[0]
+
+    def _show_running(self) -> None:
+        if self.metrics is not None:
+            self.metrics.running([p for p, _ in self.running.values()])
+
+    def running_cards(self) -> list[dict]:
+        """/healthz: the score requests in progress, as the engine last reported them."""
+        now = time.monotonic()
+        return [{"passes": p.passes, "of_passes": p.total, "items_done": p.items_done,
+                 "query_part": p.filling, "reported_ms_ago": round(1e3 * (now - t), 1)}
+                for p, t in self.running.values()]
 
     def waiting(self) -> tuple[float | None, float]:
         """(when the oldest request this front end waits on was sent, when the engine last
@@ -141,6 +160,8 @@ class BaseClient:
         queued. O(their rows), not O(requests in flight): under overload thousands of deadlines
         pass each second with thousands in flight."""
         rids = [rid for f in futures for rid in self.rids_of.pop(f, ()) if rid in self.jobs]
+        if any([self.running.pop(rid, None) for rid in rids]):
+            self._show_running()
         if rids:
             self._queue(P.AbortReq(self.id, rids))
 
@@ -183,7 +204,13 @@ class BaseClient:
                     self.rids_of.pop(job.future, None)
                     if not job.future.done():
                         job.future.set_result(job)
+        elif isinstance(out, P.ProgressOut):
+            if out.rid in self.jobs:
+                self.running[out.rid] = (out, self.last_out)
+                self._show_running()
         elif isinstance(out, P.ScoreOut):
+            if self.running.pop(out.rid, None) is not None:
+                self._show_running()
             entry = self.jobs.pop(out.rid, None)
             if entry is not None:
                 self.rids_of.pop(entry[0], None)
@@ -208,7 +235,7 @@ class BaseClient:
         if fault and self.metrics is not None:
             self.metrics.engine_faults.inc()
         self.error = error
-        jobs, self.jobs, self.rids_of = self.jobs, {}, {}
+        jobs, self.jobs, self.rids_of, self.running = self.jobs, {}, {}, {}
         for job, _ in jobs.values():
             fut = job.future if isinstance(job, ClassifyJob) else job
             if not fut.done():
@@ -218,6 +245,7 @@ class BaseClient:
         """These requests fail now with EngineDead (503), the engine staying as it is."""
         for rid in rids:
             job, _ = self.jobs.pop(rid, (None, None))
+            self.running.pop(rid, None)
             fut = job.future if isinstance(job, ClassifyJob) else job
             self.rids_of.pop(fut, None)
             if fut is not None and not fut.done():

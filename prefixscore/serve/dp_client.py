@@ -122,6 +122,12 @@ class DataParallelClient(BaseClient):
         sent = [t for t, _ in (e.waiting() for e in self.engines) if t is not None]
         return (min(sent) if sent else None), max(e.last_out for e in self.engines)
 
+    def progress(self, fut):
+        return next((p for p in (e.progress(fut) for e in self.engines) if p is not None), None)
+
+    def running_cards(self) -> list[dict]:
+        return [c for e in self.engines for c in e.running_cards()]
+
     def health(self) -> dict:
         """/healthz: every engine, ready or not (and why not); `engine` is the first ready one."""
         engines = []

@@ -107,6 +107,10 @@ class EngineLoop:
         # than the floor, or a long request would crawl through passes of one item.
         self.score_budgets = {softmax: PassBudget(schedule.pass_s, floor=256, times=2.0)
                               for softmax in (False, True)}
+        # A query-part chunk's extra cost per K/V row it attends to, in tokens per chunk token:
+        # learnt from the chunks run (_learn_kv_weight), so long queries' chunks shrink as their
+        # K/V fills and keep to the pass budget.
+        self.kv_weight = 0.0
         self.depth = None
         if schedule.target_p99_ms:
             from ..depth import DepthControl, DepthOptions
@@ -223,7 +227,7 @@ class EngineLoop:
         rows, jobs = self.lanes.expired(now - self.window)  # the batch window is not queueing
         self._answer_rows(rows, P.EXPIRED)
         for j in jobs:
-            j.reply(_score_failed(j.msg, P.EXPIRED, None))
+            j.reply(_score_failed(j.msg, P.EXPIRED, _stopped(j)))
         for _ in range(passes):
             b = self.classify_budget
             nxt = self.lanes.next_pass(b.tokens, b.spare, b.small)
@@ -336,45 +340,52 @@ class EngineLoop:
     def _score(self, m: P.ScoreReq) -> P.ScoreOut:
         """One whole request, every pass in turn (for tests and tools: the loop interleaves)."""
         out = []
-        self._add_score(m, out.append)
+        self._add_score(m, lambda o: out.append(o) if isinstance(o, P.ScoreOut) else None)
         while not out:
             job = self.lanes.jobs[lane(m.priority)][0]
             self._score_pass(job)
         return out[0]
 
-    def _score_pass(self, job: ScoreJob) -> None:
-        """The next run of job's items; the job is answered after its last."""
-        m, sc = job.msg, self.scorer
-        if not job.started:
-            n = len(job.full)
-            job.depth = n if self.depth is None or m.priority > 0 else min(n, self.depth.depth())
-        budget = self.score_budgets[bool(m.apply_softmax)]
-        k = job.next_items(budget.tokens)
-        items = job.full[job.done:job.done + k]
-        # query and items as given stay with the front end (its errors and limits read them):
-        # the answer reads only the scores
-        soft = None if job.soft is None else job.soft[job.done:job.done + k]
-        call = ScoreCall(None, Prepared(items, items, job.shared, soft), m.labels, m.label_token_ids,
-                         m.apply_softmax)
-        t0 = time.perf_counter()
+    def _begin(self, job: ScoreJob) -> bool:
+        """A job's first pass: its depth (depth control: real-time requests under a target) and
+        its ScoreRun; False if its label set is refused (answered BAD_INPUT)."""
+        m, n = job.msg, len(job.full)
+        depth = n if self.depth is None or m.priority > 0 else min(n, self.depth.depth())
+        call = ScoreCall(None, Prepared(job.full, job.full, job.shared, job.soft), m.labels,
+                         m.label_token_ids, m.apply_softmax)
         try:
-            out = sc.score_call(call)
+            job.run = self.scorer.begin(call, depth, self.score_budgets[bool(m.apply_softmax)].tokens)
         except PrefixScoreError as e:  # a label set the scorer refuses
             self.lanes.finish(job)
-            return job.reply(_score_failed(m, P.BAD_INPUT, str(e)))
+            job.reply(_score_failed(m, P.BAD_INPUT, str(e)))
+            return False
+        return True
+
+    def _score_pass(self, job: ScoreJob) -> None:
+        """The next pass of job (a chunk of its query part or a run of its items: score_run.py);
+        it is answered after its last, told its progress after the others."""
+        m = job.msg
+        if job.run is None and not self._begin(job):
+            return
+        run, budget = job.run, self.score_budgets[bool(m.apply_softmax)]
+        chunk, rows = run.filling, run.kv.filled if run.filling else 0
+        t0 = time.perf_counter()
+        try:
+            cost = run.step(budget.tokens, self.kv_weight)
         except Exception as e:
             self.lanes.finish(job)
             log.error("engine fault in multi-item scoring", exc_info=e)
             job.reply(_score_failed(m, P.FAULT, f"engine fault: {type(e).__name__}: {e}"))
             raise EngineFault(f"{type(e).__name__}: {e}") from e
         spent = time.perf_counter() - t0
-        computed = out["usage"]["prompt_tokens"]
-        budget.observe(spent, computed)
+        if chunk:
+            self._learn_kv_weight(budget, spent, cost, rows)
+        budget.observe(spent, cost)
         if self.metrics is not None:
-            self.metrics.engine_batch(k, spent)
-        job.scores += out["scores"]
-        job.labels, job.done, job.computed = out["labels"], job.done + k, job.computed + computed
-        if job.done < job.depth:
+            self.metrics.engine_batch(1, spent)
+        if not run.finished:
+            job.total = run.passes + run.remaining(budget.tokens, self.kv_weight)
+            job.reply(P.ProgressOut(m.rid, run.passes, job.total, run.done, run.filling))
             return
         self.lanes.finish(job)
         controlled, p99 = self.depth is not None and m.priority <= 0, 0.0
@@ -382,9 +393,20 @@ class EngineLoop:
             if m.sent:
                 self.depth.observe(time.monotonic() - m.sent)
             p99 = self.depth.p99_ms() or 0.0
-        unscored = [[] for _ in range(len(job.full) - job.depth)]
-        job.reply(P.ScoreOut(m.rid, P.OK, job.scores + unscored, job.labels, job.computed, None,
-                             job.depth, controlled, p99))
+        out = run.answer()
+        unscored = [[] for _ in range(len(job.full) - run.depth)]
+        job.reply(P.ScoreOut(m.rid, P.OK, out["scores"] + unscored, out["labels"], run.computed,
+                             None, run.depth, controlled, p99))
+
+    def _learn_kv_weight(self, budget: PassBudget, spent: float, cost: float, rows: int) -> None:
+        """A query-part chunk attended to `rows` K/V rows: what it cost past its tokens' calibrated
+        cost moves the cost of a row (in tokens per chunk token) by a tenth. cost: the chunk's
+        tokens weighed at the old estimate, c * (1 + w * rows)."""
+        if budget.per_token is None or rows <= 0:
+            return
+        c = cost / (1 + self.kv_weight * rows)
+        seen = (max(0.0, spent - budget.fixed) / (budget.per_token * c) - 1) / rows
+        self.kv_weight = max(0.0, self.kv_weight + 0.1 * (seen - self.kv_weight))
 
 
 def _timed(fn, arg, n: int) -> float:
@@ -407,3 +429,12 @@ def _by_reply(rows: list[Row]):
 
 def _score_failed(m: P.ScoreReq, status: int, error: str | None) -> P.ScoreOut:
     return P.ScoreOut(m.rid, status, [], [], 0, error)
+
+
+def _stopped(job: ScoreJob) -> str | None:
+    """How far an expired score request got (None: it never started)."""
+    run = job.run
+    if run is None:
+        return None
+    return (f"stopped at its deadline after {run.passes} of about {max(job.total, run.passes)} "
+            f"passes ({run.done} of {run.depth} items scored)")

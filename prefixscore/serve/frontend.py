@@ -137,6 +137,7 @@ class Frontend(ClassifyMany, ScoreRoute):
         return 200, {"status": "ok", "model": i.model, "labels": default.labels, "mode": default.mode,
                      "scorer": i.scorer is not None, "queue_depth": self.inflight + c.queued,
                      "oldest_queued_ms": round(oldest, 3), "engine_busy_ms": round(silent, 3),
+                     "running": c.running_cards(),
                      "engine": {"pid": i.pid, "device": i.device},
                      "classifiers": self.catalog.health_cards(), **c.health()}
 
@@ -337,7 +338,7 @@ class Frontend(ClassifyMany, ScoreRoute):
         told to drop it unrun."""
         timer = None
         if deadline is not None:
-            timer = self.client.loop.call_later(max(0.0, deadline - time.monotonic()), _late, fut)
+            timer = self.client.loop.call_later(max(0.0, deadline - time.monotonic()), _set_late, fut)
         try:
             return await fut
         except asyncio.CancelledError:
@@ -345,10 +346,10 @@ class Frontend(ClassifyMany, ScoreRoute):
             self.metrics.expired.labels("client_left").inc()
             raise
         except Late:
+            done = self.client.progress(fut)
             self.client.abort([fut])
             self.metrics.expired.labels("deadline").inc()
-            raise ApiError(504, "no answer within the request's deadline (X-Request-Timeout, the "
-                                "gRPC deadline or --request-timeout); it was not computed") from None
+            raise ApiError(504, _late(done)) from None
         finally:
             if timer is not None:
                 timer.cancel()
@@ -365,13 +366,14 @@ class Frontend(ClassifyMany, ScoreRoute):
             self._expired(bad.count(P.EXPIRED), deadline)
         raise ApiError(503, "request aborted", 1)
 
-    def _expired(self, n: int, deadline: float | None) -> None:
-        """The engine dropped it unrun (or stopped its passes): past the request's own deadline
-        504, else not started within --max-queue-ms 503 + Retry-After."""
+    def _expired(self, n: int, deadline: float | None, stopped: str | None = None) -> None:
+        """The engine dropped it unrun (or stopped its passes: `stopped` says how far it got):
+        past the request's own deadline 504, else not started within --max-queue-ms 503 +
+        Retry-After."""
         if deadline is not None and time.monotonic() >= deadline:
             self.metrics.expired.labels("deadline").inc(n)
-            raise ApiError(504, "no answer within the request's deadline (X-Request-Timeout, the "
-                                "gRPC deadline or --request-timeout); it was not computed")
+            raise ApiError(504, f"no answer within the request's deadline ({DEADLINE_SOURCES}); "
+                                f"{stopped or 'it was not computed'}")
         self.metrics.expired.labels("queue_time").inc(n)
         raise ApiError(503, f"not started within --max-queue-ms ({self.cfg.max_queue_ms:g} ms): "
                             f"the server is overloaded; retry later", self.client.wait_s(0))
@@ -386,7 +388,20 @@ class Frontend(ClassifyMany, ScoreRoute):
                               "--shutdown-timeout; retry on another instance", fault=False)
 
 
-def _late(fut) -> None:
+DEADLINE_SOURCES = "X-Request-Timeout, the gRPC deadline or --request-timeout"
+
+
+def _late(progress) -> str:
+    """A 504's text at the request's deadline: how far the engine got (a score request's last
+    ProgressOut), or that it was not computed."""
+    if progress is None:
+        return f"no answer within the request's deadline ({DEADLINE_SOURCES}); it was not computed"
+    return (f"no answer within the request's deadline ({DEADLINE_SOURCES}); stopped after "
+            f"{progress.passes} of about {progress.total} passes ({progress.items_done} items "
+            f"scored), the engine drops it at its next pass")
+
+
+def _set_late(fut) -> None:
     if not fut.done():
         fut.set_exception(Late())
 

@@ -98,6 +98,16 @@ class Metrics:
         self.score_p99 = Gauge("prefixscore_score_p99_ms", "depth control's measured p99 of "
                                "real-time score requests", registry=r,
                                multiprocess_mode="livemostrecent")
+        self.score_running = Gauge("prefixscore_score_running", "score requests the engine has "
+                                   "begun and not answered (long ones run a pass at a time)",
+                                   registry=r, multiprocess_mode="livesum")
+        self.score_running_passes = Gauge("prefixscore_score_running_passes", "passes run of the "
+                                          "score requests in progress (of about "
+                                          "prefixscore_score_running_passes_total)", registry=r,
+                                          multiprocess_mode="livesum")
+        self.score_running_total = Gauge("prefixscore_score_running_passes_total", "passes the "
+                                         "score requests in progress take, as last estimated",
+                                         registry=r, multiprocess_mode="livesum")
         if not mp:
             self.cache_ratio = Gauge("prefixscore_cache_hit_ratio", "pair cache hits / lookups "
                                      "since start, every route", registry=r)
@@ -162,6 +172,12 @@ class Metrics:
         """What the pair cache holds now (after a request's lookups and stores)."""
         self.cache_entries.set(len(cache))
         self.cache_bytes.set(cache.bytes)
+
+    def running(self, progress) -> None:
+        """The score requests in progress (their last ProgressOut each)."""
+        self.score_running.set(len(progress))
+        self.score_running_passes.set(sum(p.passes for p in progress))
+        self.score_running_total.set(sum(p.total for p in progress))
 
     def engine_batch(self, size: int, seconds: float) -> None:
         self._batch.observe(size)

@@ -158,8 +158,19 @@ class ScoreOut(msgspec.Struct, tag=True, array_like=True):
     p99_ms: float = 0.0  # depth control's measured p99 of real-time score requests (0: none yet)
 
 
+class ProgressOut(msgspec.Struct, tag=True, array_like=True):
+    """After each pass of a score request that needs more: how far it got (passes run, and all it
+    will take at the current pass budget: an estimate), so that its front end can say so at its
+    deadline ("stopped after k of n passes") and /healthz can show the running request."""
+    rid: int
+    passes: int
+    total: int
+    items_done: int  # items scored so far
+    filling: bool  # the last pass was a chunk of its query part
+
+
 REQ = HelloReq | ClassifyReq | ScoreReq | AbortReq
-OUT = ReadyOut | ClassifyOut | ScoreOut
+OUT = ReadyOut | ClassifyOut | ScoreOut | ProgressOut
 
 
 def _check_names() -> None:

@@ -7,8 +7,8 @@ real-time request waits behind at most one small batch pass). Within a lane, cla
 multi-item jobs share the engine by time when both wait (after a score pass, classify passes for
 as long), and a pass is cut to the token budget (PassBudget:
 about --pass-ms of work, but never under a few times a pass's fixed cost, measured as it goes):
-classify rows in arrival order up to it, a multi-item request a run of its items at a time (items
-are independent, so they split across passes). No request can hold the engine for longer than
+classify rows in arrival order up to it, a multi-item request a chunk of its long query part or a
+run of its items at a time (score_run.py). No request can hold the engine for longer than
 one pass, and every deadline and abort is looked at between passes.
 
 Nothing here touches the model: engine_loop.py runs the passes this hands out.
@@ -16,7 +16,7 @@ Nothing here touches the model: engine_loop.py runs the passes this hands out.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 REALTIME, BATCH = 0, 1
@@ -45,17 +45,15 @@ class Row:
 
 @dataclass
 class ScoreJob:
-    """One multi-item request, run a few items per pass."""
+    """One multi-item request, run a pass at a time (score_run.ScoreRun: its long query part in
+    chunks, then runs of its items)."""
     msg: object  # protocol.ScoreReq
     reply: Callable
     full: list[list[int]]  # per item, the whole prompt
     shared: list[int]
     soft: list | None = None  # per item its soft token's vector or None (protocol.unpack_score)
-    depth: int = -1  # items it will score; -1: not started (decided at its first pass)
-    done: int = 0  # items scored so far
-    scores: list = field(default_factory=list)
-    labels: list | None = None
-    computed: int = 0  # tokens computed so far
+    run: object = None  # its ScoreRun from its first pass on; None: not started
+    total: int = 0  # the passes it takes, as last estimated (a progress figure)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -63,18 +61,7 @@ class ScoreJob:
 
     @property
     def started(self) -> bool:
-        return self.depth >= 0
-
-    def next_items(self, budget: int) -> int:
-        """How many of the next items fit the pass's token budget (at least one): the query part
-        once, then each item's own tokens."""
-        shared, n, total = len(self.shared), 0, len(self.shared)
-        for ids in self.full[self.done:self.depth]:
-            total += len(ids) - shared
-            if n and total > budget:
-                break
-            n += 1
-        return n
+        return self.run is not None
 
 
 class Lanes:

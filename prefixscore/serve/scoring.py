@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 
 from ..errors import PrefixScoreError
-from ..score_input import Prepared
 from . import protocol as P
 from .answers import is_unicode
 from .api_error import ApiError, check_priority
@@ -115,7 +114,7 @@ class ScoreRoute:
         rows = [None] * len(full)
         if not todo:
             return rows, None, 0
-        prep = call.prep if len(todo) == len(full) else subset(call.prep, todo)
+        prep = call.prep if len(todo) == len(full) else call.prep.subset(todo)
         if prep is not call.prep:
             n = self.scoring.new_tokens(prep, self.info.scorer.prefix_ids)
         cfg = self.cfg
@@ -134,7 +133,7 @@ class ScoreRoute:
         if out.status == P.BAD_INPUT:  # the request's label set (the engine tokenizes it)
             raise ApiError(422, out.error)
         if out.status == P.EXPIRED:
-            self._expired(1, deadline)
+            self._expired(1, deadline, out.error)
         if out.status != P.OK:
             raise ApiError(503, out.error or "engine fault", 1)
         self.metrics.score_tokens.inc(out.prompt_tokens)
@@ -160,11 +159,3 @@ class ScoreRoute:
         except Exception as e:  # the tokenizer itself raised: this request's input
             raise ApiError(422, f"the tokenizer could not encode this request: "
                                 f"{type(e).__name__}: {e}") from None
-
-
-def subset(prep: Prepared, idx: list[int]) -> Prepared:
-    """The request's items idx (the cache's misses), in order: each item's prompt and, for an
-    embedding item, its vector; the shared query part is every item's."""
-    soft = getattr(prep, "soft", None)
-    return Prepared([prep.items[i] for i in idx], [prep.full[i] for i in idx], prep.shared,
-                    None if soft is None else [soft[i] for i in idx])

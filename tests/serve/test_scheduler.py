@@ -25,7 +25,6 @@ def test_realtime_before_batch_and_turns_within_a_lane():
     assert kind == "classify" and [r.rid for r in rows] == [3, 4] and not cut  # every real-time row
     kind, what, _ = lanes.next_pass(100)
     assert kind == "score" and what is rt_job  # then the real-time score job, before batch work
-    rt_job.depth, rt_job.done = 3, 3
     lanes.finish(rt_job)
     kind, rows, _ = lanes.next_pass(100)
     assert kind == "classify" and [r.rid for r in rows] == [1]  # batch work once the lane is empty
@@ -59,21 +58,12 @@ def test_aborted_rows_skipped_and_expiry_at_the_head():
     assert [r.rid for r in lanes.next_pass(100)[1]] == [3, 5]
 
 
-def test_score_job_takes_items_by_budget():
-    j = job(1, n_items=10, item_len=5)
-    j.depth = 10
-    assert j.next_items(2 + 5 * 3) == 3  # the shared part once, then each item's own tokens
-    assert j.next_items(1) == 1
-    j.done = 8
-    assert j.next_items(10 ** 6) == 2  # never past the depth
-
-
 def test_expiry_and_aborts_take_work_out():
     lanes = Lanes()
     lanes.add_row(row(1, deadline=5.0), 0)
     lanes.add_row(row(2, deadline=25.0), 0)
     queued, running_late, running_ok = job(3, deadline=5.0), job(4, finish_by=20.0), job(5, deadline=5.0)
-    running_late.depth = running_ok.depth = 3  # started: its start-by time no longer counts
+    running_late.run = running_ok.run = object()  # started: its start-by time no longer counts
     for j in (queued, running_late, running_ok):
         lanes.add_job(j)
     rows, jobs = lanes.expired(now=10.0)

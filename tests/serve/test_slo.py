@@ -5,6 +5,7 @@ Classifier (tiny random Llama) through its seam (EngineLoop.serve, one pass at a
 and request fields through the in-process server (uvicorn in a thread) with an engine whose
 passes a test holds (helpers.Wrapped)."""
 import asyncio
+import re
 import threading
 import time
 
@@ -63,15 +64,60 @@ def test_score_in_passes_equals_one_call_and_lets_classify_in(clf, scorer):
     answers = []
     reply = answers.append
     loop.serve([(score_req([shared + it for it in items], shared), reply)])  # a first pass
-    assert answers == []  # still running
+    assert [type(a) for a in answers] == [P.ProgressOut]  # still running: how far it got
     loop.serve([(classify_req(clf, ["red dress"], [7]), reply)])
-    assert isinstance(answers[0], P.ClassifyOut) and answers[0].rids == [7]  # the next pass
+    assert isinstance(answers[1], P.ClassifyOut) and answers[1].rids == [7]  # the next pass
     for _ in range(20):
         loop.serve([])
     out = answers[-1]
     assert isinstance(out, P.ScoreOut) and out.status == P.OK and out.depth == 12
     assert np.allclose(out.scores, want["scores"], atol=1e-5)
     assert out.prompt_tokens > want["usage"]["prompt_tokens"]  # the query part once per pass
+
+
+def test_long_query_part_in_chunks_lets_classify_in(clf, scorer):
+    """A query part longer than a pass is prefilled a chunk a pass (score_run.py): a classify
+    request arriving meanwhile is answered after one chunk, the front end hears how far it got,
+    and the answer is bitwise the library's ScoreRun under the same budget (the unstaged path)."""
+    rng = np.random.default_rng()
+    query = rng.integers(10, 1000, 400).tolist()
+    items = [rng.integers(10, 1000, 4).tolist() for _ in range(5)]
+    loop = EngineLoop(clf, scorer, schedule=ScheduleOptions(pass_ms=1.0))
+    loop.score_budgets[True].tokens = 100
+    answers = []
+    loop.serve([(score_req([query + it for it in items], query), answers.append)])
+    first = answers[0]
+    assert isinstance(first, P.ProgressOut) and first.passes == 1 and first.filling
+    assert first.total == 5  # four chunks of 100, then the five items in one run
+    loop.serve([(classify_req(clf, ["red dress"], [7]), answers.append)])
+    assert isinstance(answers[1], P.ClassifyOut) and answers[1].rids == [7]
+    while not isinstance(answers[-1], P.ScoreOut):
+        loop.serve([])
+    out = answers[-1]
+    progress = [a for a in answers if isinstance(a, P.ProgressOut)]
+    assert [p.passes for p in progress] == [1, 2, 3, 4] and [p.filling for p in progress] == [True] * 3 + [False]
+    body = {"query": query, "items": items, "label_token_ids": [5, 9], "apply_softmax": True}
+    run = scorer.begin(scorer.input.parse(body), tokens=100)
+    while not run.finished:
+        run.step(100)
+    assert out.status == P.OK and out.scores == run.answer()["scores"]  # bitwise
+    assert out.prompt_tokens == 400 + 5 * 4  # the query part once
+
+
+def test_deadline_between_chunks_frees_the_engine(clf, scorer):
+    """A long request whose deadline passes mid-prefill stops at the next pass: answered EXPIRED
+    with how far it got, nothing of it left in the engine."""
+    loop = EngineLoop(clf, scorer)
+    loop.score_budgets[True].tokens = 100
+    answers = []
+    query = list(range(10, 410))
+    loop.serve([(score_req([query + [5]], query, finish_by=time.monotonic() + 0.2), answers.append)])
+    time.sleep(0.25)
+    loop.serve([])
+    assert [type(a) for a in answers] == [P.ProgressOut, P.ScoreOut]
+    assert answers[1].status == P.EXPIRED
+    assert answers[1].error == "stopped at its deadline after 1 of about 5 passes (0 of 1 items scored)"
+    assert len(loop.lanes) == 0
 
 
 def test_batch_priority_waits_for_the_realtime_lane(clf):
@@ -90,10 +136,11 @@ def test_deadline_past_mid_request_stops_its_passes(clf, scorer):
     answers = []
     full = [[11, 12, 20 + i] for i in range(6)]
     loop.serve([(score_req(full, [11, 12], finish_by=time.monotonic() + 0.2), answers.append)])
-    assert answers == []
+    assert [type(a) for a in answers] == [P.ProgressOut]
     time.sleep(0.25)
     loop.serve([])
-    assert len(answers) == 1 and answers[0].status == P.EXPIRED
+    assert len(answers) == 2 and answers[1].status == P.EXPIRED
+    assert "stopped at its deadline after 1 of about 6 passes (1 of 6 items scored)" in answers[1].error
 
 
 # ---------------------------------------------------------------- through the server
@@ -127,6 +174,58 @@ def test_deadline_answered_on_time_and_never_computed(clf):
         assert wrapped.batches[batches:] == [1]  # only the holder ran
         text = httpx.get(base + "/metrics").text
         assert metric(text, 'prefixscore_expired_total{reason="deadline"}') == 1
+
+
+class SlowSteps:
+    """The real Scorer, each pass of a request run a pass at a time slowed by `delay` seconds and
+    held to `tokens` (not the budget calibrated on this host, which varies)."""
+
+    def __init__(self, scorer, delay, tokens):
+        self.scorer, self.delay, self.tokens = scorer, delay, tokens
+
+    def __getattr__(self, name):
+        return getattr(self.scorer, name)
+
+    def begin(self, call, depth, tokens):
+        run, delay = self.scorer.begin(call, depth, self.tokens), self.delay
+        step = run.step
+
+        def slow(tokens, kv_weight=0.0):
+            time.sleep(delay)
+            return step(self.tokens)
+
+        run.step = slow
+        return run
+
+
+def test_deadline_mid_request_says_how_far_it_got(clf, scorer):
+    """A long score request's 504 at its deadline says how many of its passes ran; while it runs,
+    /healthz and /metrics show its progress; after, the engine has nothing of it left."""
+    app = create_app(clf, SlowSteps(scorer, 0.3, 200), **LIMITS)
+    query = list(range(10, 410))  # two chunks of 200 tokens, then the items
+    with running(app) as (base, _):
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                late = asyncio.create_task(c.post(
+                    "/v1/score", json={"query": query, "items": [[5], [6]], "label_token_ids": [5, 9]},
+                    headers={"X-Request-Timeout": "0.5"}))
+                await asyncio.sleep(0.4)
+                health, text = (await c.get("/healthz")).json(), (await c.get("/metrics")).text
+                return await late, health, text
+
+        late, health, text = asyncio.run(go())
+        assert late.status_code == 504
+        detail = late.json()["detail"]
+        # (the passes left are estimated at the engine's own calibrated budget)
+        assert re.search(r"stopped after 1 of about \d+ passes \(0 items scored\)", detail), detail
+        (card,) = health["running"]
+        assert card["passes"] == 1 and card["of_passes"] >= 2 and card["query_part"]
+        assert metric(text, "prefixscore_score_running") == 1
+        assert metric(text, "prefixscore_score_running_passes") == 1
+        time.sleep(0.4)  # the pass in flight ends; the engine drops the request there
+        assert len(app.state.client.engine.lanes) == 0
+        assert httpx.get(base + "/healthz").json()["running"] == []
+        assert metric(httpx.get(base + "/metrics").text, "prefixscore_score_running") == 0
 
 
 def test_request_timeout_default(clf):

@@ -1,0 +1,128 @@
+"""A score request a pass at a time (score_run.ScoreRun, the engine loop's unit of multi-item work)
+against the unchunked path (Scorer.score_call: the query part in the same pass as its items), on a
+tiny random Llama in fp32 with fresh random inputs.
+
+Chunking the query part changes only the order of sums (a chunk's attention reads the rows before
+it from the K/V, then its own, merged by log-sum-exp), so scores agree to fp32 rounding, not
+bitwise: a few ulps of each activation, over a few layers, at scores of size ~1: 1e-5."""
+import numpy as np
+import pytest
+import torch
+
+from prefixscore import Scorer
+from prefixscore.score_input import Prepared, ScoreCall
+from prefixscore.score_run import CHUNK_MIN
+
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def scorer(tiny_model):
+    return Scorer(tiny_model("llama"), "Is the item relevant? Query: {query}{item}", ["yes", "no"],
+                  chat=False, device="cpu", dtype=torch.float32)
+
+
+def run_all(sc, body, tokens, depth=None):
+    run = sc.begin(sc.input.parse(body), depth, tokens)
+    steps = []
+    while not run.finished:
+        steps.append((run.filling, run.step(tokens)))
+    return run, steps
+
+
+def check(a, b):
+    sa, sb = np.asarray(a["scores"]), np.asarray(b["scores"])
+    assert sa.shape == sb.shape
+    assert np.abs(sa - sb).max() < ATOL, np.abs(sa - sb).max()
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_long_token_query_chunked_equals_one_pass(scorer, softmax):
+    rng = np.random.default_rng()
+    query = rng.integers(10, 2000, 380).tolist()  # (the tiny model's context: 512)
+    items = [rng.integers(10, 2000, rng.integers(1, 9)).tolist() for _ in range(7)]
+    body = {"query": query, "items": items, "apply_softmax": softmax, "label_token_ids": [5, 9]}
+    want = scorer.score_request(body)
+    run, steps = run_all(scorer, body, tokens=100)
+    check(run.answer(), want)
+    chunks = [cost for filling, cost in steps if filling]
+    # the query part (it does not start with the pinned prefix: from position 0) in chunks of the
+    # budget, then the items against its K/V: each item's tokens once, the query part once
+    assert chunks == [100, 100, 100, 80] and run.kv.filled == 380
+    assert run.computed == 380 + sum(map(len, items)) <= want["usage"]["prompt_tokens"]
+
+
+def test_text_query_and_items_that_merge_across_the_slot(scorer):
+    """The template puts the item right after the query, so an item's text may merge with the
+    query's last word (" shoe" + "s"): chunked, each item still sees its own prompt's tokens."""
+    words = ["red", "blue", "shoe", "dress", "running", "coat", "green", "wool"]
+    rng = np.random.default_rng()
+    query = " ".join(rng.choice(words, 120)) + " shoe"
+    items = ["s for running", " trail", "laces", " yoga mat", "box", " x"]
+    body = {"query": query, "items": items, "apply_softmax": True}
+    want = scorer.score_request(body)
+    run, steps = run_all(scorer, body, tokens=120)
+    assert any(f for f, _ in steps)
+    check(run.answer(), want)
+
+
+def test_items_that_share_less_of_the_query_part(scorer):
+    """Items whose prompts leave the query part early (what a tokenizer merge across the slot
+    does, here deeper than any real one) attend to that many rows of the request's K/V (causal:
+    exactly the rows their own prompts give) and compute the rest of their prompt themselves."""
+    rng = np.random.default_rng()
+    P = scorer.prefix_ids
+    query = rng.integers(10, 2000, 300).tolist()
+    tail = lambda n: rng.integers(10, 2000, n).tolist()  # noqa: E731
+    full = [P + query + tail(3), P + query[:250] + tail(6), P + query + tail(2),
+            P + query[:10] + tail(4), P + query + tail(5)]
+    prep = Prepared(full, full, P + query)
+    call = ScoreCall(None, prep, None, [5, 9], True)
+    want = scorer.score_call(call)
+    run = scorer.begin(call, tokens=100)
+    while not run.finished:
+        run.step(100)
+    assert run._plan[2] == 300 and run.kv.filled == len(P) + 300
+    check(run.answer(), want)
+
+
+def test_embedding_items_after_a_chunked_query(scorer):
+    rng = np.random.default_rng()
+    H = scorer.config.hidden_size
+    query = " ".join(rng.choice(["red", "blue", "shoe", "dress", "coat"], 250))
+    items = [torch.randn(H).numpy(), "a wool coat", torch.randn(H).numpy()]
+    body = {"query": query, "items": items, "apply_softmax": True}
+    want = scorer.score_request(body)
+    run, steps = run_all(scorer, body, tokens=100)
+    assert sum(f for f, _ in steps) == 3
+    check(run.answer(), want)
+
+
+def test_short_query_runs_items_with_it_and_depth_stops_early(scorer):
+    """A query part under a chunk stays in every run of items (the pinned prefix's graphs), and
+    only the first `depth` items run."""
+    rng = np.random.default_rng()
+    query = rng.integers(10, 2000, CHUNK_MIN).tolist()
+    items = [rng.integers(10, 2000, 5).tolist() for _ in range(10)]
+    body = {"query": query, "items": items, "apply_softmax": True, "label_token_ids": [5, 9]}
+    want = scorer.score_request(body)
+    run, steps = run_all(scorer, body, tokens=CHUNK_MIN + 10, depth=6)
+    assert run.kv is None and not any(f for f, _ in steps)
+    assert len(steps) == 3 and run.done == 6  # two items a run: the query part, then 5 + 5
+    assert np.abs(np.asarray(run.answer()["scores"]) - np.asarray(want["scores"][:6])).max() < ATOL
+
+
+def test_chunks_shrink_as_the_kv_fills(scorer):
+    """With a cost per K/V row, a chunk's tokens weighed by the rows they attend to stay within
+    the budget: later chunks are shorter (never under CHUNK_MIN)."""
+    query = list(range(10, 450))
+    body = {"query": query, "items": [[5]], "apply_softmax": True, "label_token_ids": [5, 9]}
+    sizes, tokens, w = [], 100, 1 / 400
+    run = scorer.begin(scorer.input.parse(body), tokens=tokens)
+    while run.filling:
+        before = run.kv.filled
+        cost = run.step(tokens, kv_weight=w)
+        sizes.append(run.kv.filled - before)
+        assert cost <= tokens * 1.01 or sizes[-1] <= CHUNK_MIN  # (the floor, or the last piece)
+    assert sizes[0] == 100 and sizes == sorted(sizes, reverse=True) and min(sizes[:-1]) >= CHUNK_MIN
+    assert sum(sizes) == 440 and len(set(sizes)) > 2
