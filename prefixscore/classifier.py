@@ -361,32 +361,38 @@ class Classifier:
 
     def _decide(self, batch: list[Encoded]) -> tuple[list[int], list[list[float]]]:
         """One flat batch: per request the label index and the label scores."""
-        logprobs = self.mode == "logprobs"
-        if self.head is not None:
-            from .weights.heads import head_scores
-
-            scores, best = head_scores(self, self.head, batch, logprobs)
-            return best.tolist(), scores.tolist()
-        scores, best = self.engine.run(*self._plan(batch, logprobs), self.weight, logprobs)
-        if logprobs and len(batch) == 1:  # the latency path
-            one, d = self.trie.assemble_one(scores, best)
-            return [d], [one]
-        return self._assemble(scores, best, len(batch), logprobs)
+        return self._launch(batch)()
 
     def _assemble(self, scores, best, n: int, logprobs: bool):
         label_scores, decision = (self.trie.assemble(scores, best, n) if logprobs
                                   else self.trie.assemble_logits(scores, best))
         return decision.tolist(), label_scores.tolist()
 
+    def launch_encoded(self, encoded: list[Encoded]):
+        """decide_encoded in two halves, for one flat batch (the engine loop's pass): its pass is
+        planned and queued now; the returned finish() waits for it and returns what
+        decide_encoded returns. On CUDA the GPU runs it while the caller plans the next."""
+        return self._launch(encoded)
+
     def _launch(self, batch: list[Encoded]):
         """_decide in two halves: plan and queue the batch's pass now; the returned finish() waits
-        for it and returns what _decide returns (a graph replay, a CPU pass and a head's scores
-        have finished by then: only an eager CUDA pass is still running)."""
+        for it and returns what _decide returns (a CPU pass and a head's scores have finished by
+        then; on CUDA a graph replay or an eager pass may still run)."""
         logprobs = self.mode == "logprobs"
-        if self.head is not None or len(batch) == 1:
-            answer = self._decide(batch)
+        if self.head is not None:
+            from .weights.heads import head_scores
+
+            scores, best = head_scores(self, self.head, batch, logprobs)
+            answer = best.tolist(), scores.tolist()
             return lambda: answer
         collect = self.engine.launch(*self._plan(batch, logprobs), self.weight, logprobs)
+        if logprobs and len(batch) == 1:  # the latency path
+
+            def one():
+                o, d = self.trie.assemble_one(*collect())
+                return [d], [o]
+
+            return one
         return lambda: self._assemble(*collect(), len(batch), logprobs)
 
     def _plan(self, batch: list[Encoded], logprobs: bool):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 import torch
 
 from .batch import Plan
@@ -26,21 +25,11 @@ from .kernels.label_head import rms_norm
 from .kernels.options import KernelOptions
 from .weights.loading import LoadedModel
 from .model import Context
+from .graphs import GRAPH_MAX_TOKENS, GraphRunner
 
-# Short requests get their own small buckets: the graph of a bucket does its padding tokens' work
-# too, and on the H200 one Qwen2.5-0.5B-shape request took 0.564 / 0.570 / 0.579 / 0.585 / 0.597 ms
-# in buckets of 1 / 2 / 4 / 8 / 16 tokens.
-BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
-# Past 8192 tokens a batch keeps the GPU busy for milliseconds, so launches hide behind it and a
-# graph would only add padding (W3: 15,050 tokens padded to 16,384 was 9% waste): run eagerly.
-GRAPH_MAX_TOKENS = BUCKETS[-1]
-# Buckets whose input + output bytes are at most this copy them inside their graph (the whole
-# buffers, used rows or not); larger ones copy around the replay, only what the call uses.
-GRAPH_COPY_MAX_BYTES = 1 << 20  # (KernelOptions.graph_copies False: every bucket copies around)
-# GraphRunner.run keeps the filled input of one-request plans up to this many tokens, one per
-# layout (suffix length x first position: at most a few hundred, each <= 64 * (24 + N) bytes).
-IMAGE_MAX_TOKENS, MAX_IMAGES = 64, 1024
-
+# Label tokens a vocabulary graph takes (Engine.capture_vocab): a /v1/score request's label set
+# (the server's --max-label-ids is 64 by default; a larger set runs eagerly).
+VOCAB_LABELS = 64
 
 class Engine:
     def __init__(self, loaded: LoadedModel, options: KernelOptions | None = None):
@@ -168,6 +157,26 @@ class Engine:
         return label_head(h, rows, m.norm.weight, m.norm.eps, weight, allowed, logprobs, out,
                           options=self.options)
 
+    @torch.inference_mode()
+    def forward_vocab(self, tokens, positions, ctx, rows, cols, out=None):
+        """The whole model's probabilities of tokens `cols` at `rows` (vocab_head), every row of
+        the forward computed (a graph's)."""
+        h = self.model(tokens, positions, ctx)
+        return self.vocab_head(h[rows.long()], cols, out)
+
+    def vocab_head(self, h, cols, out=None):
+        """Each of `cols`' probability under the whole vocabulary at each row of h (hidden states
+        before the final norm): the full output head, for these rows only, logits in the model's
+        dtype, their log-sum-exp in fp32."""
+        norm = self.model.norm
+        x = rms_norm(h, norm.weight, norm.eps)
+        res = []
+        for c in range(0, x.shape[0], 1024):  # bounds the [rows, vocab] fp32 block
+            logits = (x[c:c + 1024] @ self.lm_head.t()).float()
+            res.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
+        p = res[0] if len(res) == 1 else torch.cat(res)
+        return p if out is None else out.copy_(p)
+
     def run(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
         """-> (scores [R, N] fp32, best [R]) on the CPU for the plan's read-out rows."""
         g = self._graph(plan, prefix_kv, weight, logprobs)
@@ -188,13 +197,12 @@ class Engine:
     @torch.inference_mode()
     def launch(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
         """Queue the plan's forward and return `collect()`, which waits for it and returns what
-        run() returns. On CUDA an eager (past the graphs) forward is queued without a host sync,
-        so the host can prepare the next plan while the GPU works. Graph replays share static
-        buffers: they finish before launch returns."""
+        run() returns. On CUDA neither an eager (past the graphs) forward nor a graph replay waits
+        for the GPU, so the host can prepare the next plan while the GPU works (a graph runner
+        has SLOTS input slots: the launch after those collects the oldest first)."""
         g = self._graph(plan, prefix_kv, weight, logprobs)
         if g is not None:
-            out = g.run(plan)
-            return lambda: out
+            return g.launch(plan)
         cuda = self.device.type == "cuda"
         p = plan.pinned().to(self.device) if cuda else plan  # pinned: the copies do not block
         ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets,
@@ -232,18 +240,28 @@ class Engine:
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets,
                 "graph_mem_mb": (torch.cuda.memory_reserved() - mem0) / 2**20}  # pools + buffers
 
+    def capture_vocab(self, prefix_kv, max_tokens: int, labels: int = VOCAB_LABELS) -> dict:
+        """CUDA graphs of vocab_probs passes over prefix_kv, for any set of up to `labels` label
+        tokens (GraphRunner vocab): SGLang's default /v1/score mode replays a graph too."""
+        if self.device.type != "cuda":
+            return {}
+        t0 = time.perf_counter()
+        runner = GraphRunner(self, prefix_kv, None, False, min(max_tokens, GRAPH_MAX_TOKENS),
+                             vocab=labels)
+        self.graphs[(id(prefix_kv), "vocab")] = runner
+        torch.cuda.synchronize()
+        return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets}
+
     def vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
         """Each label token's probability under the whole vocabulary: the full output head, but
-        only at the read-out rows (one row per item): the Scorer's mode vocab_probs."""
+        only at the read-out rows (one row per item): the Scorer's mode vocab_probs. A graph
+        replay where one was captured for kv (capture_vocab) and the plan fits it."""
+        g = self.graphs.get((id(kv), "vocab"))
+        if (g is not None and plan.soft is None and plan.num_tokens <= g.max_tokens and
+                plan.rows.shape[0] <= g.rows_of(g.bucket_of[plan.num_tokens]) and len(tokens) <= g.N):
+            return g.run(plan, tokens)[0][:, :len(tokens)]
         h, plan = self.hidden(plan, kv, read=True)
-        norm = self.model.norm
-        x = rms_norm(h, norm.weight, norm.eps)
-        cols = torch.tensor(tokens, device=x.device)
-        out = []
-        for c in range(0, x.shape[0], 1024):  # bounds the [rows, vocab] fp32 block
-            logits = (x[c:c + 1024] @ self.lm_head.t()).float()
-            out.append((logits[:, cols] - logits.logsumexp(-1, keepdim=True)).exp())
-        return torch.cat(out).cpu()
+        return self.vocab_head(h, torch.tensor(tokens, device=h.device)).cpu()
 
 
 class QueryKV:
@@ -274,150 +292,3 @@ class QueryKV:
 
 def _soft(plan: Plan):
     return None if plan.soft is None else (plan.soft_rows, plan.soft)
-
-
-class GraphRunner:
-    """Static buffers + one CUDA graph per token bucket for one (prefix, label weight, mode).
-
-    A call's inputs are one byte buffer, laid out per bucket Tb as the int32 rows [6, Tb] (tokens,
-    positions, base_start, base_end, own_start, read-out rows; with `ranges` 8 rows, then
-    prefix_start and prefix_end) and then allowed [Tb, N] (bool), so
-    they travel in one contiguous H2D copy; the label head writes best [Tb] (int64) and scores
-    [Tb, N] (fp32) into one output byte buffer, read back with one D2H copy. Each bucket's graph
-    is captured on its own views of the two buffers. Padding tokens see only themselves and the
-    prefix; padding rows read token 0 with every label allowed; their outputs are never read.
-    """
-
-    def __init__(self, engine: Engine, prefix_kv, weight, logprobs, max_tokens, ranges: bool = False):
-        self.engine, self.prefix_kv, self.weight, self.logprobs = engine, prefix_kv, weight, logprobs
-        self.ranges = ranges
-        self.rows_in = 8 if ranges else 6  # int32 rows of the input
-        self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
-        self.max_tokens = Tmax = self.buckets[-1]
-        self.N = weight.shape[0]
-        dev = engine.device
-        self.host_in = torch.zeros(self._in_bytes(Tmax), dtype=torch.uint8).pin_memory()
-        self.host_out = torch.zeros(self._out_bytes(Tmax), dtype=torch.uint8).pin_memory()
-        self.dev_in = torch.zeros_like(self.host_in, device=dev)
-        self.dev_out = torch.zeros_like(self.host_out, device=dev)
-        self.pad = np.arange(Tmax, dtype=np.int32)
-        self.bucket_of = [next(b for b in self.buckets if b >= T) for T in range(Tmax + 1)]
-        self.images: dict[tuple, np.ndarray] = {}  # one-request layout -> its filled input (run)
-        hin, hout = self.host_in.numpy(), self.host_out.numpy()
-        self.host_in_np = hin
-        self.views = {}  # bucket -> numpy views of the pinned buffers (ints, allowed, best, scores)
-        for T in self.buckets:
-            ints, allowed = self._split_in(hin, T)
-            best, scores = self._split_out(hout, T)
-            self.views[T] = (ints, allowed, best, scores)
-        self.graphs = {}
-        # copies in the graph: the bucket's whole input and output buffers
-        opts = engine.options
-        copies = opts.graph_copies and opts.use_triton  # (the plain-torch baseline copies around)
-        self.inline = {T: copies and self._in_bytes(T) + self._out_bytes(T) <= GRAPH_COPY_MAX_BYTES
-                       for T in self.buckets}
-        pool = engine.pool
-        # Warm up on the stream that captures: what a kernel caches per stream (the skinny GEMMs'
-        # split-K counters) then exists before the capture, which would otherwise record its
-        # zero-fill into every replay (a torch kernel between two PDL launches).
-        # One capture stream per engine: the allocator reuses a freed block only on the stream
-        # that freed it, so runners captured on streams of their own each grew the shared pool by
-        # a whole bucket set (H200, 0.5B: +346 MiB for a second classifier, 86% of the weights).
-        if engine.capture_stream is None:
-            engine.capture_stream = torch.cuda.Stream(dev)
-        stream = engine.capture_stream
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
-            ints, allowed = self._split_in(self.dev_in, T)
-            ints.copy_(torch.from_numpy(self._idle(T)))  # valid visibility everywhere, all allowed
-            allowed.fill_(True)
-            h, a = self.views[T][:2]  # the same in the host buffer, which an inline copy reads
-            h[:] = self._idle(T)
-            a[:] = True
-            torch.cuda.synchronize()
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                    self._body(T)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=stream):
-                self._body(T)
-            pool = engine.pool = g.pool()
-            self.graphs[T] = g
-
-    def _in_bytes(self, T):
-        return 4 * self.rows_in * T + T * self.N
-
-    def _out_bytes(self, T):
-        return 8 * T + 4 * T * self.N
-
-    def _split_in(self, buf, T):
-        """(ints [rows_in, T] int32, allowed [T, N] bool) views of a byte buffer (torch or numpy)."""
-        i32, b8 = (np.int32, np.bool_) if isinstance(buf, np.ndarray) else (torch.int32, torch.bool)
-        n = 4 * self.rows_in * T
-        return (buf[:n].view(i32).reshape(self.rows_in, T),
-                buf[n:self._in_bytes(T)].view(b8).reshape(T, self.N))
-
-    def _split_out(self, buf, T):
-        """(best [T] int64, scores [T, N] fp32) views of a byte buffer (torch or numpy)."""
-        i64, f32 = (np.int64, np.float32) if isinstance(buf, np.ndarray) else (torch.int64, torch.float32)
-        return buf[:8 * T].view(i64), buf[8 * T:self._out_bytes(T)].view(f32).reshape(T, self.N)
-
-    def _idle(self, T):
-        ints = np.zeros((self.rows_in, T), dtype=np.int32)  # (a padding token's prefix range: empty)
-        ints[4] = self.pad[:T]
-        return ints
-
-    def _body(self, T):
-        copies = self.inline[T]
-        if copies:  # a kernel reads the pinned input in place
-            from .kernels.fused_triton import copy_bytes  # (CUDA only: triton is imported lazily)
-
-            copy_bytes(self.host_in, self.dev_in, self._in_bytes(T), options=self.engine.options)
-        ints, allowed = self._split_in(self.dev_in, T)
-        tokens, pos, bs, be, own, rows = ints[:6]
-        best, scores = self._split_out(self.dev_out, T)
-        ctx = Context(self.prefix_kv, bs, be, own, prefix_range=(ints[6], ints[7]) if self.ranges else None,
-                      options=self.engine.options)
-        self.engine.forward_scores(tokens, pos, ctx, rows, allowed, self.weight, self.logprobs,
-                                   out=(scores, best))
-        if copies:
-            copy_bytes(self.dev_out, self.host_out, self._out_bytes(T), options=self.engine.options)
-
-    def run(self, plan: Plan):
-        T, R, N = plan.num_tokens, plan.rows.shape[0], self.N
-        Tb = self.bucket_of[T]
-        h, a, best, scores = self.views[Tb]
-        n_in = self._in_bytes(Tb)
-        # A one-request plan's input differs from the last one of its layout in the tokens only:
-        # copy that image and write the tokens (2 numpy calls instead of ~15 on the latency path).
-        key = (None if plan.layout is None or Tb > IMAGE_MAX_TOKENS else
-               (Tb, plan.layout, plan.allowed.numpy().tobytes()))
-        image = self.images.get(key)
-        if image is not None:
-            self.host_in_np[:n_in] = image
-            h[0, :T] = plan.tokens.numpy()
-        else:
-            for i, x in enumerate((plan.tokens, plan.positions, plan.base_start, plan.base_end,
-                                   plan.own_start)):
-                h[i, :T] = x.numpy()
-            if self.ranges:
-                h[6, :T] = plan.prefix_start.numpy()
-                h[7, :T] = plan.prefix_end.numpy()
-            h[:, T:Tb] = 0
-            h[4, T:Tb] = self.pad[T:Tb]
-            h[5, :R] = plan.rows.numpy()
-            h[5, R:Tb] = 0  # padding rows read token 0 (stale indices could point past this bucket)
-            a[:R] = plan.allowed.numpy()
-            a[R:Tb] = True
-            if key is not None and len(self.images) < MAX_IMAGES:
-                self.images[key] = self.host_in_np[:n_in].copy()
-        if self.inline[Tb]:  # the graph copies the input in and the output out
-            self.graphs[Tb].replay()
-        else:
-            self.dev_in[:n_in].copy_(self.host_in[:n_in], non_blocking=True)
-            self.graphs[Tb].replay()
-            n_out = 8 * Tb + 4 * R * N  # best (all Tb) and the first R rows of scores
-            self.host_out[:n_out].copy_(self.dev_out[:n_out], non_blocking=True)
-        torch.cuda.current_stream().synchronize()  # the one host sync of the call
-        return torch.from_numpy(scores[:R].copy()), torch.from_numpy(best[:R].copy())

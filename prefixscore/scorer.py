@@ -172,6 +172,9 @@ class Scorer:
         if graphs and mode != "vocab_probs":
             self.capture_info = self.engine.capture(self.prefix_kv, self.head.weight, mode != "logits",
                                                     max_batch_tokens)
+        vocab = self.engine.capture_vocab(self.prefix_kv, max_batch_tokens) if graphs else None
+        if vocab:  # SGLang's default mode (apply_softmax false), any label set: graphs too
+            self.capture_info["vocab"] = vocab
 
     @property
     def layout(self) -> str:

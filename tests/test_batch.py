@@ -58,7 +58,8 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     buffer contents from a bigger batch must not leak into a smaller one)."""
     import contextlib
 
-    from prefixscore.engine import Engine, GraphRunner
+    from prefixscore.engine import Engine
+    from prefixscore.graphs import GraphRunner
     from prefixscore.kernels.options import KernelOptions
     from prefixscore.weights.loading import load
     from prefixscore.prompt import Prompt
@@ -86,17 +87,20 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"synchronize": lambda s: None})())
     monkeypatch.setattr(EagerGraph, "pool", lambda self: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a: type("E", (), {"record": lambda s: None,
+                                                                      "synchronize": lambda s: None})())
     orig_body = GraphRunner._body
 
-    def body(self, T):  # record each bucket's body as its graph
+    def body(self, T, slot):  # record each bucket's body as its graph
         captured.append(T)
-        orig_body(self, T)
+        orig_body(self, T, slot)
         self._last = T
 
     monkeypatch.setattr(GraphRunner, "_body", body)
     runner = GraphRunner(engine, prefix, weight, True, 64)
-    for T, g in runner.graphs.items():
-        g.body = (lambda T=T: orig_body(runner, T))
+    for T, graphs in runner.slot_graphs.items():
+        for slot, g in enumerate(graphs):
+            g.body = (lambda T=T, slot=slot: orig_body(runner, T, slot))
     assert sorted(set(captured)) == runner.buckets == [1, 2, 4, 8, 16, 32, 64]
     rng = random.Random(0)
     used = set()
@@ -114,11 +118,11 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     # rewritten: the input must equal a fresh fill's (layout=None), also after a longer plan left
     # stale tokens behind, and a layout that differs in its first position or its allowed rows
     # only must get its own image.
-    P, vocab = len(prompt.prefix_ids), loaded.model.config.vocab_size
+    P, vocab_size = len(prompt.prefix_ids), loaded.model.config.vocab_size
     seen = set()
     for n, start, all_allowed in ((3, P, False), (5, P, False), (3, P, False), (3, 0, False),
                                   (9, P, False), (3, P, True), (5, P, False), (3, 0, False)):
-        plan = plan_classify([[rng.randrange(vocab) for _ in range(n)]], [start], trie)
+        plan = plan_classify([[rng.randrange(vocab_size) for _ in range(n)]], [start], trie)
         if all_allowed:  # as a trained head's plan (heads.py)
             plan = dataclasses.replace(plan, allowed=torch.ones_like(plan.allowed))
         images = len(runner.images)
@@ -126,12 +130,34 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
         key = (n, start, all_allowed)
         assert len(runner.images) == images + (key not in seen), key  # filled once per layout
         seen.add(key)
-        cached = runner.host_in.clone()
+        n_in = runner._in_bytes(runner.bucket_of[plan.num_tokens])  # (the slots differ past it)
+        cached = runner.host_in[:n_in].clone()
         fresh = runner.run(dataclasses.replace(plan, layout=None))
-        assert torch.equal(cached, runner.host_in), key
+        assert torch.equal(cached, runner.host_in[:n_in]), key
         assert torch.equal(got[0], fresh[0]) and torch.equal(got[1], fresh[1])
         want = engine.launch(plan, prefix, weight, True)()
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+    # Staged: passes launched back to back use the two slots in turn, each collected later from
+    # its own slot; a third launch collects the oldest first (its slot is refilled).
+    plans = [plan_classify([[rng.randrange(vocab_size) for _ in range(n)] for n in ns], [P] * len(ns), trie)
+             for ns in ((3,), (2, 5), (7,), (1, 1, 1))]
+    alone = [runner.run(p) for p in plans]
+    finishes = [runner.launch(p) for p in plans]
+    for (scores, best), (s2, b2) in zip(alone, (f() for f in finishes)):
+        assert torch.equal(scores, s2) and torch.equal(best, b2)
+    assert runner.inflight == [None, None]
+    # A vocabulary runner (SGLang's default /v1/score mode): any label tokens, up to N of them,
+    # as an input; each read-out row's probabilities under the whole vocabulary, as eagerly.
+    vocab = GraphRunner(engine, prefix, None, False, 64, vocab=5)
+    for T, graphs_ in vocab.slot_graphs.items():
+        for slot, g in enumerate(graphs_):
+            g.body = (lambda T=T, slot=slot: orig_body(vocab, T, slot))
+    for ns, tokens in (((3,), [5, 9]), ((2, 6, 1), [7, 11, 13, 17, 19]), ((4,), [23])):
+        plan = plan_classify([[rng.randrange(vocab_size) for _ in range(n)] for n in ns], [P] * len(ns), trie)
+        got = vocab.run(plan, tokens)[0][:, :len(tokens)]
+        want = engine.vocab_probs(plan, prefix, tokens)
+        assert got.shape == want.shape == (plan.rows.shape[0], len(tokens))
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("persistent", [False, True])
@@ -178,3 +204,11 @@ def test_gpu_scores_do_not_depend_on_the_bucket(persistent):
         first = outs[own]
         for Tb, (scores, best) in outs.items():
             assert torch.equal(scores, first[0]) and torch.equal(best, first[1]), (n, Tb)
+    # Staged launches (the engine loop's): passes queued back to back, each slot's graph reading
+    # its own pinned input while the one before runs, collected later: bitwise each alone.
+    plans = [plan_classify([[rng.randrange(4096) for _ in range(rng.randint(1, 16))] for _ in range(b)],
+                           [48] * b, trie) for b in (1, 1, 3, 2, 1, 4, 1, 1)]
+    alone = [runner.run(p) for p in plans]
+    finishes = [engine.launch(p, prefix, weight, True) for p in plans]
+    for (scores, best), (s2, b2) in zip(alone, (f() for f in finishes)):
+        assert torch.equal(scores, s2) and torch.equal(best, b2)

@@ -16,8 +16,10 @@ LAYERS = {"kernels": 0, "weights": 1, "rows": 2, "serve": 2, "train": 3, "ray": 
 # prefixscore.finetune: the package's lazy __getattr__ imports training code only when asked for
 # (test_serving_path_loads_no_training_or_cli_code checks that importing prefixscore does not).
 ALLOWED = {("", "train")}
-MAX_TOP_LEVEL = 16  # modules at the top of prefixscore/: the public API and the engine stack
-MAX_LINES = 420  # a module outside kernels/ (whose Triton kernels sit beside their references)
+MAX_TOP_LEVEL = 18  # modules at the top of prefixscore/: the public API and the engine stack
+# A module outside kernels/ (whose Triton kernels sit beside their references): one responsibility
+# is what a module is cut by; this bound only catches one that grew two without a split.
+MAX_LINES = 600
 
 
 def module_name(path: Path) -> str:

@@ -126,3 +126,25 @@ def test_chunks_shrink_as_the_kv_fills(scorer):
         assert cost <= tokens * 1.01 or sizes[-1] <= CHUNK_MIN  # (the floor, or the last piece)
     assert sizes[0] == 100 and sizes == sorted(sizes, reverse=True) and min(sizes[:-1]) >= CHUNK_MIN
     assert sum(sizes) == 440 and len(set(sizes)) > 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("softmax", [True, False])
+def test_gpu_chunked_query_part(tiny_model, softmax):
+    """On the GPU (Triton attention over the request's K/V, bf16): chunked against one pass,
+    within bf16 rounding compounded over the layers (0.02 of a probability; vocabulary
+    probabilities: 0.1 in log)."""
+    loaded_scorer = Scorer(tiny_model("qwen2"), "Is the item relevant? Query: {query}{item}", ["yes", "no"],
+                           chat=False, device="cuda", dtype=torch.bfloat16)
+    rng = np.random.default_rng()
+    query = rng.integers(10, 2000, 400).tolist()
+    items = [rng.integers(10, 2000, rng.integers(1, 9)).tolist() for _ in range(9)]
+    body = {"query": query, "items": items, "apply_softmax": softmax, "label_token_ids": [5, 9]}
+    want = np.asarray(loaded_scorer.score_request(body)["scores"])
+    run, steps = run_all(loaded_scorer, body, tokens=128)
+    got = np.asarray(run.answer()["scores"])
+    assert sum(f for f, _ in steps) == 4
+    if softmax:
+        assert np.abs(got - want).max() <= 0.02
+    else:
+        assert np.abs(np.log(got) - np.log(want)).max() <= 0.1

@@ -553,6 +553,36 @@ def test_gpu_large_passes_pruned(tiny_model, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_vocab_probs_from_graphs(tiny_model, monkeypatch):
+    """SGLang's default mode (apply_softmax false: each label token's probability under the whole
+    vocabulary) replays a vocabulary graph for any label set, the scorer's own or a request's,
+    against the eager path (graphs=False): log-probabilities within 0.1 (logits in bf16, of size
+    <= ~20, round by <= 0.04 each on either path, their log-sum-exp likewise), and staged passes
+    back to back give each pass's own answer."""
+    import numpy as np
+
+    from prefixscore.graphs import GraphRunner
+
+    template, chat = TEMPLATES["query_first"]
+    requests = random_requests(12, seed=21)
+    loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)
+    graphs = Scorer(loaded, template, [" yes", " no"], chat=chat, mode="softmax")
+    eager = Scorer(loaded, template, [" yes", " no"], chat=chat, mode="softmax", graphs=False)
+    replays = []
+    launch = GraphRunner.launch
+    monkeypatch.setattr(GraphRunner, "launch", lambda self, *a: replays.append(self.vocab) or launch(self, *a))
+    for ids in (None, [5, 9, 11, 300]):
+        for q, items in requests:
+            body = {"query": q, "items": items}
+            if ids:
+                body["label_token_ids"] = ids
+            a = np.log(np.asarray(graphs.score_request(body)["scores"]))
+            b = np.log(np.asarray(eager.score_request(body)["scores"]))
+            assert np.abs(a - b).max() <= 0.1, (q, np.abs(a - b).max())
+    assert set(replays) == {64} and len(replays) >= 2 * len(requests)  # all from vocabulary graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_persistent_block(tiny_model, monkeypatch):
     """KernelOptions.persistent_layer: the latency buckets' blocks as one persistent kernel each
     (kernels/layer_triton.py; Qwen3's tiny model: head_dim 32, per-head norms), against the four
@@ -586,11 +616,11 @@ def test_gpu_graph_copies_change_nothing(tiny_model, monkeypatch):
     (KernelOptions.graph_copies): scores are bitwise those of copies around the replay, for calls in a
     bucket with the copies inside and one without, back to back (a replay must read this call's
     input, not the last one's)."""
-    from prefixscore import engine
+    from prefixscore import engine, graphs
 
     template, chat = TEMPLATES["query_first"]
     requests = random_requests(24, seed=12)
-    monkeypatch.setattr(engine, "GRAPH_COPY_MAX_BYTES", 4096)  # bucket 16 inside, the rest not
+    monkeypatch.setattr(graphs, "GRAPH_COPY_MAX_BYTES", 4096)  # bucket 16 inside, the rest not
     out = {}
     for on in (True, False):
         loaded = load(tiny_model("qwen2"), "cuda", torch.bfloat16)

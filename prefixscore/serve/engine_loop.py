@@ -100,6 +100,12 @@ class EngineLoop:
         self.fuse = len(self.clfs) > 1 and fusable(self.clfs)
         self.schedule = schedule = schedule or ScheduleOptions()
         self.lanes = Lanes()
+        # On a GPU a classify pass is launched while the one before it runs, and collected (its
+        # answers sent) after: the host's planning, copies and answers overlap the GPU's work
+        # (engine.GraphRunner's two input slots). One classifier's passes only (several go
+        # through decide()); on a CPU a launch computes, so passes run one at a time.
+        self.staged = len(self.clfs) == 1 and bool(getattr(self.clf.engine, "queues", False))
+        self.inflight = None  # the classify pass launched and not collected: (rows, finish, t0, lane)
         self.classify_budget = PassBudget(schedule.pass_s)
         # Calibrated on multi-item passes (_warm_scorer), one budget per mode: apply_softmax and
         # SGLang's default (the label tokens' share of the whole vocabulary) run different heads,
@@ -194,7 +200,7 @@ class EngineLoop:
         """Serve until STOP. An EngineFault (or anything else) propagates to the owner, after the
         pass it broke has been answered FAULT."""
         while True:
-            if len(self.lanes):  # work waits: only look for new messages, never block
+            if len(self.lanes) or self.inflight:  # work waits: only look for new messages, never block
                 items = self.source.take(0.0) if self.source.pending() else []
             else:
                 items = self.source.take(self.spin)
@@ -232,17 +238,25 @@ class EngineLoop:
             b = self.classify_budget
             nxt = self.lanes.next_pass(b.tokens, b.spare, b.small)
             if nxt is None:
-                return
+                break
             kind, what, _ = nxt
             t0 = time.perf_counter()
+            if kind == "classify" and self.staged:
+                self._launch_classify(what)  # then collects the pass before it
+                continue
+            self.collect()  # the pass in flight first: its answers, and the GPU to this one
             if kind == "classify":
                 self._classify(what)
             else:
                 self._score_pass(what)
             self.lanes.took(time.perf_counter() - t0)
+        else:
+            return
+        self.collect()  # nothing more to run this turn
 
     def _drop_all(self) -> None:
         """STOP: what is still queued is answered ABORTED (the front ends answered it already)."""
+        self.collect()
         self._answer_rows(list(self.lanes.live.values()), P.ABORTED)
         self.lanes.live.clear()
         for q in self.lanes.rows:
@@ -293,22 +307,62 @@ class EngineLoop:
             else:
                 best_all, scores_all = self._decide(todo, [r.classifier for r in rows])
         except Exception as e:
-            error = f"engine fault: {type(e).__name__}: {e}"
-            for reply, group in _by_reply(rows):
-                rids = [r.rid for _, r in group]
-                reply(self._out(rids, [P.FAULT] * len(rids), errors={r: error for r in rids},
-                                size=len(todo)))
-            raise EngineFault(f"{type(e).__name__}: {e}") from e
-        forward = time.perf_counter() - t0
+            self._fault(rows, e)
+        self._answer(rows, best_all, scores_all, time.perf_counter() - t0)
+
+    def _launch_classify(self, rows: list[Row]) -> None:
+        """A staged classify pass: launched now (the GPU queues it behind the pass in flight),
+        then the pass in flight collected and answered; this one's answers wait for the next
+        turn's launch or for collect()."""
+        t0 = time.perf_counter()
+        todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in rows]
+        try:
+            finish = self.clf.launch_encoded(todo)
+        except Exception as e:
+            self.collect()
+            self._fault(rows, e)
+        self.lanes.took(time.perf_counter() - t0)
+        before, self.inflight = self.inflight, (rows, finish, t0, self.lanes.last)
+        if before is not None:
+            self._collect(before)
+
+    def collect(self) -> None:
+        """The staged classify pass in flight, if any: waited for and answered."""
+        if self.inflight is not None:
+            before, self.inflight = self.inflight, None
+            self._collect(before)
+
+    def _collect(self, pass_) -> None:
+        rows, finish, t0, last = pass_
+        t1 = time.perf_counter()
+        try:
+            best_all, scores_all = finish()
+        except Exception as e:
+            self._fault(rows, e)
+        done = time.perf_counter()
+        self.lanes.took(done - t1, last)  # the wait: engine time this pass took from the loop
+        self._answer(rows, best_all, scores_all, done - t0)  # (launch to answer: its time in flight)
+
+    def _fault(self, rows: list[Row], e: Exception) -> None:
+        """A classify pass failed: its rows answered FAULT, and the engine stops (EngineFault)."""
+        error = f"engine fault: {type(e).__name__}: {e}"
+        for reply, group in _by_reply(rows):
+            rids = [r.rid for _, r in group]
+            reply(self._out(rids, [P.FAULT] * len(rids), errors={r: error for r in rids},
+                            size=len(rows)))
+        raise EngineFault(f"{type(e).__name__}: {e}") from e
+
+    def _answer(self, rows: list[Row], best_all, scores_all, forward: float) -> None:
+        """A classify pass's answers, one message per front end; forward: the pass's seconds."""
         self.classify_budget.observe(forward, sum(r.tokens for r in rows))
         if self.metrics is not None:
-            self.metrics.engine_batch(len(todo), forward)
+            self.metrics.engine_batch(len(rows), forward)
         for reply, group in _by_reply(rows):
             rids = [r.rid for _, r in group]
             scores = np.asarray([scores_all[i] for i, _ in group], dtype=np.float32)
             reply(self._out(rids, [P.OK] * len(rids), [int(best_all[i]) for i, _ in group],
                             scores.reshape(len(rids), self.N).tobytes(), forward=forward,
-                            size=len(todo)))
+                            size=len(rows)))
 
     def _decide(self, todo: list[Encoded], which: list[int]):
         """Label indices and score rows of todo, in its order, on an engine of several

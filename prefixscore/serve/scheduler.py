@@ -151,10 +151,12 @@ class Lanes:
             return "score", jobs[0], None
         return None
 
-    def took(self, seconds: float) -> None:
-        """The pass next_pass handed out last took `seconds` (the time share between kinds)."""
-        if self.last is not None:
-            kind, k = self.last
+    def took(self, seconds: float, last: tuple[str, int] | None = None) -> None:
+        """The pass next_pass handed out last (or `last`, a (kind, lane) it handed out before:
+        a staged pass's wait) took `seconds` (the time share between kinds)."""
+        last = last or self.last
+        if last is not None:
+            kind, k = last
             if kind == "score":
                 self.score_s[k] = seconds
             else:

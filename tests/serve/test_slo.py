@@ -120,6 +120,56 @@ def test_deadline_between_chunks_frees_the_engine(clf, scorer):
     assert len(loop.lanes) == 0
 
 
+class Staged:
+    """The real classifier behind an engine that queues (as on a GPU), its launches and
+    collections logged."""
+
+    def __init__(self, clf):
+        self.clf, self.log = clf, []
+        self.engine = type("QueuingEngine", (), {"queues": True, "device": "cuda:0"})()
+
+    def __getattr__(self, name):
+        return getattr(self.clf, name)
+
+    def launch_encoded(self, todo):
+        n = len(todo)
+        self.log.append(("launch", n))
+
+        def finish():
+            self.log.append(("collect", n))
+            return self.clf.decide_encoded(todo)
+
+        return finish
+
+
+def test_staged_passes_launch_the_next_before_collecting_the_last(clf, scorer):
+    """On an engine that queues, a classify pass is launched before the one in flight is
+    collected and answered; a score pass, an idle turn and the stop collect it first. Answers are
+    bitwise the unstaged loop's."""
+    staged = Staged(clf)
+    loop = EngineLoop(staged, scorer)
+    assert loop.staged
+    plain, got = [], []
+    reqs = [classify_req(clf, ["red dress"] * n, list(range(10 * n, 11 * n))) for n in (1, 2, 3)]
+    loop.serve([(reqs[0], got.append)])
+    assert got == [] and staged.log == [("launch", 1)]  # in flight
+    loop.serve([(reqs[1], got.append)])
+    assert staged.log == [("launch", 1), ("launch", 2), ("collect", 1)]
+    assert [a.rids for a in got] == [[10]]
+    loop.serve([(score_req([[11, 12, 13]], [11, 12]), got.append)], passes=0)  # queued only
+    loop.serve([])  # the score pass: the classify pass in flight collected before it runs
+    assert staged.log[-1] == ("collect", 2) and isinstance(got[-1], P.ScoreOut)
+    loop.serve([(reqs[2], got.append)])
+    loop.serve([])  # nothing more: collected
+    assert staged.log[-2:] == [("launch", 3), ("collect", 3)] and loop.inflight is None
+    ref = EngineLoop(clf, scorer)
+    assert not ref.staged
+    for r in reqs:
+        ref.serve([(r, plain.append)])
+    ours = [a for a in got if isinstance(a, P.ClassifyOut)]
+    assert [(a.rids, a.best, a.scores) for a in ours] == [(a.rids, a.best, a.scores) for a in plain]
+
+
 def test_batch_priority_waits_for_the_realtime_lane(clf):
     loop = EngineLoop(clf)
     answers = []
