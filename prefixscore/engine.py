@@ -2,10 +2,9 @@
 
 The prefix KV is computed once per (model, template) and every batch attends to the same tensors
 (no per-request copies). CPU runs each plan eagerly with the torch reference kernels. On CUDA,
-`capture()` records one CUDA graph per token-count bucket over static buffers; a call then writes
-the plan into one pinned host buffer, replays, and waits once. The graphs of the small buckets
-hold their H2D and D2H copies too, as kernels reading and writing the pinned buffers in place (one
-launch per call); the large ones copy only the rows used, around the replay.
+`capture()` and `capture_vocab()` record CUDA graphs per token-count bucket (graphs.py), which a
+plan that fits replays. A request longer than a pass has a K/V of its own (QueryKV), filled a
+chunk at a time by `extend()` (score_run.py).
 
 An engine fixes its KernelOptions (kernels/options.py) when it is made and hands them to every
 forward in the model's Context, so its CUDA graphs hold the kernels of those options; another
