@@ -368,6 +368,18 @@ class Classifier:
                                   else self.trie.assemble_logits(scores, best))
         return decision.tolist(), label_scores.tolist()
 
+    def decide_after(self, kv, suffix: list[int]) -> tuple[list[int], list[list[float]]]:
+        """decide_encoded's answer of one prompt whose first tokens' K/V is kv (a list per layer,
+        engine.QueryKV.view: the classifier's pinned prefix, then more) and whose last tokens are
+        `suffix`: its label index and score row (score_run.PromptRun's last pass)."""
+        logprobs = self.mode == "logprobs"
+        plan = plan_classify([suffix], [kv[0][0].shape[0]], self.trie, branches=logprobs)
+        scores, best = self.engine.run(plan, kv, self.weight, logprobs)
+        if logprobs:
+            o, d = self.trie.assemble_one(scores, best)
+            return [d], [o]
+        return self._assemble(scores, best, 1, logprobs)
+
     def launch_encoded(self, encoded: list[Encoded]):
         """decide_encoded in two halves, for one flat batch (the engine loop's pass): its pass is
         planned and queued now; the returned finish() waits for it and returns what

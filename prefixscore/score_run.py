@@ -1,4 +1,5 @@
-"""One score request run a pass at a time: the engine loop's unit of multi-item work.
+"""Requests longer than a pass, run a pass at a time: the engine loop's unit of multi-item work
+(ScoreRun), and of a classify prompt longer than a pass (PromptRun).
 
 The engine loop (serve/engine_loop.py) gives each step a token budget (about --pass-ms of work) and
 looks at its queues, deadlines and aborts between steps, so no request holds the engine for longer
@@ -152,3 +153,39 @@ class ScoreRun:
         self.computed += computed
         self.done += k
         return computed
+
+
+class PromptRun:
+    """One classify prompt longer than a pass: its tokens prefilled a chunk a pass into a K/V of
+    its own (the classifier's pinned prefix first, as a ScoreRun's query part), then its last
+    ones with the label head and the trie's branches (Classifier.decide_after): the answer of
+    decide_encoded([it]) within rounding, never holding the engine for more than a pass."""
+
+    def __init__(self, clf, ids: list[int], start: int):
+        """ids: the whole prompt; start: the tokens of it the classifier has cached (its pinned
+        prefix, or 0)."""
+        self.clf, self.ids = clf, ids
+        self.kv = clf.engine.query_kv(clf.prefix_kv if start else clf.engine.no_prefix, len(ids))
+        self.passes = 0
+        self.answer = None  # (label index, score row) after the last pass
+
+    @property
+    def finished(self) -> bool:
+        return self.answer is not None
+
+    @property
+    def filling(self) -> bool:
+        return not self.finished
+
+    def step(self, tokens: int, kv_weight: float = 0.0) -> float:
+        """One pass of about `tokens` tokens' cost (as ScoreRun.step): a chunk, or the last part."""
+        self.passes += 1
+        rows = self.kv.filled
+        left = len(self.ids) - rows
+        c = max(CHUNK_MIN, int(tokens / (1 + kv_weight * rows)))
+        if left <= c:
+            (best,), (scores,) = self.clf.decide_after(self.kv.view(rows), self.ids[rows:])
+            self.answer = best, scores
+            return left * (1 + kv_weight * rows)
+        self.clf.engine.extend(self.kv, self.ids[rows:rows + c])
+        return c * (1 + kv_weight * rows)

@@ -148,3 +148,26 @@ def test_gpu_chunked_query_part(tiny_model, softmax):
         assert np.abs(got - want).max() <= 0.02
     else:
         assert np.abs(np.log(got) - np.log(want)).max() <= 0.1
+
+
+@pytest.mark.parametrize("mode", ["logprobs", "logits"])
+def test_long_classify_prompt_in_chunks(tiny_model, mode):
+    """PromptRun: a classify prompt prefilled a chunk a pass, its last tokens with the label head
+    and the trie's branches (multi-token labels that share first tokens), against
+    decide_encoded of the whole prompt."""
+    from prefixscore import Classifier
+    from prefixscore.score_run import PromptRun
+
+    labels = ["Trench Coat", "T-shirt", "Jeans", "Dress"] if mode == "logprobs" else ["Jeans", "Dress", "Shirt"]
+    clf = Classifier(tiny_model("llama"), template="Which label fits the query? query: {query}",
+                     labels=labels, chat=False, mode=mode, device="cpu", dtype=torch.float32)
+    words = ["red", "blue", "shoe", "dress", "running", "coat", "green", "wool"]
+    query = " ".join(np.random.default_rng().choice(words, 300))
+    enc = clf.encode(query)
+    (want_best,), (want,) = clf.decide_encoded([enc])
+    run = PromptRun(clf, enc.ids, enc.start)
+    while not run.finished:
+        run.step(100)
+    best, got = run.answer
+    assert run.passes == -(-(len(enc.ids) - enc.start) // 100) and run.kv.filled < len(enc.ids)
+    assert best == want_best and np.abs(np.asarray(got) - np.asarray(want)).max() < ATOL

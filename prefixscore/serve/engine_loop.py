@@ -34,9 +34,10 @@ from ..errors import PrefixScoreError
 from ..many import GRAPH_TOKENS, decide_many, fusable, fused_tokens
 from ..prompt import Encoded
 from ..score_input import Prepared, ScoreCall
+from ..score_run import CHUNK_MIN, PromptRun
 from . import protocol as P
 from .config import ScheduleOptions
-from .scheduler import Lanes, PassBudget, Row, ScoreJob, lane
+from .scheduler import Lanes, PassBudget, Row, RowJob, ScoreJob, lane
 
 log = logging.getLogger("prefixscore.engine")
 STOP = object()
@@ -228,12 +229,12 @@ class EngineLoop:
             rows, jobs = self.lanes.remove(aborted)
             self._answer_rows(rows, P.ABORTED)
             for j in jobs:
-                j.reply(_score_failed(j.msg, P.ABORTED, None))
+                self._fail_job(j, P.ABORTED)
         now = time.monotonic()
         rows, jobs = self.lanes.expired(now - self.window)  # the batch window is not queueing
         self._answer_rows(rows, P.EXPIRED)
         for j in jobs:
-            j.reply(_score_failed(j.msg, P.EXPIRED, _stopped(j)))
+            self._fail_job(j, P.EXPIRED)
         for _ in range(passes):
             b = self.classify_budget
             nxt = self.lanes.next_pass(b.tokens, b.spare, b.small)
@@ -241,6 +242,8 @@ class EngineLoop:
                 break
             kind, what, _ = nxt
             t0 = time.perf_counter()
+            if kind == "classify" and len(what) == 1 and self._too_long(what[0]):
+                kind, what = "score", self.lanes.as_job(what[0])  # a pass at a time
             if kind == "classify" and self.staged:
                 self._launch_classify(what)  # then collects the pass before it
                 continue
@@ -263,8 +266,16 @@ class EngineLoop:
             q.clear()
         for q in self.lanes.jobs:
             for j in q:
-                j.reply(_score_failed(j.msg, P.ABORTED, None))
+                self._fail_job(j, P.ABORTED)
             q.clear()
+
+    def _fail_job(self, job, status: int) -> None:
+        """A job answered without finishing (aborted, expired): a long classify row as a row, a
+        score request with how far it got."""
+        if isinstance(job, RowJob):
+            self._answer_rows([job.row], status)
+        else:
+            job.reply(_score_failed(job.msg, status, _stopped(job) if status == P.EXPIRED else None))
 
     # -- classify
     def _add_classify(self, m: P.ClassifyReq, reply) -> None:
@@ -352,9 +363,10 @@ class EngineLoop:
                             size=len(rows)))
         raise EngineFault(f"{type(e).__name__}: {e}") from e
 
-    def _answer(self, rows: list[Row], best_all, scores_all, forward: float) -> None:
-        """A classify pass's answers, one message per front end; forward: the pass's seconds."""
-        self.classify_budget.observe(forward, sum(r.tokens for r in rows))
+    def _answer(self, rows: list[Row], best_all, scores_all, forward: float, tokens=None) -> None:
+        """A classify pass's answers, one message per front end; forward: the pass's seconds,
+        tokens its cost (default: its rows' tokens)."""
+        self.classify_budget.observe(forward, sum(r.tokens for r in rows) if tokens is None else tokens)
         if self.metrics is not None:
             self.metrics.engine_batch(len(rows), forward)
         for reply, group in _by_reply(rows):
@@ -415,9 +427,41 @@ class EngineLoop:
             return False
         return True
 
+    def _too_long(self, row: Row) -> bool:
+        """A classify row to run a pass at a time (PromptRun): over twice a pass's tokens, of a
+        classifier that scores label tokens (a trained head reads its row whole)."""
+        return (row.tokens > 2 * max(CHUNK_MIN, self.classify_budget.tokens)
+                and self.clfs[row.classifier].head is None)
+
+    def _row_pass(self, job: RowJob) -> None:
+        """The next pass of a long classify row: a chunk of its prompt, or its last part with the
+        label head, which answers it."""
+        row, budget = job.row, self.classify_budget
+        if job.run is None:
+            job.run = PromptRun(self.clfs[row.classifier], row.ids, row.start)
+        rows = job.run.kv.filled
+        t0 = time.perf_counter()
+        try:
+            cost = job.run.step(budget.tokens, self.kv_weight)
+        except Exception as e:
+            self.lanes.finish(job)
+            self._fault([row], e)
+        spent = time.perf_counter() - t0
+        self._learn_kv_weight(budget, spent, cost, rows)
+        if not job.run.finished:
+            budget.observe(spent, cost)
+            return
+        self.lanes.finish(job)
+        best, scores = job.run.answer
+        padded = np.zeros(self.N, dtype=np.float32)
+        padded[:len(scores)] = scores
+        self._answer([row], [best], [padded], spent, cost)
+
     def _score_pass(self, job: ScoreJob) -> None:
         """The next pass of job (a chunk of its query part or a run of its items: score_run.py);
         it is answered after its last, told its progress after the others."""
+        if isinstance(job, RowJob):
+            return self._row_pass(job)
         m = job.msg
         if job.run is None and not self._begin(job):
             return

@@ -64,6 +64,35 @@ class ScoreJob:
         return self.run is not None
 
 
+@dataclass
+class RowJob:
+    """A classify row longer than a pass, taken out of the rows to run a pass at a time as a job
+    (score_run.PromptRun), in its lane's turn for multi-item work. Once started, its start-by
+    time no longer applies; its client's deadline ends it through the front end's abort."""
+    row: Row
+    priority: int
+    run: object = None  # its PromptRun from its first pass on
+    total: int = 0
+
+    @property
+    def msg(self) -> "RowJob":  # what expiry reads of a job: priority, deadline, finish_by
+        return self
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.row.client, self.row.rid
+
+    @property
+    def started(self) -> bool:
+        return self.run is not None
+
+    @property
+    def deadline(self) -> float:
+        return self.row.deadline
+
+    finish_by = 0.0
+
+
 class Lanes:
     """Rows and jobs per lane. Every step is O(1) per row, whatever the queue's length (under
     overload it holds thousands): an aborted row is marked dead through an index and skipped when
@@ -92,8 +121,10 @@ class Lanes:
         self.rows[lane(priority)].append(row)
         self.live[(row.client, row.rid)] = row
 
-    def add_job(self, job: ScoreJob) -> None:
-        self.jobs[lane(job.msg.priority)].append(job)
+    def add_job(self, job: ScoreJob, first: bool = False) -> None:
+        """first: ahead of the jobs waiting (a row that was at the head of the rows)."""
+        q = self.jobs[lane(job.msg.priority)]
+        q.appendleft(job) if first else q.append(job)
 
     def remove(self, keys: set) -> tuple[list[Row], list[ScoreJob]]:
         """Take out the rows and jobs whose (client, rid) is in keys (aborted), to be answered."""
@@ -150,6 +181,15 @@ class Lanes:
             self.ran[k], self.since[k], self.score_s[k], self.last = False, 0.0, 0.0, ("score", k)
             return "score", jobs[0], None
         return None
+
+    def as_job(self, row: Row) -> RowJob:
+        """The row next_pass handed out alone (a classify pass), too long for a pass: a job of
+        its lane, first among its jobs, and the pass handed out counted as that job's."""
+        k = self.last[1]
+        job = RowJob(row, k)
+        self.add_job(job, first=True)
+        self.ran[k], self.since[k], self.score_s[k], self.last = False, 0.0, 0.0, ("score", k)
+        return job
 
     def took(self, seconds: float, last: tuple[str, int] | None = None) -> None:
         """The pass next_pass handed out last (or `last`, a (kind, lane) it handed out before:

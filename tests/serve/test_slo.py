@@ -170,6 +170,31 @@ def test_staged_passes_launch_the_next_before_collecting_the_last(clf, scorer):
     assert [(a.rids, a.best, a.scores) for a in ours] == [(a.rids, a.best, a.scores) for a in plain]
 
 
+def test_long_classify_row_runs_a_pass_at_a_time(clf):
+    """A classify row over twice a pass's tokens runs as a job (score_run.PromptRun): a short row
+    sent after it is answered first, and the long one's answer is decide_encoded's within fp32
+    rounding; an abort mid-way answers it ABORTED and leaves nothing queued."""
+    loop = EngineLoop(clf)
+    loop.classify_budget.tokens = 64
+    words = ["red", "blue", "shoe", "dress", "running", "coat", "green", "wool"]
+    long_q = " ".join(np.random.default_rng().choice(words, 250))
+    (want_best,), (want,) = clf.decide_encoded([clf.encode(long_q)])
+    got = []
+    loop.serve([(classify_req(clf, [long_q], [1]), got.append)])  # its first chunk
+    assert got == [] and len(loop.lanes.jobs[0]) == 1
+    loop.serve([(classify_req(clf, ["red dress"], [2]), got.append)])
+    assert [a.rids for a in got] == [[2]]  # the short row between two of its passes
+    while len(loop.lanes):
+        loop.serve([])
+    out = got[-1]
+    assert out.rids == [1] and out.status == [P.OK] and out.best == [want_best]
+    scores = np.frombuffer(out.scores, np.float32)[:len(want)]
+    assert np.abs(scores - np.asarray(want)).max() < 1e-5
+    loop.serve([(classify_req(clf, [long_q], [3]), got.append)])
+    loop.serve([(P.AbortReq(0, [3]), got.append)])
+    assert got[-1].rids == [3] and got[-1].status == [P.ABORTED] and len(loop.lanes) == 0
+
+
 def test_batch_priority_waits_for_the_realtime_lane(clf):
     loop = EngineLoop(clf)
     answers = []
