@@ -112,9 +112,12 @@ class BaseClient:
 
     # -- submitting (event loop)
     def classify(self, ids: list[list[int]], starts: list[int], deadline: float,
-                 classifiers: list[int] | None = None, priority: int = 0) -> asyncio.Future:
-        """classifiers[i]: the classifier (its index in ReadyOut.classifiers) of row i; None: the
-        default for every row. deadline: not started by then, the engine drops it unrun."""
+                 classifiers: list[int] | None = None, priority: int = 0,
+                 finish_by: float = 0.0) -> asyncio.Future:
+        """One request of len(ids) rows. classifiers[i]: the classifier (its index in
+        ReadyOut.classifiers) of row i; None: the default for every row. deadline: not started by
+        then, the engine drops it unrun (once one of its rows has started, the others are not
+        dropped for it); finish_by: the client's deadline (0: none), which ends every row."""
         if self.error is not None:
             raise EngineDead(self.error)
         job = ClassifyJob(self.loop.create_future(), len(ids), time.monotonic())
@@ -123,8 +126,10 @@ class BaseClient:
             self.jobs[rid] = (job, row)
         self._track(job.future, rids)
         data, offsets = P.pack_ids(ids, starts)  # the prefix's tokens are the engine's own
-        self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * len(ids),
-                                  classifiers or [], [priority] * len(ids) if priority else []))
+        n = len(ids)
+        self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * n,
+                                  classifiers or [], [priority] * n if priority else [],
+                                  [rids[0]] * n if n > 1 else [], [finish_by] * n if finish_by else []))
         return job.future
 
     def score(self, full: list[list[int]], shared: list[int], deadline: float,
@@ -260,7 +265,9 @@ def _merge(msgs: list) -> P.ClassifyReq:
     rids, starts, deadlines, offsets, datas, base = [], [], [], [0], [], 0
     mixed = any(m.classifiers for m in msgs)  # else every row is the default's: nothing to send
     ranked = any(m.priorities for m in msgs)  # else every row is real-time
-    classifiers, priorities = [], []
+    grouped = any(m.groups for m in msgs)  # else every row is a request of its own
+    timed = any(m.finish_bys for m in msgs)  # else no row has a client deadline
+    classifiers, priorities, groups, finish_bys = [], [], [], []
     for m in msgs:
         rids += m.rids
         starts += m.starts
@@ -272,8 +279,12 @@ def _merge(msgs: list) -> P.ClassifyReq:
             classifiers += m.classifiers or [0] * len(m.rids)
         if ranked:
             priorities += m.priorities or [0] * len(m.rids)
+        if grouped:
+            groups += m.groups or m.rids
+        if timed:
+            finish_bys += m.finish_bys or [0.0] * len(m.rids)
     return P.ClassifyReq(msgs[0].client, rids, b"".join(datas), offsets, starts, deadlines,
-                         classifiers, priorities)
+                         classifiers, priorities, groups, finish_bys)
 
 
 class InprocClient(BaseClient):

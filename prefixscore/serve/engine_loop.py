@@ -107,7 +107,7 @@ class EngineLoop:
         # through decide()); on a CPU a launch computes, so passes run one at a time.
         self.staged = len(self.clfs) == 1 and bool(getattr(self.clf.engine, "queues", False))
         self.inflight = None  # the classify pass launched and not collected: (rows, finish, t0, lane)
-        self.classify_budget = PassBudget(schedule.pass_s)
+        self.classify_budget = PassBudget(schedule.pass_s, times=schedule.pass_times)
         # Calibrated on multi-item passes (_warm_scorer), one budget per mode: apply_softmax and
         # SGLang's default (the label tokens' share of the whole vocabulary) run different heads,
         # both eagerly today (~10 ms a pass on the H200, mostly host work). Never fewer tokens
@@ -280,9 +280,10 @@ class EngineLoop:
     # -- classify
     def _add_classify(self, m: P.ClassifyReq, reply) -> None:
         ids = P.unpack_ids(m.ids, m.offsets)
-        n_clf, cl, pr = len(self.clfs), m.classifiers, m.priorities
+        n_clf, cl, pr, fb = len(self.clfs), m.classifiers, m.priorities, m.finish_bys
         bad = {}
         prefixes = self.prefixes
+        requests = _requests(m.groups)
         for i, rid in enumerate(m.rids):
             c, start = cl[i] if cl else 0, m.starts[i]
             if not 0 <= c < n_clf:  # a front end of another engine's Ready
@@ -292,8 +293,9 @@ class EngineLoop:
                 bad[rid] = f"a start of {start} past classifier {c}'s {len(prefixes[c])} prefix tokens"
                 continue
             row_ids = prefixes[c][:start] + ids[i] if start else ids[i]  # the prompt, as sent
-            self.lanes.add_row(Row(m.client, rid, row_ids, start, m.deadlines[i], c, reply),
-                               pr[i] if pr else 0)
+            self.lanes.add_row(Row(m.client, rid, row_ids, start, m.deadlines[i], c, reply,
+                                   finish_by=fb[i] if fb else 0.0,
+                                   request=requests[i] if requests else None), pr[i] if pr else 0)
         if bad:
             reply(self._out(list(bad), [P.BAD_INPUT] * len(bad), errors=bad))
 
@@ -505,6 +507,15 @@ class EngineLoop:
         c = cost / (1 + self.kv_weight * rows)
         seen = (max(0.0, spent - budget.fixed) / (budget.per_token * c) - 1) / rows
         self.kv_weight = max(0.0, self.kv_weight + 0.1 * (seen - self.kv_weight))
+
+
+def _requests(groups: list[int]) -> list[list] | None:
+    """Per row, the started flag it shares with the other rows of its client request
+    (ClassifyReq.groups: the rid of each row's request's first row); None: no groups."""
+    if not groups:
+        return None
+    flags: dict[int, list] = {}
+    return [flags.setdefault(g, [False]) for g in groups]
 
 
 def _timed(fn, arg, n: int) -> float:

@@ -48,6 +48,13 @@ class ClassifyReq(msgspec.Struct, tag=True, array_like=True):
     deadlines: list[float]
     classifiers: list[int] = []
     priorities: list[int] = []  # per request: 0 real-time, higher batch work; empty: all 0
+    # Per row, the rid of the first row of the client request it belongs to (a list of queries
+    # is one request of many rows): once any of a request's rows has started, its start-by time
+    # no longer applies to the others. Empty: each row a request of its own.
+    groups: list[int] = []
+    # Per row, its client's deadline (0: none), which still ends a started request's rows; empty:
+    # none.
+    finish_bys: list[float] = []
 
 
 class ScoreReq(msgspec.Struct, tag=True, array_like=True):

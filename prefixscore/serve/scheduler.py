@@ -38,9 +38,19 @@ class Row:
     reply: Callable
     tokens: int = 0  # computed: len(ids) - start
     dead: bool = False  # aborted: skipped when it reaches the head
+    finish_by: float = 0.0  # its client's deadline (0: none): ends it, started or not
+    # shared by the rows of one client request (a list of queries): [True] once any has started,
+    # after which `deadline` (the start-by time) no longer ends them; None: a request of one row
+    request: list | None = None
 
     def __post_init__(self):
         self.tokens = len(self.ids) - self.start
+
+    def late(self, now: float) -> bool:
+        """Past its start-by time while its request has not started, or past its client's
+        deadline."""
+        started = self.request is not None and self.request[0]
+        return (self.deadline < now and not started) or 0 < self.finish_by < now
 
 
 @dataclass
@@ -97,9 +107,10 @@ class Lanes:
     """Rows and jobs per lane. Every step is O(1) per row, whatever the queue's length (under
     overload it holds thousands): an aborted row is marked dead through an index and skipped when
     it reaches the head, and expiry looks at the heads only. That is exact for the start-by times
-    (--max-queue-ms from arrival: a lane's rows expire in arrival order); a row whose client
-    deadline is earlier than the rows ahead of it is answered at that deadline by the front end's
-    timer, whose abort marks it dead here."""
+    (--max-queue-ms from arrival: a lane's rows expire in arrival order), which end a request only
+    before any of its rows has started (a list of 256 queries on a CPU is not cut off after its
+    first passes); a row whose client deadline is earlier than the rows ahead of it is answered at
+    that deadline by the front end's timer, whose abort marks it dead here."""
 
     def __init__(self):
         self.rows = (deque(), deque())  # per lane: Row
@@ -143,7 +154,7 @@ class Lanes:
         started by their start-by time or past their client's deadline."""
         rows, jobs = [], []
         for q in self.rows:
-            while q and (q[0].dead or q[0].deadline < now):
+            while q and (q[0].dead or q[0].late(now)):
                 r = q.popleft()
                 if not r.dead:
                     del self.live[(r.client, r.rid)]
@@ -215,6 +226,8 @@ class Lanes:
             del self.live[(r.client, r.rid)]
             out.append(r)
             total += r.tokens
+            if r.request is not None:
+                r.request[0] = True
         return out, total, False
 
     def finish(self, job: ScoreJob) -> None:

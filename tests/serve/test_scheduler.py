@@ -167,3 +167,23 @@ def test_classify_gets_as_much_time_as_the_score_pass_before_it():
     lanes2.add_row(row(3), 0)
     assert lanes2.next_pass(10)[0] == "classify"  # a row that came during it goes next
 
+
+
+def test_start_by_ends_a_request_only_before_it_starts():
+    """The rows of one client request share a started flag: once one has run, the start-by time
+    (--max-queue-ms) no longer ends the others; the client's deadline (finish_by) still does. A
+    request none of whose rows started expires as before."""
+    lanes = Lanes()
+    started, waiting = [False], [False]
+    for rid in range(3):
+        lanes.add_row(Row(0, rid, [1, 2, 3, 4], 0, 5.0, 0, None, request=started), 0)
+    lanes.add_row(Row(0, 3, [1, 2, 3, 4], 0, 5.0, 0, None, finish_by=8.0, request=started), 0)
+    for rid in (4, 5):
+        lanes.add_row(Row(0, rid, [1, 2, 3, 4], 0, 5.0, 0, None, request=waiting), 0)
+    _, rows, _ = lanes.next_pass(4)  # the first row runs: its request has started
+    assert [r.rid for r in rows] == [0] and started == [True] and waiting == [False]
+    rows, _ = lanes.expired(now=6.0)  # past the start-by time: the started request's rows stay
+    assert rows == [] and len(lanes) == 5
+    assert [r.rid for r in lanes.next_pass(8)[1]] == [1, 2]
+    rows, _ = lanes.expired(now=9.0)  # past row 3's own deadline, and 4 and 5 never started
+    assert [r.rid for r in rows] == [3, 4, 5] and len(lanes) == 0
