@@ -312,28 +312,31 @@ class EngineLoop:
             reply(self._out(rids, [status] * len(rids)))
 
     def _classify(self, rows: list[Row]) -> None:
-        todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in rows]
+        once, index = _once(rows)
+        todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in once]
         t0 = time.perf_counter()
         try:
             if len(self.clfs) == 1:  # one classifier: straight through
                 best_all, scores_all = self.clf.decide_encoded(todo)
             else:
-                best_all, scores_all = self._decide(todo, [r.classifier for r in rows])
+                best_all, scores_all = self._decide(todo, [r.classifier for r in once])
         except Exception as e:
             self._fault(rows, e)
-        self._answer(rows, best_all, scores_all, time.perf_counter() - t0)
+        self._answer(rows, *_spread(best_all, scores_all, index), time.perf_counter() - t0)
 
     def _launch_classify(self, rows: list[Row]) -> None:
         """A staged classify pass: launched now (the GPU queues it behind the pass in flight),
         then the pass in flight collected and answered; this one's answers wait for the next
         turn's launch or for collect()."""
         t0 = time.perf_counter()
-        todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in rows]
+        once, index = _once(rows)
+        todo = [Encoded({"query": ""}, "", r.ids, r.start) for r in once]
         try:
-            finish = self.clf.launch_encoded(todo)
+            launched = self.clf.launch_encoded(todo)
         except Exception as e:
             self.collect()
             self._fault(rows, e)
+        finish = launched if index is None else (lambda: _spread(*launched(), index))
         self.lanes.took(time.perf_counter() - t0)
         before, self.inflight = self.inflight, (rows, finish, t0, self.lanes.last)
         if before is not None:
@@ -507,6 +510,26 @@ class EngineLoop:
         c = cost / (1 + self.kv_weight * rows)
         seen = (max(0.0, spent - budget.fixed) / (budget.per_token * c) - 1) / rows
         self.kv_weight = max(0.0, self.kv_weight + 0.1 * (seen - self.kv_weight))
+
+
+def _once(rows: list[Row]) -> tuple[list[Row], list[int] | None]:
+    """The rows of distinct work (Row.work), and per row the index of its work among them (None:
+    every row distinct): identical rows in a pass are computed once, every one answered."""
+    first: dict[tuple, int] = {}
+    once, index = [], []
+    for r in rows:
+        k = first.setdefault(r.work, len(once))
+        if k == len(once):
+            once.append(r)
+        index.append(k)
+    return (rows, None) if len(once) == len(rows) else (once, index)
+
+
+def _spread(best, scores, index):
+    """Answers of the distinct rows (_once) to every row."""
+    if index is None:
+        return best, scores
+    return [best[i] for i in index], [scores[i] for i in index]
 
 
 def _requests(groups: list[int]) -> list[list] | None:

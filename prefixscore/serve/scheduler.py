@@ -46,6 +46,11 @@ class Row:
     def __post_init__(self):
         self.tokens = len(self.ids) - self.start
 
+    @property
+    def work(self) -> tuple:
+        """What its answer depends on: rows of equal work are computed once."""
+        return self.classifier, self.start, tuple(self.ids)
+
     def late(self, now: float) -> bool:
         """Past its start-by time while its request has not started, or past its client's
         deadline."""
@@ -214,18 +219,24 @@ class Lanes:
                 self.since[k] += seconds
 
     def _take_rows(self, q: deque, budget: int, at_least_one: bool = True) -> tuple[list[Row], int, bool]:
-        out, total = [], 0
+        """Rows in order up to `budget` tokens; a row whose work an earlier one of the pass does
+        (the same query to the same classifier: a burst of clients sending one query) costs
+        nothing, as the engine computes it once (EngineLoop._classify)."""
+        out, total, seen = [], 0, set()
         while q:
             r = q[0]
             if r.dead:
                 q.popleft()
                 continue
-            if (out or not at_least_one) and total + r.tokens > budget:
+            work = r.work
+            cost = 0 if work in seen else r.tokens
+            if (out or not at_least_one) and total + cost > budget:
                 return out, total, True
             q.popleft()
             del self.live[(r.client, r.rid)]
             out.append(r)
-            total += r.tokens
+            seen.add(work)
+            total += cost
             if r.request is not None:
                 r.request[0] = True
         return out, total, False

@@ -195,6 +195,28 @@ def test_long_classify_row_runs_a_pass_at_a_time(clf):
     assert got[-1].rids == [3] and got[-1].status == [P.ABORTED] and len(loop.lanes) == 0
 
 
+def test_identical_rows_in_a_pass_are_computed_once(clf):
+    """64 clients sending one query: one row computed, 64 answered alike; distinct ones beside
+    them computed each; a duplicate costs no budget, so all fit one pass."""
+    wrapped = Wrapped(clf)
+    loop = EngineLoop(wrapped)
+    loop.classify_budget.tokens = 40
+    got = []
+    same = [(classify_req(clf, ["beige trench coat"], [i]), got.append) for i in range(64)]
+    other = [(classify_req(clf, [q], [100 + i]), got.append) for i, q in enumerate(["jeans", "red dress"])]
+    loop.serve(same[:32] + other + same[32:])
+    assert wrapped.batches == [3]  # one pass: the repeated query once, the two others
+    assert sorted(r for a in got for r in a.rids) == list(range(64)) + [100, 101]
+    rows = {}
+    for a in got:
+        scores = np.frombuffer(a.scores, np.float32).reshape(len(a.rids), -1)
+        rows.update({r: (a.best[i], scores[i].tobytes()) for i, r in enumerate(a.rids)})
+    assert len({rows[i] for i in range(64)}) == 1 and rows[100] != rows[0]
+    (best,), (want,) = clf.decide_encoded([clf.encode("beige trench coat")])
+    got_scores = np.frombuffer(rows[0][1], np.float32)[:len(want)]
+    assert rows[0][0] == best and np.abs(got_scores - np.asarray(want)).max() < 1e-5
+
+
 def test_batch_priority_waits_for_the_realtime_lane(clf):
     loop = EngineLoop(clf)
     answers = []
