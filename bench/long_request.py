@@ -30,9 +30,10 @@ OUT = Path(os.environ.get("OUT") or "bench/results")
 TEMPLATE = "Is the item relevant to the query? Answer yes or no.\nQuery: {query}\nItem: {item}"
 
 
-def start(port, flags):
-    cmd = [sys.executable, "-m", "prefixscore.cli", "serve", "--port", str(port), "--score-template",
-           TEMPLATE, *flags]
+def start(port, flags, score=True):
+    """`prefixscore serve` on the port (with a score template unless score=False), once ready."""
+    cmd = [sys.executable, "-m", "prefixscore.cli", "serve", "--port", str(port),
+           *(["--score-template", TEMPLATE] if score else []), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

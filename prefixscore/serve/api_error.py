@@ -15,8 +15,12 @@ class ApiError(Exception):
         self.headers = {} if retry_after is None else {"Retry-After": str(max(1, math.ceil(retry_after)))}
 
 
+MAX_PRIORITY = 1 << 30  # the one range of `priority`, on HTTP (schemas.py) and gRPC alike
+
+
 def check_priority(priority) -> None:
-    """0 real-time, higher batch work (HTTP's schema checks it too; gRPC's int32 can be negative)."""
-    if type(priority) is not int or priority < 0:
-        raise ApiError(422, f"priority must be an integer >= 0 (0: real-time), got {priority!r}",
-                       param="priority")
+    """0 real-time, higher batch work (HTTP's schema checks it too; gRPC's int32 can be negative
+    or past the range)."""
+    if type(priority) is not int or not 0 <= priority <= MAX_PRIORITY:
+        raise ApiError(422, f"priority must be an integer from 0 (real-time) to {MAX_PRIORITY}, got "
+                            f"{priority!r}", param="priority")

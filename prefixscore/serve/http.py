@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import time
 
 import msgspec
@@ -156,19 +157,23 @@ class Guard:
         return body, None
 
 
+SECONDS = re.compile(rb"[0-9]+(\.[0-9]*)?|\.[0-9]+")  # a plain decimal number (no 1_0, 1e3, inf)
+
+
 def request_deadline(headers: list) -> tuple[float | None, str | None]:
-    """X-Request-Timeout: SECONDS -> (the deadline as time.monotonic(), None), or an error text."""
-    for name, value in headers:
-        if name == b"x-request-timeout":
-            try:
-                t = float(value.decode("latin-1"))
-            except ValueError:
-                t = -1.0
-            if not 0 < t <= MAX_TIMEOUT_S:
-                return None, (f"X-Request-Timeout must be seconds in (0, {MAX_TIMEOUT_S:g}], got "
-                              f"{value.decode('latin-1')!r}")
-            return time.monotonic() + t, None
-    return None, None
+    """X-Request-Timeout: SECONDS -> (the deadline as time.monotonic(), None), or an error text
+    (not a plain decimal number of seconds in range; more than one such header)."""
+    values = [value for name, value in headers if name == b"x-request-timeout"]
+    if not values:
+        return None, None
+    if len(values) > 1:
+        return None, f"{len(values)} X-Request-Timeout headers; send one"
+    value = values[0]
+    t = float(value) if SECONDS.fullmatch(value) else -1.0
+    if not 0 < t <= MAX_TIMEOUT_S:
+        return None, (f"X-Request-Timeout must be a plain decimal number of seconds in (0, "
+                      f"{MAX_TIMEOUT_S:g}], got {value.decode('latin-1')!r}")
+    return time.monotonic() + t, None
 
 
 class FastClassify:

@@ -5,6 +5,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictInt, Tag
 
+from .api_error import MAX_PRIORITY
+
 
 def model_field():
     return Field(None, description="a served classifier (GET /v1/models), or the served model "
@@ -14,7 +16,7 @@ def model_field():
 
 
 def priority_field():
-    return Field(0, ge=0, le=1 << 30, strict=True,
+    return Field(0, ge=0, le=MAX_PRIORITY, strict=True,
                  description="0 (default): real-time; higher: batch work, run only in engine time "
                              "the real-time lane leaves idle and never cut by depth control "
                              "(vLLM's and SGLang's `priority`: lower is served first)")

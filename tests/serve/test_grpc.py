@@ -518,6 +518,9 @@ def test_priority_and_depth_fields(clf, scorer):
         async with serving(clf, scorer) as s:
             code, details, _ = await failure(s.classify(pb.ClassifyRequest(queries=["a"], priority=-1)))
             assert code == C.INVALID_ARGUMENT and "priority" in details
+            # one range on both transports: HTTP refuses past 2^30, so does gRPC (int32 goes on)
+            code, details, _ = await failure(s.classify(pb.ClassifyRequest(queries=["a"], priority=2**31 - 1)))
+            assert code == C.INVALID_ARGUMENT and "1073741824" in details
             r = await s.classify(pb.ClassifyRequest(queries=["a"], priority=2))
             assert r.results[0].label in clf.labels
             r = await s.score(pb.ScoreRequest(query_text="coat", item_texts=pb.Texts(values=["a", "b"]),

@@ -336,12 +336,19 @@ def test_request_timeout_default(clf):
         assert r.status_code == 200
 
 
-@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "1e9"])
+@pytest.mark.parametrize("value", ["soon", "0", "-1", "nan", "1e9", "1_0", "1e1", "inf", "0x10"])
 def test_bad_deadline_named(clf, value):
+    """Only a plain decimal number of seconds (1_0 was taken as 10 s), and one header."""
     app = create_app(clf, **LIMITS)
     with running(app) as (base, _):
         r = httpx.post(base + "/v1/classify", json={"query": "x"}, headers={"X-Request-Timeout": value})
         assert r.status_code == 400 and "X-Request-Timeout" in r.json()["detail"], r.text
+        two = httpx.Headers([("X-Request-Timeout", "5"), ("X-Request-Timeout", "7")])
+        r = httpx.post(base + "/v1/classify", json={"query": "x"}, headers=two)
+        assert r.status_code == 400 and "2 X-Request-Timeout headers" in r.json()["detail"], r.text
+        for ok in ("5", "0.5", ".5", "5."):
+            r = httpx.post(base + "/v1/classify", json={"query": "x"}, headers={"X-Request-Timeout": ok})
+            assert r.status_code == 200, (ok, r.text)
 
 
 @pytest.mark.parametrize("body", [{"query": "x", "priority": -1}, {"query": "x", "priority": "1"},
