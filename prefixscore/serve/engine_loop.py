@@ -471,7 +471,7 @@ class EngineLoop:
         if job.run is None and not self._begin(job):
             return
         run, budget = job.run, self.score_budgets[bool(m.apply_softmax)]
-        chunk, rows = run.filling, run.kv.filled if run.filling else 0
+        chunk, rows, done = run.filling, run.kv.filled if run.filling else 0, run.done
         t0 = time.perf_counter()
         try:
             cost = run.step(budget.tokens, self.kv_weight)
@@ -485,7 +485,7 @@ class EngineLoop:
             self._learn_kv_weight(budget, spent, cost, rows)
         budget.observe(spent, cost)
         if self.metrics is not None:
-            self.metrics.engine_batch(1, spent)
+            self.metrics.engine_batch(run.done - done, spent)  # (items: none in a chunk)
         if not run.finished:
             job.total = run.passes + run.remaining(budget.tokens, self.kv_weight)
             job.reply(P.ProgressOut(m.rid, run.passes, job.total, run.done, run.filling))
