@@ -87,9 +87,12 @@ def scenario(base, tokens, deadline_s):
     if deadline_s:
         out["probe_after_504"] = classify(base, "levis 501 straight leg")
     out["long"] = longr
-    spans = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(polls, polls[1:]) if b[1] > a[1]]
+    # when the pass count changed (to within a poll): the passes' lengths between changes
+    changes = [b for a, b in zip(polls, polls[1:]) if b[1] > a[1]]
+    spans = [(b[0] - a[0]) / (b[1] - a[1]) for a, b in zip(changes, changes[1:])]
     out["passes_seen"] = polls[-1][1:] if polls else None
-    out["pass_s_mean"] = round(sum(spans) / len(spans), 3) if spans else None
+    out["pass_s_mean"] = (round((changes[-1][0] - changes[0][0]) / (changes[-1][1] - changes[0][1]), 3)
+                          if len(changes) > 1 else None)
     out["pass_s_max_seen"] = round(max(spans), 3) if spans else None
     return out
 

@@ -42,9 +42,11 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--max-queue-tokens", type=int, default=65536,
                    help="their tokens after the cached prefix, per front-end process: admission by "
                         "cost (429 beyond it; a request alone in the queue is always admitted)")
-    g.add_argument("--max-queue-ms", type=float, default=2000.0,
-                   help="a query the engine has not started within this is dropped unrun and answered "
-                        "503 with Retry-After (default 2000)")
+    g.add_argument("--max-queue-ms", type=float, default=None,
+                   help="a request none of whose queries the engine has started within this is "
+                        "dropped unrun and answered 503 with Retry-After (default: no limit, as TEI: "
+                        "the bounded queue answers 429 at once when full, and a request's own "
+                        "deadline bounds its wait)")
     g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="a request's deadline when it sets none (HTTP: X-Request-Timeout: SECONDS; "
                         "gRPC: its own deadline): answered 504 then, never computed after it "

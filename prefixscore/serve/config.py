@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,11 @@ def check_window(ms: float) -> None:
         raise ConfigError(f"--batch-window-ms must be from 0 to {MAX_WINDOW_MS:g}, got {ms}")
 
 
+# While the engine starts, a request waits this long for it before a 503 (the queue-time limit
+# if one is set).
+READY_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class FrontendConfig:
     """What each front-end process (HTTP, gRPC) needs: limits, timeouts, auth, the cache."""
@@ -95,7 +101,9 @@ class FrontendConfig:
     api_key: str | None = None
     max_queue: int = 1024  # queries admitted and not yet answered, per front end
     max_queue_tokens: int = 65536  # and their tokens (a request over it alone is still admitted)
-    max_queue_ms: float = 2000.0  # a query not started by then is answered 503, not run
+    # A request none of whose queries the engine started by then is answered 503, not run; None
+    # (the default, as TEI): no queue-time limit, the bounded queue above refuses at once instead.
+    max_queue_ms: float | None = None
     request_timeout: float | None = None  # a request's deadline (504) when it sets none itself
     max_body_bytes: int = 1 << 20
     max_queries: int = 256
@@ -120,6 +128,12 @@ class FrontendConfig:
     # This front end logs the "ready" lines (the launcher's first worker; one process: itself).
     announce: bool = True
 
+    def start_by(self, deadline: float | None) -> float:
+        """When a request must have started (time.monotonic()): its deadline, and no later than
+        --max-queue-ms from now if set; inf: never dropped for waiting."""
+        limit = float("inf") if self.max_queue_ms is None else time.monotonic() + self.max_queue_ms / 1e3
+        return limit if deadline is None else min(limit, deadline)
+
     def __post_init__(self):
         for name in ("max_queue", "max_queue_tokens", "max_body_bytes", "max_queries", "max_tokens",
                      "max_score_tokens",
@@ -137,6 +151,8 @@ class FrontendConfig:
                               f"answered 429 by the server, not refused by the connection limit")
         for name in ("max_queue_ms", "header_timeout", "body_timeout", "shutdown_timeout"):
             v = getattr(self, name)
+            if v is None and name == "max_queue_ms":
+                continue
             if not 0 < v < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
         if self.shed_lag_ms is not None and not 0 < self.shed_lag_ms < float("inf"):

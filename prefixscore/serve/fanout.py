@@ -97,9 +97,8 @@ class ClassifyMany:
         deadline = self.deadline()
         self._admit(len(todo), cost, priority > 0, deadline)
         try:
-            start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
             fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
-                                       start_by if deadline is None else min(start_by, deadline),
+                                       self.cfg.start_by(deadline),
                                        classifiers, priority, deadline or 0.0)
             job = await self._wait(fut, deadline)
         except EngineDead as e:

@@ -27,7 +27,7 @@ from .api_error import ApiError, check_priority
 from .cache import CLASSIFY_IDS, classifier_ids, lookup, new_cache, scorer_id, store
 from .catalog import DEFAULT_MODEL, Catalog  # noqa: F401 -- importable from here, as before
 from .client import EngineDead
-from .config import FrontendConfig
+from .config import READY_WAIT_S, FrontendConfig
 from .fanout import ClassifyMany
 from .loop_lag import LoopLag  # noqa: F401 -- importable from here, as before
 from .scoring import ScoreRoute
@@ -148,7 +148,8 @@ class Frontend(ClassifyMany, ScoreRoute):
     async def _check_ready(self) -> None:
         if self.draining:
             raise ApiError(503, "the server is shutting down; retry on another instance", 1)
-        await self.client.wait_ready(self.cfg.max_queue_ms / 1e3)
+        ms = self.cfg.max_queue_ms
+        await self.client.wait_ready(READY_WAIT_S if ms is None else ms / 1e3)
         if self.client.error is not None:
             raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
         self.sync()
@@ -238,9 +239,8 @@ class Frontend(ClassifyMany, ScoreRoute):
             cost = sum(len(e.ids) - e.start for e in todo)
             self._admit(len(todo), cost, priority > 0, deadline)
             try:
-                start_by = time.monotonic() + self.cfg.max_queue_ms / 1e3
                 fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
-                                           start_by if deadline is None else min(start_by, deadline),
+                                           self.cfg.start_by(deadline),
                                            [k] * len(todo) if k else None, priority, deadline or 0.0)
                 job = await self._wait(fut, deadline)
             except EngineDead as e:

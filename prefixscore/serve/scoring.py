@@ -8,7 +8,6 @@ alone: a cached item is free. So the scored items need not be the first ones: `s
 are, and `depth` keeps its meaning, the first `depth` items are scored (the leading run)."""
 from __future__ import annotations
 
-import time
 
 from ..errors import PrefixScoreError
 from . import protocol as P
@@ -120,10 +119,8 @@ class ScoreRoute:
         cfg = self.cfg
         self._admit(len(todo), n, priority > 0)
         try:
-            start_by = time.monotonic() + cfg.max_queue_ms / 1e3
             out = await self._wait(self.client.score(
-                prep.full, prep.shared,
-                start_by if deadline is None else min(start_by, deadline), call.labels,
+                prep.full, prep.shared, cfg.start_by(deadline), call.labels,
                 call.label_token_ids, call.apply_softmax, deadline or 0.0, priority,
                 prep.soft), deadline)
         except EngineDead as e:

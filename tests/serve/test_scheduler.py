@@ -4,8 +4,8 @@ from prefixscore.serve import protocol as P
 from prefixscore.serve.scheduler import Lanes, PassBudget, Row, ScoreJob
 
 
-def row(rid, tokens=4, deadline=1e18, client=0):
-    return Row(client, rid, list(range(tokens)), 0, deadline, 0, None)
+def row(rid, tokens=4, deadline=1e18, client=0):  # (distinct ids: equal work costs a pass nothing)
+    return Row(client, rid, [1000 + rid] + list(range(tokens - 1)), 0, deadline, 0, None)
 
 
 def job(rid, n_items=3, item_len=5, priority=0, deadline=1e18, finish_by=0.0):
@@ -176,10 +176,10 @@ def test_start_by_ends_a_request_only_before_it_starts():
     lanes = Lanes()
     started, waiting = [False], [False]
     for rid in range(3):
-        lanes.add_row(Row(0, rid, [1, 2, 3, 4], 0, 5.0, 0, None, request=started), 0)
-    lanes.add_row(Row(0, 3, [1, 2, 3, 4], 0, 5.0, 0, None, finish_by=8.0, request=started), 0)
+        lanes.add_row(Row(0, rid, [rid, 2, 3, 4], 0, 5.0, 0, None, request=started), 0)
+    lanes.add_row(Row(0, 3, [3, 2, 3, 4], 0, 5.0, 0, None, finish_by=8.0, request=started), 0)
     for rid in (4, 5):
-        lanes.add_row(Row(0, rid, [1, 2, 3, 4], 0, 5.0, 0, None, request=waiting), 0)
+        lanes.add_row(Row(0, rid, [rid, 2, 3, 4], 0, 5.0, 0, None, request=waiting), 0)
     _, rows, _ = lanes.next_pass(4)  # the first row runs: its request has started
     assert [r.rid for r in rows] == [0] and started == [True] and waiting == [False]
     rows, _ = lanes.expired(now=6.0)  # past the start-by time: the started request's rows stay

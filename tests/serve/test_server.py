@@ -414,7 +414,8 @@ def test_200_concurrent_clients(clf):
         check(resp.json()["results"], want[j:j + len(ref)])
         j += len(ref)
     batches = wrapped.batches[warm:]
-    assert sum(batches) == i and max(batches) > 1  # requests joined running batches
+    # requests joined running batches; a query repeated within one pass is computed once
+    assert len(set(queries[:i])) <= sum(batches) <= i and max(batches) > 1
 
 
 def test_batch_window(clf):

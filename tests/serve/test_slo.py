@@ -150,7 +150,8 @@ def test_staged_passes_launch_the_next_before_collecting_the_last(clf, scorer):
     loop = EngineLoop(staged, scorer)
     assert loop.staged
     plain, got = [], []
-    reqs = [classify_req(clf, ["red dress"] * n, list(range(10 * n, 11 * n))) for n in (1, 2, 3)]
+    reqs = [classify_req(clf, [f"red dress {i}" for i in range(n)], list(range(10 * n, 11 * n)))
+            for n in (1, 2, 3)]
     loop.serve([(reqs[0], got.append)])
     assert got == [] and staged.log == [("launch", 1)]  # in flight
     loop.serve([(reqs[1], got.append)])
