@@ -381,9 +381,14 @@ class Classifier:
         return self._assemble(scores, best, 1, logprobs)
 
     def launch_encoded(self, encoded: list[Encoded]):
-        """decide_encoded in two halves, for one flat batch (the engine loop's pass): its pass is
-        planned and queued now; the returned finish() waits for it and returns what
-        decide_encoded returns. On CUDA the GPU runs it while the caller plans the next."""
+        """decide_encoded in two halves (the engine loop's pass): planned and queued now; the
+        returned finish() waits for it and returns what decide_encoded returns. On CUDA the GPU
+        runs it while the caller plans the next. Requests that make more than one flat batch
+        (past max_batch_tokens, or some without the cached prefix) run now, batch by batch."""
+        chunks = self._chunks(encoded)
+        if len(next(chunks)) < len(encoded):
+            answer = self.decide_encoded(encoded)
+            return lambda: answer
         return self._launch(encoded)
 
     def _launch(self, batch: list[Encoded]):

@@ -546,3 +546,15 @@ def test_deadline_past_before_queueing_is_504_and_not_computed(clf):
         assert r.status_code == 504 and "before it could be queued" in r.json()["detail"], r.text
         assert len(wrapped.batches) == before
         assert metric(httpx.get(base + "/metrics").text, 'prefixscore_expired_total{reason="deadline"}') >= 1
+
+
+def test_launch_encoded_of_mixed_prefixes_equals_decide_encoded(clf):
+    """The staged pass's launch (Classifier.launch_encoded) of rows some of which do not use the
+    cached prefix (a start of 0) or past one batch's tokens: what decide_encoded answers."""
+    enc = [clf.encode(q) for q in ("red dress", "wool coat", "jeans")]
+    P_ = enc[0].start
+    exact = type(enc[0])({"query": "x"}, "", list(clf.prompt.prefix_ids) + enc[1].ids[P_:], 0)
+    rows = [enc[0], exact, enc[2]]
+    best, scores = clf.launch_encoded(rows)()
+    want_best, want = clf.decide_encoded(rows)
+    assert best == want_best and np.abs(np.asarray(scores) - np.asarray(want)).max() < 1e-6
