@@ -374,11 +374,7 @@ class Classifier:
         `suffix`: its label index and score row (score_run.PromptRun's last pass)."""
         logprobs = self.mode == "logprobs"
         plan = plan_classify([suffix], [kv[0][0].shape[0]], self.trie, branches=logprobs)
-        scores, best = self.engine.run(plan, kv, self.weight, logprobs)
-        if logprobs:
-            o, d = self.trie.assemble_one(scores, best)
-            return [d], [o]
-        return self._assemble(scores, best, 1, logprobs)
+        return self._answers(self.engine.launch(plan, kv, self.weight, logprobs), 1, logprobs)()
 
     def launch_encoded(self, encoded: list[Encoded]):
         """decide_encoded in two halves (the engine loop's pass): planned and queued now; the
@@ -403,14 +399,18 @@ class Classifier:
             answer = best.tolist(), scores.tolist()
             return lambda: answer
         collect = self.engine.launch(*self._plan(batch, logprobs), self.weight, logprobs)
-        if logprobs and len(batch) == 1:  # the latency path
+        return self._answers(collect, len(batch), logprobs)
+
+    def _answers(self, collect, n: int, logprobs: bool):
+        """A launched pass's collect() -> finish(): (label indices, score rows) of its n requests."""
+        if logprobs and n == 1:  # the latency path
 
             def one():
                 o, d = self.trie.assemble_one(*collect())
                 return [d], [o]
 
             return one
-        return lambda: self._assemble(*collect(), len(batch), logprobs)
+        return lambda: self._assemble(*collect(), n, logprobs)
 
     def _plan(self, batch: list[Encoded], logprobs: bool):
         """(the batch's flat plan, the prefix KV it reads: the cached one, or none)."""

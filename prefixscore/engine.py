@@ -82,13 +82,9 @@ class Engine:
         """K/V of the prefix tokens for every layer, [P, Hkv, D] each: a causal pass with no cache."""
         if not ids:
             return self.no_prefix
-        P = len(ids)
-        zeros = torch.zeros(P, dtype=torch.int32, device=self.device)
-        kv: list = []
-        ctx = Context(self.no_prefix, zeros, zeros, zeros, torch.tensor([0, P]), kv_out=kv,
-                      options=self.options)
-        self.model(torch.tensor(ids, device=self.device), torch.arange(P, device=self.device), ctx)
-        return [(k.contiguous(), v.contiguous()) for k, v in kv]
+        kv = self.query_kv(self.no_prefix, len(ids))
+        self.extend(kv, ids)  # (one chunk: the whole prefix)
+        return kv.view(len(ids))
 
     @torch.inference_mode()
     def query_kv(self, base, capacity: int) -> "QueryKV":
