@@ -15,11 +15,10 @@ from .batch import Plan
 from .model import Context
 
 # Short requests get their own small buckets: the graph of a bucket does its padding tokens' work
-# too, and on the H200 one Qwen2.5-0.5B-shape request took 0.564 / 0.570 / 0.579 / 0.585 / 0.597 ms
-# in buckets of 1 / 2 / 4 / 8 / 16 tokens.
+# too, so a request replays the smallest bucket that holds it (BENCHMARKS.md, the latency buckets).
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 # Past 8192 tokens a batch keeps the GPU busy for milliseconds, so launches hide behind it and a
-# graph would only add padding (W3: 15,050 tokens padded to 16,384 was 9% waste): run eagerly.
+# graph would only add padding (W3's passes padded to the next bucket: BENCHMARKS.md): run eagerly.
 GRAPH_MAX_TOKENS = BUCKETS[-1]
 # Buckets whose input + output bytes are at most this copy them inside their graph (the whole
 # buffers, used rows or not); larger ones copy around the replay, only what the call uses.
@@ -91,7 +90,7 @@ class GraphRunner:
         # zero-fill into every replay (a torch kernel between two PDL launches).
         # One capture stream per engine: the allocator reuses a freed block only on the stream
         # that freed it, so runners captured on streams of their own each grew the shared pool by
-        # a whole bucket set (H200, 0.5B: +346 MiB for a second classifier, 86% of the weights).
+        # a whole bucket set (a second classifier's graphs then cost most of the weights again).
         if engine.capture_stream is None:
             engine.capture_stream = torch.cuda.Stream(dev)
         stream = engine.capture_stream

@@ -47,9 +47,9 @@ class ScheduleOptions:
     @property
     def pass_times(self) -> float:
         """A classify pass's goal is at least this many times its fixed cost: 3 when a latency is
-        asked for (--target-p99-ms, --pass-ms), else 10, passes sized for throughput (a 2-core
-        CPU, ~0.12 s a pass of one row, then serves twice the rows a second, and a burst of 64
-        queries within the start-by time; on a GPU the 25 ms goal is the larger anyway)."""
+        asked for (--target-p99-ms, --pass-ms), else 10, passes sized for throughput: on a CPU,
+        where a pass's fixed cost is large, a burst is then served in a few passes (BENCHMARKS.md,
+        the CPU burst); on a GPU the pass goal is the larger anyway."""
         return 3.0 if self.target_p99_ms or self.pass_ms else 10.0
 
     @property
