@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine loop on the H200 (issue 48), stage by stage, each bounded to fit one device call:
 # the GPU tests of what the loop runs (graphs and their slots, vocabulary graphs, chunked query
-# parts), bench.engine_loop in process, then bench.slo's long-score phase through the server.
+# parts), bench.engine_loop in process, then bench.slo's long-score, overload and two-client
+# phases through the server (issue 49's admission too).
 #
 #   bash bench/engine_loop_gpu.sh [tests] [inproc] [slo]   (default: all, in this order)
 #
@@ -16,7 +17,7 @@ for s in $stages; do
   case $s in
     tests) bash tests/gpu.sh -x -k "batch or score_run or vocab or graph_copies or scores_do_not or slo" ;;
     inproc) python3 -m bench.engine_loop -- --model /tmp/q05 --device cuda ;;
-    slo) python3 -m bench.slo --server-cpus 0-9 --load-cpus 10-15 --phases score \
+    slo) python3 -m bench.slo --server-cpus 0-9 --load-cpus 10-15 --phases score,overload,fair \
            --rates 3000,6000,10000,15000,20000 --refine 1 -- --model /tmp/q05 --device cuda \
            --target-p99-ms 5 ;;
     *) echo "unknown stage $s"; exit 2 ;;

@@ -142,7 +142,8 @@ def main(argv=None):
     vecs = (torch.randn(a.requests * a.items, H, generator=g) * scale).bfloat16()
     ids = [f"item-{i}" for i in range(len(vecs))]
     table = Path(tempfile.mkdtemp()) / "items.safetensors"
-    write_table(table, ids, vecs)
+    from prefixscore.weights.loading import base_hash
+    write_table(table, ids, vecs, {"base_model": base_hash(sc.loaded)})
     sc_t = Scorer(sc.loaded, W3_TEMPLATE, ["yes", "no"], mode="softmax", item_table=table)
     vec_reqs = [(q, list(vecs[k * a.items:(k + 1) * a.items].float())) for k, (q, _) in enumerate(reqs)]
     id_reqs = [(q, [{"id": i} for i in ids[k * a.items:(k + 1) * a.items]]) for k, (q, _) in enumerate(reqs)]

@@ -36,6 +36,8 @@ capacity phase.
             (the answers' `depth`; the gauge prefixscore_score_depth, scraped every 100 ms) ->
             $OUT/slo_step.png. Settling: after the step up, until score p99 stays within 110% of
             --target-p99-ms; after the step down, until depth stays at its maximum (--depth-max)
+  fair      two clients (X-Client-Id) with the deadline for --overload-s: one at --fair-flood x
+            capacity, one at --fair-light x: each one's share of its sends answered 200 within it
   lanes     real-time classify at 50% + --batch-conc batch requests ("priority": 1) kept in
             flight: real-time p99 over open's 50% p99; batch queries/s over the idle capacity
             (capacity - the real-time rate)
@@ -62,7 +64,7 @@ from .loadgen import LoadGen, Scraper, http_post, post, scrape, status_name
 
 TARGETS = {"p99_at_50_ms": HTTP_TARGETS["p99_at_50_ms"], "p99_at_80_ms": HTTP_TARGETS["p99_at_80_ms"],
            "goodput_share": 0.90, "reject_p99_ms": 5.0, "score_raise_ms": 2.0, "lanes_p99_ratio": 1.10,
-           "batch_share": 0.80}
+           "batch_share": 0.80, "fair_share": 0.95}
 SCORE_TEMPLATE = "Decide whether the item fits the query.\nQuery: {query}\nItem: {item}\nAnswer:"
 WORDS = ("red", "wool", "coat", "blue", "silk", "dress", "black", "leather", "men", "women", "shoes", "cotton",
          "linen", "summer", "winter", "jacket", "green", "long", "short", "boots", "shirt", "denim", "white", "bag")
@@ -135,8 +137,8 @@ def size_score(port, query, tokens, max_items, extra=None) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------- running streams
 
-def classify_stream(queries, segments, deadline_s=None, priority=0, per_request=1) -> dict:
-    hdr = {"X-Request-Timeout": f"{deadline_s:g}"} if deadline_s else None
+def classify_stream(queries, segments, deadline_s=None, priority=0, per_request=1, client=None) -> dict:
+    hdr = ({"X-Request-Timeout": f"{deadline_s:g}"} if deadline_s else {}) | ({"X-Client-Id": client} if client else {})
     extra = {"priority": priority} if priority else {}
     qs = [queries[k:k + per_request] if per_request > 1 else queries[k] for k in range(0, len(queries), per_request)]
     return {"payloads": [http_post("/v1/classify", {"query": q, **extra}, hdr) for q in qs], "segments": segments}
@@ -324,6 +326,30 @@ def phase_lanes(c) -> dict:
     return row
 
 
+def phase_fair(c) -> dict:
+    """Two clients (X-Client-Id), both with the deadline: one floods at --fair-flood x capacity, the
+    other sends --fair-light x capacity; each one's 200s within the deadline over its sends."""
+    a, dl_ms = c.a, 1e3 * c.deadline_s
+    D = min(a.overload_s, a.max_requests / (a.fair_flood * c.cap))
+    R = run(c, [classify_stream(c.queries, [(0, D, a.fair_flood * c.cap)], c.deadline_s, client="flood"),
+                classify_stream(c.queries, [(0, D, a.fair_light * c.cap)], c.deadline_s, client="light")],
+            700, timeout=c.deadline_s + 5, max_conns=a.overload_conns)
+    st, sent_ms = R["status"], R["lat"] - R["wrote"]
+    row = {"duration_s": D, "gen": R["gen"]}
+    for k, name in enumerate(("flood", "light")):
+        mine, sent = R["stream"] == k, (R["stream"] == k) & (R["wrote"] >= 0)
+        in_time = mine & (st == 200) & (sent_ms <= dl_ms)
+        row[name] = {"offered_rps": (a.fair_flood, a.fair_light)[k] * c.cap, "sent": int(sent.sum()),
+                     "statuses": statuses(st[mine]), "in_time": int(in_time.sum()),
+                     "in_time_share": float(in_time.sum() / max(1, sent.sum())),
+                     "ok": lat_stats(R["lat"][in_time])}
+    fl, li = row["flood"], row["light"]
+    print(f"  flood {fmt_rate(fl['offered_rps'])}/s: {fl['statuses']}, {fl['in_time_share']:.0%} within "
+          f"{dl_ms:g} ms; light {fmt_rate(li['offered_rps'])}/s: {li['statuses']}, {li['in_time_share']:.1%} "
+          f"within it (p99 {fmt_ms(li['ok']['p99_ms'])} ms); {note(R)}", flush=True)
+    return row
+
+
 # ---------------------------------------------------------------- summary, plot
 
 def summary(out) -> list[dict]:
@@ -380,6 +406,10 @@ def summary(out) -> list[dict]:
     add("lanes: batch throughput / idle capacity", r.get("batch_share"), f"{100 * (r.get('batch_share') or 0):.0f}% "
         f"({fmt_rate(r.get('batch_qps'))} q/s)", f"≥ {t['batch_share']:.0%}",
         (r.get("batch_share") or 0) >= t["batch_share"])
+    r = ph.get("fair", {}).get("light", {})
+    add("fair: the light client's sends answered 200 within the deadline", r.get("in_time_share"),
+        f"{100 * (r.get('in_time_share') or 0):.1f}% of {r.get('sent')}", f"≥ {t['fair_share']:.0%}",
+        (r.get("in_time_share") or 0) >= t["fair_share"])
     print("\nsummary (n/a: the phase did not run or the server lacks the feature: see features and errors in the JSON)")
     w, v = max(len(r["figure"]) for r in rows), max(len(r["shown"]) for r in rows)
     for r in [{"figure": "figure", "shown": "value", "target": "target", "verdict": "verdict"}] + rows:
@@ -431,11 +461,13 @@ def plot(step, path) -> str | None:
 FULL = {"rates": "100,300,1000,3000,6000,10000,15000,20000,30000,40000,50000,65000,80000", "duration": 5.0,
         "refine": 2, "stop_p99_ms": 200.0, "serial": 1000, "overload_s": 10.0, "score_s": 12.0, "score_n": 3,
         "score_tokens": 8192, "step_s": 5.0, "step_items": 256, "step_item_tokens": 16, "step_score_share": 0.5,
-        "lanes_s": 10.0, "batch_conc": 64, "pause": 1.0, "lag_ms": 1.0}
+        "lanes_s": 10.0, "batch_conc": 64, "pause": 1.0, "lag_ms": 1.0, "fair_flood": 5.0,
+        "fair_light": 0.05}
 QUICK = {"rates": "2,4,8,16,32", "duration": 2.0, "refine": 1, "stop_p99_ms": 5000.0, "serial": 30, "overload_s": 3.0,
          "score_s": 6.0, "score_n": 2, "score_tokens": 512, "step_s": 3.0, "step_items": 16, "step_item_tokens": 8,
-         "step_score_share": 0.5, "lanes_s": 4.0, "batch_conc": 4, "pause": 0.5, "lag_ms": 25.0}
-PHASES = ("open", "overload", "score", "step", "lanes")
+         "step_score_share": 0.5, "lanes_s": 4.0, "batch_conc": 4, "pause": 0.5, "lag_ms": 25.0, "fair_flood": 5.0,
+         "fair_light": 0.05}
+PHASES = ("open", "overload", "score", "step", "lanes", "fair")
 
 
 def parse_args():
@@ -543,7 +575,8 @@ def main():
         for name, fn, missing in (("open", phase_open, None), ("overload", phase_overload, None),
                                   ("score", phase_score, None if f["score"] else "no /v1/score"),
                                   ("step", phase_step, None if f["score"] else "no /v1/score"),
-                                  ("lanes", phase_lanes, None if f["priority"] else "no priority field")):
+                                  ("lanes", phase_lanes, None if f["priority"] else "no priority field"),
+                                  ("fair", phase_fair, None if f["deadline_header"] else "no X-Request-Timeout")):
             if name not in a.phases or missing:
                 out["errors"][name] = missing or "not asked for (--phases)"
                 continue

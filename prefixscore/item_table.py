@@ -6,7 +6,8 @@ hidden size, in the embedding space the model's own tokens live in):
 
     safetensors  tensor "embeddings" [N, hidden] (float16, bfloat16 or float32); metadata "ids":
                  a JSON list of N ids (absent: the row numbers "0" .. "N-1"), and any other
-                 metadata the writer recorded ("base_model": the model it was made for, ...)
+                 metadata the writer recorded ("base_model": the base weights it was made for,
+                 weights.loading.base_hash, which a table must record; ...)
     Parquet      columns "id" (string or integer) and "embedding" (a list of floats per row);
                  the file's key-value metadata as the safetensors metadata
 
@@ -72,9 +73,9 @@ class ItemTable:
         return self.vectors[i]
 
     def check_model(self, loaded) -> "ItemTable":
-        """This table, if made for a model of the loaded model's hidden size and, where it records
-        one, its base weights (weights.loading.base_hash; checked before an adapter is merged, as
-        an adapter's base is): a ConfigError otherwise."""
+        """This table, if made for a model of the loaded model's hidden size and its base weights
+        (the base_model it records: weights.loading.base_hash; checked before an adapter is
+        merged, as an adapter's base is): a ConfigError otherwise, a table that records none too."""
         from .weights.loading import base_hash
 
         hidden = loaded.model.config.hidden_size
@@ -82,10 +83,14 @@ class ItemTable:
             raise ConfigError(f"{self.path or 'item table'}: its vectors have {self.dim} values, "
                               f"the model's hidden size is {hidden}")
         made_for = self.meta.get("base_model")
-        if made_for and getattr(loaded.model, "merged_adapter", None) is None:
-            if made_for != base_hash(loaded):
+        if not made_for:  # vectors for another model's embedding space would score as noise
+            raise ConfigError(f"{self.path or 'item table'} does not record the base model it was "
+                              f"made for: add the metadata key base_model = {base_hash(loaded)} if "
+                              f"it was made for this one (prefixscore items records it)")
+        if getattr(loaded.model, "merged_adapter", None) is None:
+            if made_for != (this := base_hash(loaded)):
                 raise ConfigError(f"{self.path or 'item table'} was made for base model {made_for}, "
-                                  f"not this one ({base_hash(loaded)})")
+                                  f"not this one ({this})")
         return self
 
     @classmethod

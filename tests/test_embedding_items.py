@@ -13,6 +13,7 @@ from tests.test_scorer import (  # noqa: F401
     LABELS, TEMPLATES, assert_matches_hf, hf_trie, models, random_items)
 from prefixscore import InputError
 from prefixscore.item_table import write_table
+from prefixscore.weights.loading import base_hash
 from prefixscore.score_input import SOFT
 from prefixscore.scorer import Scorer
 
@@ -72,7 +73,7 @@ def test_every_item_form_gives_the_same_scores(models, tmp_path):
     v = vectors(Scorer(ours, "Is {item} right for {query}?", ["yes", "no"], chat=False), 1, 3)[0]
     half = v.half()
     table = tmp_path / "items.safetensors"
-    write_table(table, ["sku-1", 42], torch.stack([half, half]))
+    write_table(table, ["sku-1", 42], torch.stack([half, half]), {"base_model": base_hash(ours)})
     sc = Scorer(ours, "Is {item} right for {query}?", ["yes", "no"], chat=False, item_table=table)
     forms = [half, half.numpy(), {"embedding": half.float().tolist()},
              {"embedding": base64.b64encode(half.numpy().tobytes()).decode()},
@@ -184,7 +185,7 @@ def test_cli_score_with_an_item_table(models, tmp_path, capsys):
     sc = Scorer(ours, template, ["yes", "no"], chat=False, mode="softmax")
     v = vectors(sc, 2, 5)
     table = tmp_path / "items.parquet"
-    write_table(table, ["a", "b"], torch.stack(v))
+    write_table(table, ["a", "b"], torch.stack(v), {"base_model": base_hash(ours)})
     items = ["red silk dress", {"id": "b"}, {"embedding": v[0].tolist()}]
     src = tmp_path / "req.jsonl"
     src.write_text(json.dumps({"query": "red dress", "items": items}) + "\n")
@@ -215,7 +216,6 @@ def test_a_table_for_another_model_is_refused(models, tmp_path):
     """A table records the base model it was made for (embed-items writes base_model): another
     base or another hidden size is a ConfigError when the Scorer loads it."""
     from prefixscore import ConfigError
-    from prefixscore.weights.loading import base_hash
 
     ours, _, _ = models("llama")
     other, _, _ = models("qwen2")
@@ -230,3 +230,8 @@ def test_a_table_for_another_model_is_refused(models, tmp_path):
     write_table(wide, ["a"], torch.zeros(1, H + 1))
     with pytest.raises(ConfigError, match=f"its vectors have {H + 1} values"):
         Scorer(ours, "Is {item} right for {query}?", ["yes", "no"], chat=False, item_table=wide)
+    for name in ("bare.parquet", "bare.safetensors"):  # no record of its model: refused, not guessed
+        write_table(tmp_path / name, ["a"], torch.zeros(1, H))
+        with pytest.raises(ConfigError, match=f"does not record the base model.*{base_hash(ours)}"):
+            Scorer(ours, "Is {item} right for {query}?", ["yes", "no"], chat=False,
+                   item_table=tmp_path / name)

@@ -4,19 +4,20 @@
     config.py       FrontendConfig, EngineConfig: built once from flags + TOML, checked there
     classifiers.py  several classifiers over one model: --classifier / [classifiers.NAME], memory
     engine_loop.py  the engine loop: queued requests -> passes of bounded cost -> answers
-    scheduler.py    its lanes (real-time, batch), pass budgets, deadlines between passes
+    scheduler.py    its lanes (real-time, batch; clients in turn), pass budgets, deadlines
     engine_proc.py  the engine process: the model, the loop, its socket (wire.EngineSocket)
     client.py       front end -> engine: InprocClient (the engine on a thread)
     wire.py         front end <-> engine process: a Unix socket each (SocketClient, EngineSocket)
     dp_client.py    --data-parallel: one SocketClient per engine, each pass to the least loaded
     frontend.py     request handling shared by HTTP and gRPC: validate, tokenize, cache, admit,
                     deadlines; scoring.py its multi-item route (/v1/score, /rerank); loop_lag.py
-                    how late its event loop runs
+                    how late its event loop runs; admission.py what it lets in (per lane and
+                    client, by the queue ahead and the request's deadline)
     cache.py        the pair cache (pair_cache.py, a plain LRU) and its keys per route
     catalog.py      the served classifiers by name (`model` / `classifier`), their prompts, cards
     fanout.py       one request to several classifiers ("classifiers": [...]) and its answer
     answers.py      Answer, probabilities; api_error.py: ApiError
-    http.py         the FastAPI app and its ASGI guard (auth, body, X-Request-Timeout)
+    http.py         the FastAPI app and its ASGI guard (auth, body, X-Request-Timeout, X-Client-Id)
     connections.py  the uvicorn server (draining shutdown) and its bounded protocol: header
                     limits, the oldest idle connections closed at the connection limit
     compat.py       routes in other servers' shapes (vLLM, SGLang, OpenAI, Cohere: /classify, /score,

@@ -113,11 +113,12 @@ class BaseClient:
     # -- submitting (event loop)
     def classify(self, ids: list[list[int]], starts: list[int], deadline: float,
                  classifiers: list[int] | None = None, priority: int = 0,
-                 finish_by: float = 0.0) -> asyncio.Future:
+                 finish_by: float = 0.0, tenant: int = 0) -> asyncio.Future:
         """One request of len(ids) rows. classifiers[i]: the classifier (its index in
         ReadyOut.classifiers) of row i; None: the default for every row. deadline: not started by
         then, the engine drops it unrun (once one of its rows has started, the others are not
-        dropped for it); finish_by: the client's deadline (0: none), which ends every row."""
+        dropped for it); finish_by: the client's deadline (0: none), which ends every row;
+        tenant: the client that sent it (its turns in the engine's lane)."""
         if self.error is not None:
             raise EngineDead(self.error)
         job = ClassifyJob(self.loop.create_future(), len(ids), time.monotonic())
@@ -129,13 +130,14 @@ class BaseClient:
         n = len(ids)
         self._queue(P.ClassifyReq(self.id, rids, data, offsets, starts, [deadline] * n,
                                   classifiers or [], [priority] * n if priority else [],
-                                  [rids[0]] * n if n > 1 else [], [finish_by] * n if finish_by else []))
+                                  [rids[0]] * n if n > 1 else [], [finish_by] * n if finish_by else [],
+                                  [tenant] * n if tenant else []))
         return job.future
 
     def score(self, full: list[list[int]], shared: list[int], deadline: float,
               labels: list[str] | None = None, label_token_ids: list[int] | None = None,
               apply_softmax: bool = False, finish_by: float = 0.0, priority: int = 0,
-              soft: list | None = None) -> asyncio.Future:
+              soft: list | None = None, tenant: int = 0) -> asyncio.Future:
         """One tokenized score request (ScoreInput.parse's): per item its whole prompt's ids, and
         the ids before the item slot; the label set as the request named it (None: the scorer's);
         soft: Prepared.soft (per item its vector or None), None for no embedding items.
@@ -152,7 +154,8 @@ class BaseClient:
         vectors = [v for v in soft if v is not None] if soft else []
         self._queue(P.ScoreReq(self.id, rid, data, offsets, np.asarray(shared, np.int32).tobytes(),
                                labels, label_token_ids, apply_softmax, deadline, finish_by, priority,
-                               now, b"".join(v.numpy().astype(np.float32).tobytes() for v in vectors)))
+                               now, b"".join(v.numpy().astype(np.float32).tobytes() for v in vectors),
+                               tenant))
         return fut
 
     def _track(self, fut: asyncio.Future, rids: list[int]) -> None:
@@ -267,7 +270,8 @@ def _merge(msgs: list) -> P.ClassifyReq:
     ranked = any(m.priorities for m in msgs)  # else every row is real-time
     grouped = any(m.groups for m in msgs)  # else every row is a request of its own
     timed = any(m.finish_bys for m in msgs)  # else no row has a client deadline
-    classifiers, priorities, groups, finish_bys = [], [], [], []
+    named = any(m.tenants for m in msgs)  # else every row is of one client
+    classifiers, priorities, groups, finish_bys, tenants = [], [], [], [], []
     for m in msgs:
         rids += m.rids
         starts += m.starts
@@ -283,8 +287,10 @@ def _merge(msgs: list) -> P.ClassifyReq:
             groups += m.groups or m.rids
         if timed:
             finish_bys += m.finish_bys or [0.0] * len(m.rids)
+        if named:
+            tenants += m.tenants or [0] * len(m.rids)
     return P.ClassifyReq(msgs[0].client, rids, b"".join(datas), offsets, starts, deadlines,
-                         classifiers, priorities, groups, finish_bys)
+                         classifiers, priorities, groups, finish_bys, tenants)
 
 
 class InprocClient(BaseClient):

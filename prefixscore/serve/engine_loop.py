@@ -280,7 +280,7 @@ class EngineLoop:
     # -- classify
     def _add_classify(self, m: P.ClassifyReq, reply) -> None:
         ids = P.unpack_ids(m.ids, m.offsets)
-        n_clf, cl, pr, fb = len(self.clfs), m.classifiers, m.priorities, m.finish_bys
+        n_clf, cl, pr, fb, tn = len(self.clfs), m.classifiers, m.priorities, m.finish_bys, m.tenants
         bad = {}
         prefixes = self.prefixes
         requests = _requests(m.groups)
@@ -295,7 +295,8 @@ class EngineLoop:
             row_ids = prefixes[c][:start] + ids[i] if start else ids[i]  # the prompt, as sent
             self.lanes.add_row(Row(m.client, rid, row_ids, start, m.deadlines[i], c, reply,
                                    finish_by=fb[i] if fb else 0.0,
-                                   request=requests[i] if requests else None), pr[i] if pr else 0)
+                                   request=requests[i] if requests else None,
+                                   tenant=tn[i] if tn else 0), pr[i] if pr else 0)
         if bad:
             reply(self._out(list(bad), [P.BAD_INPUT] * len(bad), errors=bad))
 

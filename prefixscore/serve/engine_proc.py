@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 
+from ..errors import ConfigError
 from ..values import ModelSpec
 from .config import EngineConfig
 from .engine_loop import STOP, EngineLoop, Stopped
@@ -71,7 +72,6 @@ def spin_seconds(spec: str, device: str) -> float:
     """--engine-spin-ms: after each batch the loop polls this long before it sleeps ('auto': 2 ms
     on a GPU, where it saves a wake-up per request; 0 on CPU inference, whose threads need every
     CPU)."""
-    from ..errors import ConfigError
 
     if spec == "auto":
         return 2e-3 if device == "cuda" else 0.0
@@ -88,7 +88,6 @@ def engine_cpu(spec: str, device: str) -> int | None:
     """--engine-cpu: the CPU for the engine thread, or None (off by default: pinning measured
     better in one H200 run and worse in another). Never on CPU inference: its OpenMP workers
     would inherit the one-CPU mask."""
-    from ..errors import ConfigError
 
     if spec == "none" or not hasattr(os, "sched_setaffinity"):
         return None
@@ -166,7 +165,10 @@ def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
         log.info("stopped (pid %d)", os.getpid())
     except BaseException as e:  # noqa: B036 -- the launcher and front ends act on the exit status
         signal.signal(STOP_SIGNAL, signal.SIG_IGN)  # a stop now must not cut the report short
-        log.error("engine fault: the engine process exits", exc_info=e)
+        if isinstance(e, ConfigError):  # a setting or a file the user gave: one line says it
+            log.error("%s", e)
+        else:
+            log.error("engine fault: the engine process exits", exc_info=e)
         source.close(linger=1000)  # the FAULT answers still leave
         sys.exit(1)
     # Nobody waits for an answer now (the front ends answered or left): nothing lingers, else

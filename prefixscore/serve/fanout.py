@@ -95,16 +95,16 @@ class ClassifyMany:
         """The engine's answers (a ClassifyJob) to todo's rows, admitted by cost; classifiers: each
         row's classifier (None: the default's). Frontend.classify does the same inline."""
         deadline = self.deadline()
-        self._admit(len(todo), cost, priority > 0, deadline)
+        ticket, job = self._admit(len(todo), cost, priority > 0, deadline), None
         try:
             fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
                                        self.cfg.start_by(deadline),
-                                       classifiers, priority, deadline or 0.0)
+                                       classifiers, priority, deadline or 0.0, ticket.tenant)
             job = await self._wait(fut, deadline)
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
-            self._release(len(todo), cost, priority > 0)
+            self.admission.release(ticket, job is not None)
         self._check_status(job, deadline)
         return job
 

@@ -23,6 +23,7 @@ from contextvars import ContextVar
 from ..errors import InputError
 from . import protocol as P
 from .answers import Answer, is_unicode, label_probs, query_name  # noqa: F401
+from .admission import Admission
 from .api_error import ApiError, check_priority
 from .cache import CLASSIFY_IDS, classifier_ids, lookup, new_cache, scorer_id, store
 from .catalog import DEFAULT_MODEL, Catalog  # noqa: F401 -- importable from here, as before
@@ -35,6 +36,9 @@ from .scoring import ScoreRoute
 # A request's own deadline (time.monotonic()), set by its transport around the call: HTTP's
 # X-Request-Timeout header (http.Guard), gRPC's deadline (grpc_server). None: --request-timeout.
 DEADLINE: ContextVar[float | None] = ContextVar("prefixscore_deadline", default=None)
+# The client that sent it (admission.tenant_of of its X-Client-Id, else its address), set the same
+# way: clients take turns in admission and in the engine's lanes. 0: no client known.
+TENANT: ContextVar[int] = ContextVar("prefixscore_tenant", default=0)
 
 
 log = logging.getLogger("prefixscore.serve")
@@ -61,8 +65,7 @@ class Frontend(ClassifyMany, ScoreRoute):
         self.cache = new_cache(cfg)  # the pair cache (cache.py); None: off
         self.cache_ids: list[bytes] = []  # per classifier, its identity in cache keys
         self.scorer_id: bytes | None = None  # the scorer's
-        self.inflight = 0  # queries admitted and not yet answered (this front end)
-        self.held = ([0, 0], [0, 0])  # per lane (real-time, batch): those queries, their tokens
+        self.admission = Admission(cfg, client, metrics, self._lag)
         self.draining = False
         self.loop_lag: LoopLag | None = None  # started on the event loop with the engine's Ready
         self.announced = False  # the "ready" lines said (cfg.announce)
@@ -134,12 +137,27 @@ class Frontend(ClassifyMany, ScoreRoute):
         # The engine's real state: a long pass shows as requests waiting while it says nothing.
         oldest = 0.0 if sent is None else 1e3 * (now - sent)
         silent = 0.0 if sent is None else 1e3 * (now - max(sent, answered))
-        return 200, {"status": "ok", "model": i.model, "labels": default.labels, "mode": default.mode,
-                     "scorer": i.scorer is not None, "queue_depth": self.inflight + c.queued,
+        return 200, {"status": self._state(oldest, silent), "model": i.model, "labels": default.labels, "mode": default.mode,
+                     "scorer": i.scorer is not None, "queue_depth": self.admission.inflight + c.queued,
                      "oldest_queued_ms": round(oldest, 3), "engine_busy_ms": round(silent, 3),
                      "running": c.running_cards(),
                      "engine": {"pid": i.pid, "device": i.device},
                      "classifiers": self.catalog.health_cards(), **c.health()}
+
+    def _state(self, oldest_ms: float, silent_ms: float) -> str:
+        """/healthz's status: "degraded" when the engine has said nothing for longer than the
+        shortest deadline this front end knows while requests wait (a pass or a stall holds it),
+        "busy" when new work would wait longer than that (the oldest queued request, or the
+        backlog at the engine's rate), else "ok"."""
+        limit = self.admission.shortest_deadline()
+        if silent_ms > 1e3 * limit:
+            return "degraded"
+        if oldest_ms > 1e3 * limit or (self.client.rate and self.client.wait_s(1) > limit):
+            return "busy"
+        return "ok"
+
+    def _lag(self) -> float:
+        return self.loop_lag.lag if self.loop_lag is not None else 0.0
 
     async def wait_ready(self) -> None:
         """Until the engine is ready (within --max-queue-ms), else 503."""
@@ -154,51 +172,12 @@ class Frontend(ClassifyMany, ScoreRoute):
             raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
         self.sync()
 
-    def _admit(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None) -> None:
-        """Admission by cost: n queries (or items) and their tokens after the cached prefix, each
-        within this front end's share (--max-queue, --max-queue-tokens), else 429 + Retry-After.
-        Real-time and batch work (priority > 0) have a share each, so a batch flood cannot take
-        the real-time lane's places. A request whose deadline comes before the queue ahead of it
-        can be done (at the engine's measured rate) is refused now (429) rather than at its
-        deadline (504): under overload the engine's time goes to requests that can still make it."""
-        self._refuse(n, tokens, batch, deadline)
-        held = self.held[batch]
-        held[0] += n
-        held[1] += tokens
-        self.inflight += n
-        self.metrics.queue_depth.inc(n)
+    def _admit(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None):
+        """admission.Admission.admit for this request's client (TENANT)."""
+        return self.admission.admit(n, tokens, batch, deadline, TENANT.get())
 
     def _refuse(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None) -> None:
-        """_admit's checks alone (429 + Retry-After; 504 for a deadline already past), nothing
-        counted: before tokenizing with tokens=0, so that under overload a refusal costs the front
-        end as little as it can."""
-        cfg, held = self.cfg, self.held[batch]
-        if held[0] + n > cfg.max_queue or (held[1] + tokens > cfg.max_queue_tokens and held[0] > 0):
-            lane = "batch" if batch else "real-time"
-            raise ApiError(429, f"queue full ({held[0]} {lane} queries, {held[1]} tokens waiting; "
-                                f"limits {cfg.max_queue} and {cfg.max_queue_tokens}); retry later",
-                           self.client.wait_s(n))
-        if deadline is not None and not batch:
-            left, wait = deadline - time.monotonic(), self.client.wait_s(n)
-            if left <= 0:  # spent before it could be queued (unread in a busy front end: LoopLag)
-                lag = 1e3 * self.loop_lag.lag if self.loop_lag is not None else 0.0
-                self.metrics.expired.labels("deadline").inc(n)
-                raise ApiError(504, f"this request's deadline passed before it could be queued (this "
-                                    f"front end runs {lag:.0f} ms behind); it was not computed")
-            if self.client.rate and wait > left:
-                raise ApiError(429, f"the queue ahead needs about {1e3 * wait:.0f} ms, past this "
-                                    f"request's deadline; retry later", wait)
-
-    @property
-    def inflight_tokens(self) -> int:
-        return self.held[0][1] + self.held[1][1]
-
-    def _release(self, n: int, tokens: int, batch: bool = False) -> None:
-        held = self.held[batch]
-        held[0] -= n
-        held[1] -= tokens
-        self.inflight -= n
-        self.metrics.queue_depth.dec(n)
+        self.admission.refuse(n, tokens, batch, deadline, TENANT.get())
 
     # -- classify
     def deadline(self) -> float | None:
@@ -237,16 +216,17 @@ class Frontend(ClassifyMany, ScoreRoute):
         job = None
         if todo:  # inline, not many.py's _engine: the latency path pays for no extra coroutine
             cost = sum(len(e.ids) - e.start for e in todo)
-            self._admit(len(todo), cost, priority > 0, deadline)
+            ticket = self._admit(len(todo), cost, priority > 0, deadline)
             try:
                 fut = self.client.classify([e.ids for e in todo], [e.start for e in todo],
                                            self.cfg.start_by(deadline),
-                                           [k] * len(todo) if k else None, priority, deadline or 0.0)
+                                           [k] * len(todo) if k else None, priority, deadline or 0.0,
+                                           ticket.tenant)
                 job = await self._wait(fut, deadline)
             except EngineDead as e:
                 raise ApiError(503, str(e), 1) from None
             finally:
-                self._release(len(todo), cost, priority > 0)
+                self.admission.release(ticket, job is not None)
             self.metrics.classifier_tokens(info.name).inc(cost)
             self._check_status(job, deadline)
         labels = info.labels

@@ -31,8 +31,8 @@ except ImportError:  # pragma: no cover
 
 from google.protobuf.message import DecodeError
 
-from .frontend import DEADLINE, ApiError, Frontend
-from .http import UNAUTHORIZED, authorized
+from .frontend import DEADLINE, TENANT, ApiError, Frontend
+from .http import UNAUTHORIZED, authorized, request_tenant
 from .proto import prefixscore_pb2 as pb
 
 log = logging.getLogger("prefixscore.grpc")
@@ -167,6 +167,7 @@ def unary(fe: Frontend, endpoint: str, handle, auth: bool, parse):
                 if remaining is not None:  # the call's deadline is the request's (frontend.DEADLINE)
                     DEADLINE.set(time.monotonic() + remaining)
                 try:
+                    TENANT.set(call_tenant(context))
                     reply = await handle(_parsed(parse, request))
                 except ApiError as e:
                     error = e
@@ -205,6 +206,18 @@ def bearer(context) -> list[tuple[bytes, bytes]]:
     two are refused there, as two HTTP headers are)."""
     return [(b"authorization", v.encode("latin-1", "replace") if isinstance(v, str) else v)
             for k, v in context.invocation_metadata() or () if k == "authorization"]
+
+
+def call_tenant(context) -> int:
+    """The call's client, as http.request_tenant reads an HTTP request's: x-client-id metadata,
+    else the peer's address (ApiError 400 for a bad or repeated x-client-id)."""
+    headers = [(b"x-client-id", v.encode("latin-1", "replace") if isinstance(v, str) else v)
+               for k, v in context.invocation_metadata() or () if k == "x-client-id"]
+    peer = context.peer() or ""  # "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:..."
+    tenant, error = request_tenant(headers, (peer.rpartition(":")[0] or peer,))
+    if error:
+        raise ApiError(400, error)
+    return tenant
 
 
 # ---------------------------------------------------------------- the server

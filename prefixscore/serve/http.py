@@ -20,7 +20,8 @@ import msgspec
 from . import compat, fanout
 from .answers import label_probs
 from .config import MAX_TIMEOUT_S
-from .frontend import DEADLINE, ApiError, Frontend
+from .admission import MAX_CLIENT_ID, tenant_of
+from .frontend import DEADLINE, TENANT, ApiError, Frontend
 from .schemas import (ERRORS, AnyClassifyRequest, AnyScoreRequest, ClassifyManyResponse,
                       ClassifyRequest, ClassifyResponse, ScoreResponse, VllmClassifyRequest,
                       VllmClassifyResponse, VllmScoreRequest, VllmScoreResponse)
@@ -79,13 +80,15 @@ class Guard:
             if scope["method"] not in ("POST", "PUT", "PATCH"):
                 return await self.app(scope, receive, counted)
             deadline, error = request_deadline(scope["headers"])
-            if error:
-                return await send_json(counted, 400, error, close=True, path=path)
+            tenant, error2 = request_tenant(scope["headers"], scope.get("client"))
+            if error or error2:
+                return await send_json(counted, 400, error or error2, close=True, path=path)
             body, error = await self._read(scope, receive)
             if error:
                 return await send_json(counted, *error, close=True, path=path)
             if deadline is not None:  # for the Frontend, in this task (the route runs in it)
                 DEADLINE.set(deadline)
+            TENANT.set(tenant)
             # A client that leaves before its answer: the request is cancelled, which drops its
             # queued engine work (Frontend._wait), and it is counted 499, not computed and 200.
             # The watch starts only for a request still running after WATCH_AFTER: a task made
@@ -174,6 +177,20 @@ def request_deadline(headers: list) -> tuple[float | None, str | None]:
         return None, (f"X-Request-Timeout must be a plain decimal number of seconds in (0, "
                       f"{MAX_TIMEOUT_S:g}], got {value.decode('latin-1')!r}")
     return time.monotonic() + t, None
+
+
+def request_tenant(headers: list, client) -> tuple[int, str | None]:
+    """The client a request counts for (admission's fair shares, the engine's turns): its
+    X-Client-Id (one header, at most MAX_CLIENT_ID characters), else its address; 0 for none."""
+    values = [value for name, value in headers if name == b"x-client-id"]
+    if len(values) > 1:
+        return 0, f"{len(values)} X-Client-Id headers; send one"
+    if values:
+        name = values[0].decode("latin-1").strip()
+        if not name or len(name) > MAX_CLIENT_ID:
+            return 0, f"X-Client-Id must be 1 to {MAX_CLIENT_ID} characters, got {len(name)}"
+        return tenant_of("id:" + name), None
+    return (tenant_of("addr:" + str(client[0])), None) if client else (0, None)
 
 
 class FastClassify:

@@ -48,6 +48,10 @@ class Metrics:
             buckets=LATENCY_BUCKETS)
         self.queue_depth = Gauge("prefixscore_queue_depth", "queries admitted and not yet answered",
                                  registry=r, multiprocess_mode="livesum")
+        self.queue_wait = Histogram(
+            "prefixscore_queue_wait_seconds", "per admitted real-time classify request: the wait "
+            "admission expected (source=estimate) and the one it got, admission to answer "
+            "(source=measured)", ["source"], registry=r, buckets=LATENCY_BUCKETS)
         # Every process declares them with the same labels, so the sums over processes' files
         # (multiprocess mode) never mix a labelled and an unlabelled sample of one series.
         self.engines = engines

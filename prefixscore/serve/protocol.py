@@ -55,6 +55,9 @@ class ClassifyReq(msgspec.Struct, tag=True, array_like=True):
     # Per row, its client's deadline (0: none), which still ends a started request's rows; empty:
     # none.
     finish_bys: list[float] = []
+    # Per row, its client (X-Client-Id or address, hashed: frontend.tenant_of), whose rows take
+    # turns with other clients' in a lane; empty: all one client.
+    tenants: list[int] = []
 
 
 class ScoreReq(msgspec.Struct, tag=True, array_like=True):
@@ -81,6 +84,7 @@ class ScoreReq(msgspec.Struct, tag=True, array_like=True):
     # Embedding items (score_input.SOFT in their ids, once each): their vectors in item order,
     # float32 [E, hidden] bytes; empty: text or token-id items only.
     soft: bytes = b""
+    tenant: int = 0  # its client, as ClassifyReq.tenants
 
 
 class AbortReq(msgspec.Struct, tag=True, array_like=True):

@@ -7,9 +7,15 @@ real-time request waits behind at most one small batch pass). Within a lane, cla
 multi-item jobs share the engine by time when both wait (after a score pass, classify passes for
 as long), and a pass is cut to the token budget (PassBudget:
 about --pass-ms of work, but never under a few times a pass's fixed cost, measured as it goes):
-classify rows in arrival order up to it, a multi-item request a chunk of its long query part or a
-run of its items at a time (score_run.py). No request can hold the engine for longer than
-one pass, and every deadline and abort is looked at between passes.
+classify rows up to it, a multi-item request a chunk of its long query part or a run of its items at
+a time (score_run.py). No request can hold the engine for longer than one pass, and every deadline
+and abort is looked at between passes.
+
+Within a lane, clients take turns (Turns): a row from each client that has rows waiting, in
+turn, each client's rows in arrival order, and the next multi-item request started is the one of
+the client whose request started least recently. A client is its `tenant` (X-Client-Id, else its
+address: frontend.py), so one client's flood delays another's requests by a row per turn, not by
+the flood's length.
 
 Nothing here touches the model: engine_loop.py runs the passes this hands out.
 """
@@ -38,10 +44,12 @@ class Row:
     reply: Callable
     tokens: int = 0  # computed: len(ids) - start
     dead: bool = False  # aborted: skipped when it reaches the head
+    gone: bool = False  # out of the queue (taken, aborted, expired): skipped where it still is
     finish_by: float = 0.0  # its client's deadline (0: none): ends it, started or not
     # shared by the rows of one client request (a list of queries): [True] once any has started,
     # after which `deadline` (the start-by time) no longer ends them; None: a request of one row
     request: list | None = None
+    tenant: int = 0  # the client that sent it (fair turns)
 
     def __post_init__(self):
         self.tokens = len(self.ids) - self.start
@@ -75,6 +83,10 @@ class ScoreJob:
         return self.msg.client, self.msg.rid
 
     @property
+    def tenant(self) -> int:
+        return self.msg.tenant
+
+    @property
     def started(self) -> bool:
         return self.run is not None
 
@@ -105,7 +117,63 @@ class RowJob:
     def deadline(self) -> float:
         return self.row.deadline
 
+    @property
+    def tenant(self) -> int:
+        return self.row.tenant
+
     finish_by = 0.0
+
+
+class Turns:
+    """One lane's queued rows, each client's (tenant's) in arrival order, taken a row per client
+    in turn. `order` holds every row in arrival order too, for expiry: the start-by times expire
+    in arrival order, so its head is all expiry looks at, however many clients wait. A row taken
+    or expired stays in the other deque until it reaches that head (skipped there: `gone`)."""
+
+    def __init__(self):
+        self.by: dict[int, deque] = {}  # tenant -> its rows
+        self.turn: deque = deque()  # tenants with rows, the next to take first
+        self.order: deque = deque()  # every row, arrival order
+
+    def __bool__(self) -> bool:
+        self.prune()
+        return bool(self.turn)
+
+    def append(self, row: Row) -> None:
+        q = self.by.get(row.tenant)
+        if q is None:
+            q = self.by[row.tenant] = deque()
+            self.turn.append(row.tenant)
+        q.append(row)
+        self.order.append(row)
+
+    def prune(self) -> None:
+        """Drop gone rows at the next tenant's head (and tenants left without rows)."""
+        while self.turn:
+            q = self.by[self.turn[0]]
+            while q and q[0].gone:
+                q.popleft()
+            if q:
+                return
+            del self.by[self.turn.popleft()]
+
+    def head(self) -> Row | None:
+        """The row to take next (prune first), None when none waits."""
+        self.prune()
+        return self.by[self.turn[0]][0] if self.turn else None
+
+    def pop(self) -> Row:
+        """Take head(): its tenant's turn passes to the next."""
+        t = self.turn[0]
+        row = self.by[t].popleft()
+        row.gone = True
+        self.turn.rotate(-1)
+        return row
+
+    def clear(self) -> None:
+        self.by.clear()
+        self.turn.clear()
+        self.order.clear()
 
 
 class Lanes:
@@ -118,7 +186,7 @@ class Lanes:
     that deadline by the front end's timer, whose abort marks it dead here."""
 
     def __init__(self):
-        self.rows = (deque(), deque())  # per lane: Row
+        self.rows = (Turns(), Turns())  # per lane: Row
         self.jobs = (deque(), deque())  # per lane: ScoreJob (the one started first in front)
         self.live: dict[tuple[int, int], Row] = {}  # queued rows by (client, rid)
         # Classify and score passes of a lane share the engine by time when both wait: after a
@@ -129,6 +197,8 @@ class Lanes:
         self.score_s = [0.0, 0.0]  # per lane: that score pass's seconds
         self.ran = [False, False]  # per lane: a classify pass since that score pass
         self.last: tuple[str, int] | None = None  # the pass handed out last: (kind, lane)
+        self.starts = [0, 0]  # per lane: multi-item jobs started
+        self.started_at = ({}, {})  # per lane: tenant -> the count when its last job started
 
     def __len__(self) -> int:
         return len(self.live) + sum(map(len, self.jobs))
@@ -146,7 +216,7 @@ class Lanes:
         """Take out the rows and jobs whose (client, rid) is in keys (aborted), to be answered."""
         rows = [r for r in (self.live.pop(k, None) for k in keys) if r is not None]
         for r in rows:
-            r.dead = True
+            r.dead = r.gone = True
         jobs = []
         for q in self.jobs:
             for j in [j for j in q if j.key in keys]:
@@ -158,10 +228,12 @@ class Lanes:
         """Take out what may no longer run: rows at a lane's head past their deadline, jobs not
         started by their start-by time or past their client's deadline."""
         rows, jobs = [], []
-        for q in self.rows:
-            while q and (q[0].dead or q[0].late(now)):
+        for turns in self.rows:
+            q = turns.order
+            while q and (q[0].gone or q[0].late(now)):
                 r = q.popleft()
-                if not r.dead:
+                if not r.gone:
+                    r.gone = True
                     del self.live[(r.client, r.rid)]
                     rows.append(r)
         for q in self.jobs:
@@ -181,8 +253,6 @@ class Lanes:
         waits long behind one."""
         for k in (REALTIME, BATCH):
             rows, jobs = self.rows[k], self.jobs[k]
-            while rows and rows[0].dead:
-                rows.popleft()
             if not rows and not jobs:
                 continue
             if rows and (not jobs or not self.ran[k] or self.since[k] < self.score_s[k]):
@@ -195,8 +265,25 @@ class Lanes:
                     out += more
                 return "classify", out, cut
             self.ran[k], self.since[k], self.score_s[k], self.last = False, 0.0, 0.0, ("score", k)
-            return "score", jobs[0], None
+            return "score", self._next_job(k), None
         return None
+
+    def _next_job(self, k: int):
+        """The lane's running job, else the one to start: the first of the client whose last
+        job started least recently (never: first of all), moved to the front."""
+        q, seen = self.jobs[k], self.started_at[k]
+        if not q[0].started and len(q) > 1:
+            i = min(range(len(q)), key=lambda i: (seen.get(q[i].tenant, -1), i))
+            q.rotate(-i)
+            job = q.popleft()
+            q.rotate(i)
+            q.appendleft(job)
+        if not q[0].started:
+            if len(seen) > 4096:  # clients come and go: forget them all now and then
+                seen.clear()
+            seen[q[0].tenant] = self.starts[k]
+            self.starts[k] += 1
+        return q[0]
 
     def as_job(self, row: Row) -> RowJob:
         """The row next_pass handed out alone (a classify pass), too long for a pass: a job of
@@ -218,21 +305,17 @@ class Lanes:
             else:
                 self.since[k] += seconds
 
-    def _take_rows(self, q: deque, budget: int, at_least_one: bool = True) -> tuple[list[Row], int, bool]:
-        """Rows in order up to `budget` tokens; a row whose work an earlier one of the pass does
+    def _take_rows(self, q: Turns, budget: int, at_least_one: bool = True) -> tuple[list[Row], int, bool]:
+        """Rows in turn (Turns) up to `budget` tokens; a row whose work an earlier one of the pass does
         (the same query to the same classifier: a burst of clients sending one query) costs
         nothing, as the engine computes it once (EngineLoop._classify)."""
         out, total, seen = [], 0, set()
-        while q:
-            r = q[0]
-            if r.dead:
-                q.popleft()
-                continue
+        while (r := q.head()) is not None:
             work = r.work
             cost = 0 if work in seen else r.tokens
             if (out or not at_least_one) and total + cost > budget:
                 return out, total, True
-            q.popleft()
+            q.pop()
             del self.live[(r.client, r.rid)]
             out.append(r)
             seen.add(work)

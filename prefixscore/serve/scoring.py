@@ -117,16 +117,16 @@ class ScoreRoute:
         if prep is not call.prep:
             n = self.scoring.new_tokens(prep, self.info.scorer.prefix_ids)
         cfg = self.cfg
-        self._admit(len(todo), n, priority > 0)
+        ticket, out = self._admit(len(todo), n, priority > 0), None
         try:
             out = await self._wait(self.client.score(
                 prep.full, prep.shared, cfg.start_by(deadline), call.labels,
                 call.label_token_ids, call.apply_softmax, deadline or 0.0, priority,
-                prep.soft), deadline)
+                prep.soft, ticket.tenant), deadline)
         except EngineDead as e:
             raise ApiError(503, str(e), 1) from None
         finally:
-            self._release(len(todo), n, priority > 0)
+            self.admission.release(ticket)
         if out.status == P.BAD_INPUT:  # the request's label set (the engine tokenizes it)
             raise ApiError(422, out.error)
         if out.status == P.EXPIRED:

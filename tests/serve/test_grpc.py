@@ -405,7 +405,7 @@ def test_deadline_cancels_engine_work(clf):
             while ended() < 1:  # the server's side of the call
                 assert time.monotonic() < deadline, "the server call did not end"
                 await asyncio.sleep(0.01)
-            assert sum(e._value.get() for e in expired) == 1 and s.fe.inflight == 1  # the held query
+            assert sum(e._value.get() for e in expired) == 1 and s.fe.admission.inflight == 1  # the held query
             gated.hold = False
             gated.release.set()
             assert (await first).results[0].label in clf.labels

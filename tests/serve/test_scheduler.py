@@ -187,3 +187,55 @@ def test_start_by_ends_a_request_only_before_it_starts():
     assert [r.rid for r in lanes.next_pass(8)[1]] == [1, 2]
     rows, _ = lanes.expired(now=9.0)  # past row 3's own deadline, and 4 and 5 never started
     assert [r.rid for r in rows] == [3, 4, 5] and len(lanes) == 0
+
+
+def test_clients_take_turns_within_a_lane():
+    """A client's flood queued first: another client's rows go a row per turn, not behind the
+    flood; each client's rows in arrival order; one client alone is plain arrival order."""
+    lanes = Lanes()
+    for rid in range(20):
+        lanes.add_row(Row(0, rid, [1000 + rid, 1, 2, 3], 0, 1e18, 0, None, tenant=7), 0)
+    for rid in (100, 101):
+        lanes.add_row(Row(0, rid, [1000 + rid, 1, 2, 3], 0, 1e18, 0, None, tenant=9), 0)
+    _, rows, cut = lanes.next_pass(16)  # four rows of 4 tokens
+    assert [r.rid for r in rows] == [0, 100, 1, 101] and cut
+    _, rows, _ = lanes.next_pass(8)
+    assert [r.rid for r in rows] == [2, 3]
+    lanes.remove({(0, 4), (0, 5)})
+    rows, _ = lanes.expired(now=0.0)
+    assert rows == [] and [r.rid for r in lanes.next_pass(8)[1]] == [6, 7]
+
+
+def test_expiry_in_arrival_order_across_clients():
+    """Expiry reads arrival order, whichever client's turn it is: rows of two clients past their
+    start-by time are all taken out, rows already run are not answered twice."""
+    lanes = Lanes()
+    for rid in range(6):
+        lanes.add_row(Row(0, rid, [1000 + rid, 1], 0, 10.0 + rid, 0, None, tenant=rid % 2 + 1), 0)
+    _, rows, _ = lanes.next_pass(2)  # rid 0 (client 1) runs
+    assert [r.rid for r in rows] == [0]
+    rows, _ = lanes.expired(now=13.5)
+    assert [r.rid for r in rows] == [1, 2, 3] and len(lanes) == 2
+    assert [r.rid for r in lanes.next_pass(100)[1]] == [5, 4] and len(lanes) == 0  # client 2's turn
+    assert lanes.expired(now=100.0) == ([], [])
+
+
+def test_the_next_score_job_is_the_least_recently_served_clients():
+    """Score jobs: the running one goes on; the next to start is the first job of the client whose
+    last job started longest ago (never: first)."""
+    lanes = Lanes()
+    flood = [job(rid) for rid in range(4)]
+    for j in flood:
+        j.msg.tenant = 7
+    light = job(50)
+    light.msg.tenant = 9
+    for j in flood + [light]:
+        lanes.add_job(j)
+    first = lanes.next_pass(100)[1]
+    assert first is flood[0]
+    first.run = object()
+    assert lanes.next_pass(100)[1] is first  # started: it goes on
+    lanes.finish(first)
+    assert lanes.next_pass(100)[1] is light  # client 9 never started one
+    lanes.finish(light)
+    assert lanes.next_pass(100)[1] is flood[1]

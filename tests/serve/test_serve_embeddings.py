@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from prefixscore.item_table import write_table
+from prefixscore.weights.loading import base_hash
 from prefixscore.scorer import Scorer
 from prefixscore.serve import create_app
 from prefixscore.serve import protocol as P
@@ -22,7 +23,7 @@ def table_scorer(clf, tmp_path_factory):
     H = clf.loaded.model.config.hidden_size
     vecs = torch.randn(3, H, generator=torch.Generator().manual_seed(0)) * 0.02
     path = tmp_path_factory.mktemp("items") / "items.safetensors"
-    write_table(path, ["sku-1", "sku-2", "sku-3"], vecs.half())
+    write_table(path, ["sku-1", "sku-2", "sku-3"], vecs.half(), {"base_model": base_hash(clf.loaded)})
     return Scorer(clf.loaded, SCORE_TEMPLATE, ["yes", "no"], chat=False, item_table=path), vecs.half()
 
 

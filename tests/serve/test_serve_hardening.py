@@ -204,7 +204,7 @@ def test_sigterm_backlog_longer_than_the_drain(clf):
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
                 sent = [asyncio.create_task(c.post("/v1/classify", json={"query": f"q{i}"}))
                         for i in range(6)]
-                while app.state.frontend.inflight < 6:
+                while app.state.frontend.admission.inflight < 6:
                     await asyncio.sleep(0.01)
                 server.should_exit = True  # what SIGTERM does
                 await asyncio.sleep(3)  # the engine stays held past the drain
@@ -323,7 +323,7 @@ def test_admission_by_token_cost(clf):
                 first = await hold_engine(wrapped, c, long)
                 more = [asyncio.create_task(c.post("/v1/classify", json={"query": long + str(i)}))
                         for i in range(3)]
-                while app.state.frontend.inflight_tokens < 65 and not all(t.done() for t in more):
+                while app.state.frontend.admission.tokens < 65 and not all(t.done() for t in more):
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.2)
                 wrapped.gate.set()

@@ -158,3 +158,23 @@ def test_engine_that_cannot_start_ends_the_server(tmp_path):
                           "--port", str(free_port()), "--workers", "2", "--restart-engine",
                           "--log-level", "error"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "before it was ready" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_item_table_without_its_model_record_is_one_line(model, clf, tmp_path, workers):
+    """A table that does not record the base model it was made for is refused at start-up, in
+    either layout, with one line naming what is missing (with --workers 2 the engine process
+    printed a traceback)."""
+    import torch
+
+    from prefixscore.item_table import write_table
+    from tests.serve.conftest import SCORE_TEMPLATE
+
+    table = tmp_path / "items.parquet"
+    write_table(table, ["a"], torch.zeros(1, clf.loaded.model.config.hidden_size))
+    out = subprocess.run([sys.executable, "-m", "prefixscore.cli", "serve", "--model", str(model),
+                          "--device", "cpu", "--port", str(free_port()), "--workers", workers,
+                          "--score-template", SCORE_TEMPLATE, "--score-labels", "yes,no",
+                          "--item-table", str(table)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "does not record the base model" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -536,7 +536,7 @@ def test_shutdown_drains(clf):
         async def go():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
                 sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in queries]
-                while app.state.frontend.inflight < len(queries):
+                while app.state.frontend.admission.inflight < len(queries):
                     await asyncio.sleep(0.01)
                 server.should_exit = True  # what SIGTERM does
                 wrapped.gate.set()
@@ -639,7 +639,7 @@ def test_bad_request_fails_alone_in_its_batch(clf):
                     await asyncio.sleep(0.01)
                 sent = [asyncio.create_task(c.post("/v1/classify", json={"query": q})) for q in good]
                 sent.insert(2, asyncio.create_task(c.post("/v1/classify", json={"query": ["ok", "word " * 200]})))
-                while app.state.frontend.inflight < len(good) + 1:  # the bad one: 422 at once
+                while app.state.frontend.admission.inflight < len(good) + 1:  # the bad one: 422 at once
                     await asyncio.sleep(0.01)
                 wrapped.gate.set()
                 return await first, await asyncio.gather(*sent)

@@ -375,6 +375,35 @@ def test_batch_priority_served(clf, scorer):
         assert r.status_code == 200 and r.json()["depth"] == 2 and r.json()["scored"] == [True, True]
 
 
+@pytest.mark.parametrize("named", [True, False])
+def test_a_light_client_is_not_queued_behind_a_flood(clf, named):
+    """One client's flood of 48 queries queued, one pass a row: another client's query is answered
+    within a few passes when each sends an X-Client-Id (clients take turns), and only after the
+    flood when neither does (one address: one client, arrival order)."""
+    wrapped = Wrapped(clf, delay=0.02)
+    app = create_app(wrapped, **LIMITS)
+    with running(app) as (base, _):
+        budget = app.state.client.engine.classify_budget
+        budget.floor = budget.ceiling = budget.tokens = 1  # a row a pass, calibrated or not
+
+        async def go():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                hdr = (lambda name: {"X-Client-Id": name}) if named else (lambda name: {})
+                flood = [asyncio.create_task(c.post(
+                    "/v1/classify", json={"query": [f"flood {i} {j}" for j in range(8)]},
+                    headers=hdr("flood"))) for i in range(6)]
+                while len(app.state.client.engine.lanes) < 40:
+                    await asyncio.sleep(0.005)
+                before = len(wrapped.batches)
+                light = await c.post("/v1/classify", json={"query": "light"}, headers=hdr("light"))
+                passes = len(wrapped.batches) - before
+                return light, passes, await asyncio.gather(*flood)
+
+        light, passes, flood = asyncio.run(go())
+        assert light.status_code == 200 and all(r.status_code == 200 for r in flood)
+        assert passes <= 3 if named else passes >= 30, passes
+
+
 def test_health_shows_a_long_pass(clf):
     """/healthz while the engine is held by a pass: queue depth, the oldest request's age and how
     long the engine has been silent (it used to say depth 0 throughout)."""
@@ -390,13 +419,18 @@ def test_health_shows_a_long_pass(clf):
                 held = await hold_engine(wrapped, c, "held")
                 await asyncio.sleep(0.2)
                 h = (await c.get("/healthz")).json()
+                # a client deadline shorter than the engine's silence: it cannot start new work
+                short = await c.post("/v1/classify", json={"query": "x"},
+                                     headers={"X-Request-Timeout": "0.1"})
+                h2 = (await c.get("/healthz")).json()
                 wrapped.gate.set()
-                return h, await held
+                return h, h2, short, await held
 
-        h, held = asyncio.run(go())
-        assert held.status_code == 200
-        assert h["status"] == "ok" and h["queue_depth"] >= 1
+        h, h2, short, held = asyncio.run(go())
+        assert held.status_code == 200 and short.status_code in (429, 504)
+        assert h["status"] == "ok" and h["queue_depth"] >= 1  # no deadline known: 1 s
         assert h["oldest_queued_ms"] >= 200 and h["engine_busy_ms"] >= 200
+        assert h2["status"] == "degraded" and h2["engine_busy_ms"] >= 300
 
 
 def test_depth_control_marks_unscored_items(clf, scorer):
@@ -435,11 +469,11 @@ def test_batch_flood_leaves_the_realtime_share(clf):
                 held = await hold_engine(wrapped, c, "held")
                 batch = [asyncio.create_task(c.post("/v1/classify", json={"query": ["b1", "b2"],
                                                                           "priority": 1}))]
-                while app.state.frontend.held[1][0] < 2:
+                while app.state.frontend.admission.held[1][0] < 2:
                     await asyncio.sleep(0.01)
                 over = await c.post("/v1/classify", json={"query": ["b3", "b4"], "priority": 1})
                 rt = asyncio.create_task(c.post("/v1/classify", json={"query": ["r1", "r2"]}))
-                while app.state.frontend.held[0][0] < 3:  # the held one and the two real-time
+                while app.state.frontend.admission.held[0][0] < 3:  # the held one and the two real-time
                     await asyncio.sleep(0.01)
                 wrapped.gate.set()
                 return over, await held, await rt, await batch[0]
