@@ -191,7 +191,9 @@ class BaseClient:
         self.last_out = time.monotonic()
         if isinstance(out, P.ClassifyOut):
             self.queued = out.queued
-            if out.forward_s > 0:
+            if out.drain_rps > 0:  # the engine's own measure: every pass and what is between
+                self.rate = out.drain_rps
+            elif out.forward_s > 0:  # before the engine has been busy for two passes
                 r = out.batch_size / out.forward_s
                 self.rate = r if self.rate is None else 0.8 * self.rate + 0.2 * r
             scores = np.frombuffer(out.scores, dtype=np.float32).reshape(len(out.rids), -1)
@@ -261,7 +263,8 @@ class BaseClient:
 
     def wait_s(self, n: int) -> float:
         """Seconds the engine needs for what is queued plus n more requests (Retry-After)."""
-        return (len(self.jobs) + self.queued + n) / self.rate if self.rate else 1.0
+        # this front end's rows in flight, or the engine's queue (every front end's) if longer
+        return (max(len(self.jobs), self.queued) + n) / self.rate if self.rate else 1.0
 
 
 def _merge(msgs: list) -> P.ClassifyReq:

@@ -149,7 +149,7 @@ class DataParallelClient(BaseClient):
         """Retry-After: what is in flight and queued on the ready engines, at their summed rate."""
         live = [e for i, e in enumerate(self.engines) if self._error(i) is None]
         rate = sum(e.rate for e in live if e.rate)
-        work = sum(len(e.jobs) + e.queued for e in live) + len(self.jobs) + n
+        work = sum(max(len(e.jobs), e.queued) for e in live) + len(self.jobs) + n
         return work / rate if rate else 1.0
 
     # -- lifecycle

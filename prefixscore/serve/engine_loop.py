@@ -118,6 +118,11 @@ class EngineLoop:
         # learnt from the chunks run (_learn_kv_weight), so long queries' chunks shrink as their
         # K/V fills and keep to the pass budget.
         self.kv_weight = 0.0
+        # Classify rows answered per second of wall time while rows kept waiting (every pass, the
+        # host's work, score passes between): what admission's wait estimates divide by
+        # (ClassifyOut.drain_rps). A pass's own seconds leave out all but the pass, and on a CPU
+        # whose front end shares the cores, estimates from them let in requests that missed.
+        self.drain, self.drain_from = 0.0, None
         self.depth = None
         if schedule.target_p99_ms:
             from ..depth import DepthControl, DepthOptions
@@ -304,7 +309,7 @@ class EngineLoop:
         n = len(rids)
         return P.ClassifyOut(rids, status, best or [0] * n,
                              scores if scores is not None else bytes(4 * self.N * n), errors or {},
-                             forward, size, len(self.lanes))
+                             forward, size, len(self.lanes), self.drain)
 
     def _answer_rows(self, rows: list[Row], status: int) -> None:
         """Rows answered without running (expired, aborted): one message per front end."""
@@ -373,6 +378,7 @@ class EngineLoop:
         """A classify pass's answers, one message per front end; forward: the pass's seconds,
         tokens its cost (default: its rows' tokens)."""
         self.classify_budget.observe(forward, sum(r.tokens for r in rows) if tokens is None else tokens)
+        self._drained(len(rows))
         if self.metrics is not None:
             self.metrics.engine_batch(len(rows), forward)
         for reply, group in _by_reply(rows):
@@ -381,6 +387,15 @@ class EngineLoop:
             reply(self._out(rids, [P.OK] * len(rids), [int(best_all[i]) for i, _ in group],
                             scores.reshape(len(rids), self.N).tobytes(), forward=forward,
                             size=len(rows)))
+
+    def _drained(self, n: int) -> None:
+        """n rows answered now: a drain-rate sample if rows waited since the last answer (the
+        engine was busy throughout), smoothed as the front ends' rates are."""
+        now = time.perf_counter()
+        if self.drain_from is not None and now > self.drain_from:
+            r = n / (now - self.drain_from)
+            self.drain = r if not self.drain else 0.8 * self.drain + 0.2 * r
+        self.drain_from = now if len(self.lanes) or self.inflight else None
 
     def _decide(self, todo: list[Encoded], which: list[int]):
         """Label indices and score rows of todo, in its order, on an engine of several

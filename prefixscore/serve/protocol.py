@@ -152,6 +152,7 @@ class ClassifyOut(msgspec.Struct, tag=True, array_like=True):
     forward_s: float  # the engine call this batch took
     batch_size: int  # requests in the engine call
     queued: int  # requests still waiting in the engine after this batch was taken
+    drain_rps: float = 0.0  # rows the engine answers per second while busy (0: not measured yet)
 
 
 class ScoreOut(msgspec.Struct, tag=True, array_like=True):

@@ -1,5 +1,5 @@
-"""SIGTERM while a backlog is queued, as a user's orchestrator sends it to `prefixscore serve` (a
-subprocess): the server exits 0 within --shutdown-timeout + 1 s in the one-process layout (the
+"""SIGTERM (or SIGINT, Ctrl-C) while a backlog is queued, as a user's orchestrator sends it to
+`prefixscore serve` (a subprocess): the server exits 0 within --shutdown-timeout + 1 s in the one-process layout (the
 engine on a thread, whose pass in flight once aborted the interpreter's exit: status 134) and the
 launcher's (front-end and engine processes); every request is answered, 200 or 503 with
 Retry-After; no process it started is left. Tiny random model, CPU."""
@@ -50,8 +50,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sigterm_with_a_backlog(model, workers):
+@pytest.mark.parametrize("workers,sig", [(1, signal.SIGTERM), (2, signal.SIGTERM), (2, signal.SIGINT)])
+def test_sigterm_with_a_backlog(model, workers, sig):
     with serve(model, *ROOMY, workers=workers) as (base, proc):
         children = descendants(proc.pid)
         assert workers == 1 or len(children) >= 3, children  # a front end each, the engine
@@ -67,7 +67,7 @@ def test_sigterm_with_a_backlog(model, workers):
                     if queued + QUERIES * sum(t.done() for t in sent) >= REQUESTS * QUERIES:
                         break
                     await asyncio.sleep(0.05)
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
                 t = time.monotonic()
                 responses = await asyncio.gather(*sent)
                 return t, responses
@@ -76,7 +76,7 @@ def test_sigterm_with_a_backlog(model, workers):
         code = proc.wait(30)
         elapsed = time.monotonic() - t
     assert code == 0, f"exit status {code} (134 or -6: aborted at exit)"
-    assert elapsed <= TIMEOUT + 1.0, f"{elapsed:.2f} s after SIGTERM"
+    assert elapsed <= TIMEOUT + 1.0, f"{elapsed:.2f} s after {sig.name}"
     statuses = [r.status_code for r in responses]
     assert set(statuses) <= {200, 503}, [r.text for r in responses if r.status_code not in (200, 503)]
     refused = [r for r in responses if r.status_code == 503]

@@ -218,6 +218,36 @@ def test_identical_rows_in_a_pass_are_computed_once(clf):
     assert rows[0][0] == best and np.abs(got_scores - np.asarray(want)).max() < 1e-5
 
 
+def test_drain_rate_counts_the_time_between_passes(clf):
+    """The engine's drain rate (ClassifyOut.drain_rps, what admission divides the queue by) is
+    rows answered per wall second while rows waited, the time between passes included: with 60 ms
+    of host work between 30 ms passes it is about a row per 90 ms, where the passes' own seconds
+    said a row per 30 ms (and admitted requests that then missed their deadlines)."""
+    wrapped = Wrapped(clf, delay=0.03)
+    loop = EngineLoop(wrapped)
+    loop.classify_budget.floor = loop.classify_budget.ceiling = loop.classify_budget.tokens = 1
+    got, at = [], []
+
+    def reply(out):
+        got.append(out)
+        at.append(time.perf_counter())
+    loop.serve([(classify_req(clf, [f"coat {i}" for i in range(8)], list(range(8))), reply)],
+               passes=1)
+    while len(loop.lanes):
+        time.sleep(0.06)  # the host busy elsewhere (a front end on the same cores)
+        loop.serve([], passes=1)
+    want = 0.0  # a row per interval between answers, smoothed as the engine does
+    for t0, t1 in zip(at, at[1:]):
+        want = 1 / (t1 - t0) if not want else 0.8 * want + 0.2 / (t1 - t0)
+    drain = got[-1].drain_rps
+    assert [r for a in got for r in a.rids] == list(range(8)) and got[0].drain_rps == 0
+    assert abs(drain - want) < 0.05 * want, (drain, want)
+    assert drain < 1 / 0.06  # never faster than the time between passes allows
+    assert len(got) / sum(a.forward_s for a in got) > drain  # the passes alone say faster
+    loop.serve([(classify_req(clf, ["alone"], [9]), got.append)], passes=1)
+    assert got[-1].drain_rps == drain  # idle before it: no sample
+
+
 def test_batch_priority_waits_for_the_realtime_lane(clf):
     loop = EngineLoop(clf)
     answers = []
