@@ -16,7 +16,7 @@ LAYERS = {"kernels": 0, "weights": 1, "rows": 2, "serve": 2, "train": 3, "ray": 
 # prefixscore.finetune: the package's lazy __getattr__ imports training code only when asked for
 # (test_serving_path_loads_no_training_or_cli_code checks that importing prefixscore does not).
 ALLOWED = {("", "train")}
-MAX_TOP_LEVEL = 18  # modules at the top of prefixscore/: the public API and the engine stack
+MAX_TOP_LEVEL = 19  # modules at the top of prefixscore/: the public API, the engine stack, its leaves
 # A module outside kernels/ (whose Triton kernels sit beside their references): one responsibility
 # is what a module is cut by; this bound only catches one that grew two without a split.
 MAX_LINES = 600

@@ -7,6 +7,7 @@ import ipaddress
 import sys
 
 from ..serve.classifiers import parse_tables
+from ..options import add_flags, values
 from ..serve.config import EngineConfig, FrontendConfig, ScheduleOptions, api_key_from, default_workers
 
 
@@ -19,72 +20,10 @@ def add_command(subparsers, model_args) -> None:
                     "environment variables (PREFIXSCORE_PORT for --port); flags given on the "
                     "command line win, then the environment, then the file.")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--grpc-port", type=int, default=None,
-                   help="also serve gRPC (prefixscore.v1.PrefixScore: Classify, Score; and "
-                        "grpc.health.v1) on this port, same limits and API key (needs grpcio)")
-    g.add_argument("--workers", type=int, default=None,
-                   help="front-end processes (HTTP, validation, tokenization) in front of one engine "
-                        "process; 1: one process, the engine on a thread (default: half the CPUs, at "
-                        "most 8; 1 on 2 CPUs or fewer)")
-    g.add_argument("--data-parallel", type=int, default=None, metavar="N",
-                   help="engine processes, one per GPU (engine i on cuda:i; choose the GPUs with "
-                        "CUDA_VISIBLE_DEVICES): each front end sends each batch of requests to the "
-                        "least-loaded engine (default: every visible GPU when the device is cuda, "
-                        "else 1). With N > 1, --workers 1 means one front-end process")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSCORE_API_KEY; "
-                        "a blank key is refused)")
-    g.add_argument("--max-queue", type=int, default=1024,
-                   help="queries in flight per front-end process; beyond it requests get 429 with "
-                        "Retry-After")
-    g.add_argument("--max-queue-tokens", type=int, default=65536,
-                   help="their tokens after the cached prefix, per front-end process: admission by "
-                        "cost (429 beyond it; a request alone in the queue is always admitted)")
-    g.add_argument("--max-queue-ms", type=float, default=None,
-                   help="a request none of whose queries the engine has started within this is "
-                        "dropped unrun and answered 503 with Retry-After (default: no limit, as TEI: "
-                        "the bounded queue answers 429 at once when full, and a request's own "
-                        "deadline bounds its wait)")
-    g.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
-                   help="a request's deadline when it sets none (HTTP: X-Request-Timeout: SECONDS; "
-                        "gRPC: its own deadline): answered 504 then, never computed after it "
-                        "(default: none)")
-    s = p.add_argument_group("latency target")
-    s.add_argument("--target-p99-ms", type=float, default=None,
-                   help="the p99 latency to hold: engine passes of about a quarter of it (classify "
-                        "rows, and multi-item requests a run of items at a time), and depth control "
-                        "on /v1/score and /rerank (default: none)")
-    s.add_argument("--pass-ms", type=float, default=None,
-                   help="engine pass length (default: a quarter of --target-p99-ms, else 25)")
-    s.add_argument("--shed-lag-ms", type=float, default=None,
-                   help="a front end whose event loop runs this far behind (requests wait unread) "
-                        "answers new compute requests 503 + Retry-After at once, before parsing "
-                        "them (default: twice --target-p99-ms, else off; 0: off)")
-    s.add_argument("--depth-min", type=int, default=50,
-                   help="depth control: items a real-time score request gets scored at least (50)")
-    s.add_argument("--depth-max", type=int, default=250, help="and at most (250)")
-    s.add_argument("--depth-gains", default="0.8,0.2,0.05", metavar="KP,KI,KD",
-                   help="depth control's PID gains (default 0.8,0.2,0.05)")
+    add_flags(g, FrontendConfig)
+    add_flags(p.add_argument_group("latency target"), ScheduleOptions)
     g.add_argument("--batch-window-ms", type=float, default=0.0,
                    help="how long a batch may wait for more requests (default 0: run when the engine is free)")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (413)")
-    g.add_argument("--max-queries", type=int, default=256, help="queries (or items) per request (413)")
-    g.add_argument("--max-tokens", type=int, default=512,
-                   help="tokens per query after the cached prefix (422)")
-    g.add_argument("--max-score-tokens", type=int, default=8192,
-                   help="tokens of query + items per /v1/score request (413)")
-    g.add_argument("--max-label-ids", type=int, default=64,
-                   help="labels or label_token_ids per /v1/score request (413)")
-    g.add_argument("--cache-size", type=int, default=0,
-                   help="pair cache entries per front end: a classify query's or a /v1/score "
-                        "item's answer, keyed by its prompt's token ids, label set and model "
-                        "(default 0: off)")
-    g.add_argument("--cache-bytes", type=byte_size, default=256 << 20, metavar="BYTES",
-                   help="and its bytes per front end, least recently used evicted first (a number, "
-                        "or with K, M, G: binary units; default 256M)")
-    g.add_argument("--cache-ttl", type=float, default=0.0, help="pair cache TTL in seconds (0: none)")
     g.add_argument("--score-template", default=None,
                    help="template with {query} and {item} slots: enables /v1/score")
     g.add_argument("--score-labels", default=None,
@@ -92,19 +31,6 @@ def add_command(subparsers, model_args) -> None:
     g.add_argument("--item-table", default=None, metavar="FILE",
                    help="item-embedding table (.safetensors or .parquet: id -> vector): /v1/score, "
                         "/rerank and gRPC items given as {\"id\": ...} are looked up in it")
-    g.add_argument("--max-connections", type=int, default=4096,
-                   help="connections per front-end process (must exceed its --max-queue share): at "
-                        "the limit the oldest idle ones are closed for new ones; with all of them "
-                        "busy, new requests get 503 + Retry-After (/healthz is always served)")
-    g.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds for a request's headers to arrive (408 and close; idle sockets too)")
-    g.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds for a request's body to arrive after its headers (408)")
-    g.add_argument("--max-header-bytes", type=int, default=16384, help="request line + headers (431)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, seconds to finish accepted requests; the rest get 503")
-    g.add_argument("--restart-engine", action="store_true",
-                   help="restart the engine when it dies (requests meanwhile get 503)")
     g.add_argument("--engine-cpu", default="none",
                    help="pin the engine (its thread with --workers 1, else its process) to this CPU "
                         "number, the front ends to the others; 'auto': the last CPU, on a GPU with 4+ "
@@ -125,9 +51,6 @@ def add_command(subparsers, model_args) -> None:
     # The config file's [classifiers.NAME] tables arrive here (cmdline passes a table on as its
     # Python form); not a flag to type.
     g.add_argument("--classifiers", type=parse_tables, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="the server's log (default info; --verbose: debug, --quiet: warning)")
-    g.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
     model_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -171,22 +94,11 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         item_table=a.item_table, batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
         served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared,
-        schedule=ScheduleOptions(a.target_p99_ms, a.pass_ms, a.depth_min, a.depth_max,
-                                 _gains(a.depth_gains)))
-    workers = default_workers() if a.workers is None else a.workers
-    front = FrontendConfig(
-        host=a.host, port=a.port, grpc_port=a.grpc_port, workers=workers, data_parallel=dp,
-        api_key=api_key_from(a.api_key),
-        max_queue=a.max_queue, max_queue_tokens=a.max_queue_tokens, max_queue_ms=a.max_queue_ms,
-        request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes,
-        max_queries=a.max_queries, max_tokens=a.max_tokens, max_score_tokens=a.max_score_tokens,
-        max_label_ids=a.max_label_ids, cache_size=a.cache_size, cache_bytes=a.cache_bytes,
-        cache_ttl=a.cache_ttl,
-        max_connections=a.max_connections, header_timeout=a.header_timeout,
-        body_timeout=a.body_timeout, max_header_bytes=a.max_header_bytes,
-        shutdown_timeout=a.shutdown_timeout, restart_engine=a.restart_engine,
-        shed_lag_ms=_shed_lag(a.shed_lag_ms, a.target_p99_ms),
-        log_level=_log_level(a), access_log=a.access_log)
+        schedule=ScheduleOptions(**values(ScheduleOptions, a)))
+    decided = dict(workers=default_workers() if a.workers is None else a.workers, data_parallel=dp,
+                   api_key=api_key_from(a.api_key), log_level=_log_level(a),
+                   shed_lag_ms=_shed_lag(a.shed_lag_ms, a.target_p99_ms))
+    front = FrontendConfig(**values(FrontendConfig, a, skip=decided), **decided)
     return front, engine
 
 
@@ -196,30 +108,6 @@ def _shed_lag(flag: float | None, target: float | None) -> float | None:
     if flag is not None:
         return flag or None
     return 2 * target if target else None
-
-
-def byte_size(text: str) -> int:
-    """--cache-bytes: an integer, optionally with K, M or G (KiB, MiB, GiB; a trailing B or iB
-    allowed): "268435456", "256M", "1GiB"."""
-    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if scale > 1 else t) * scale)
-    except (ValueError, OverflowError):
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256M, "
-                                         f"1G)") from None
-
-
-def _gains(text: str) -> tuple[float, float, float]:
-    from ..errors import ConfigError
-
-    try:
-        gains = tuple(float(x) for x in str(text).split(","))
-    except ValueError:
-        gains = ()
-    if len(gains) != 3:
-        raise ConfigError(f"--depth-gains takes three numbers KP,KI,KD, got {text!r}")
-    return gains
 
 
 def check_before_loading(a, score_labels, classifiers=()) -> None:

@@ -36,6 +36,7 @@ import os
 import sys
 
 from ..errors import ConfigError
+from ..options import proxy_keys
 from ..serve.config import EngineConfig, FrontendConfig
 from ..values import ModelSpec
 
@@ -52,9 +53,7 @@ READY_TIMEOUT_S = 3600.0  # the engine's warm-up (CUDA graphs of a large model) 
 # Server settings that mean something behind Serve's proxy: it owns the sockets, so host, port,
 # workers, gRPC, connection and header limits are not options here (access_log: Serve's own line
 # per request, off by default as in the server: it costs the replica's event loop time).
-FRONT_KEYS = ("api_key", "max_queue", "max_queue_tokens", "max_queue_ms", "max_body_bytes",
-              "max_queries", "max_tokens", "max_score_tokens", "max_label_ids", "cache_size",
-              "cache_bytes", "cache_ttl", "body_timeout", "shutdown_timeout", "log_level", "access_log")
+FRONT_KEYS = proxy_keys(FrontendConfig)  # the fields marked proxy=True
 # Settings named as the server's flags: the ModelSpec's (--batch-tokens is its max_batch_tokens)
 # beside EngineConfig's own.
 SPEC_KEYS = {"device": "device", "dtype": "dtype", "mode": "mode", "chat": "chat", "truncate": "truncate",

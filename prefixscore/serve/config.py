@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import time
+from argparse import ArgumentTypeError
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
+from ..options import option
 from ..values import ModelSpec
 
 if TYPE_CHECKING:
@@ -15,6 +17,28 @@ if TYPE_CHECKING:
 
 MAX_WINDOW_MS = 10_000.0  # a longer batch window would outlast any client's timeout
 MAX_TIMEOUT_S = 3600.0  # a request's deadline (--request-timeout, X-Request-Timeout) at most this
+
+
+def gains(text: str) -> tuple[float, float, float]:
+    """--depth-gains: KP,KI,KD."""
+    try:
+        out = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        out = ()
+    if len(out) != 3:
+        raise ArgumentTypeError(f"three numbers KP,KI,KD, got {text!r}")
+    return out
+
+
+def byte_size(text: str) -> int:
+    """--cache-bytes: an integer, optionally with K, M or G (KiB, MiB, GiB; a trailing B or iB
+    allowed): "268435456", "256M", "1GiB"."""
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except (ValueError, OverflowError):
+        raise ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 268435456, 256M, 1G)") from None
 
 
 @dataclass(frozen=True)
@@ -25,11 +49,17 @@ class ScheduleOptions:
     under 3x a pass's fixed cost, scheduler.PassBudget): classify rows up to that many tokens' worth, and multi-item requests a run of items at a time, so no
     request holds the engine for long. With a target, /v1/score's real-time requests score only as
     many items as depth control allows (depth.py: a PID controller on their measured p99)."""
-    target_p99_ms: float | None = None
-    pass_ms: float | None = None
-    depth_min: int = 50
-    depth_max: int = 250
-    depth_gains: tuple[float, float, float] = (0.8, 0.2, 0.05)  # Kp, Ki, Kd
+    target_p99_ms: float | None = option(
+        None, "the p99 latency to hold: engine passes of about a quarter of it (classify rows, and "
+        "multi-item requests a run of items at a time), and depth control on /v1/score and "
+        "/rerank (default: none)", type=float)
+    pass_ms: float | None = option(
+        None, "engine pass length (default: a quarter of --target-p99-ms, else 25)", type=float)
+    depth_min: int = option(50, "depth control: items a real-time score request gets scored at least")
+    depth_max: int = option(250, "and at most")
+    depth_gains: tuple[float, float, float] = option(
+        (0.8, 0.2, 0.05), "depth control's PID gains (default 0.8,0.2,0.05)", parse=gains,
+        metavar="KP,KI,KD")
 
     def __post_init__(self):
         for name in ("target_p99_ms", "pass_ms"):
@@ -93,38 +123,74 @@ READY_WAIT_S = 2.0
 @dataclass(frozen=True)
 class FrontendConfig:
     """What each front-end process (HTTP, gRPC) needs: limits, timeouts, auth, the cache."""
-    host: str = "127.0.0.1"
-    port: int = 8000
-    grpc_port: int | None = None
-    workers: int = 1
-    data_parallel: int = 1  # engine processes, one per GPU (the launcher's and the front ends')
-    api_key: str | None = None
-    max_queue: int = 1024  # queries admitted and not yet answered, per front end
-    max_queue_tokens: int = 65536  # and their tokens (a request over it alone is still admitted)
-    # A request none of whose queries the engine started by then is answered 503, not run; None
-    # (the default, as TEI): no queue-time limit, the bounded queue above refuses at once instead.
-    max_queue_ms: float | None = None
-    request_timeout: float | None = None  # a request's deadline (504) when it sets none itself
-    max_body_bytes: int = 1 << 20
-    max_queries: int = 256
-    max_tokens: int = 512  # per query, after the cached prefix
-    max_score_tokens: int = 8192  # per /v1/score request: query + items
-    max_label_ids: int = 64  # label_token_ids / labels per /v1/score request
-    # The pair cache (serve/cache.py), per front end: entries (0: off), bytes, seconds (0: no TTL)
-    cache_size: int = 0
-    cache_bytes: int = 256 << 20
-    cache_ttl: float = 0.0
-    max_connections: int = 4096  # per front-end process
-    # A front end whose event loop runs more than this behind (requests wait unread that long)
-    # answers new compute requests 503 at once, before the app reads them: --shed-lag-ms.
-    shed_lag_ms: float | None = None
-    header_timeout: float = 10.0  # a request's headers must arrive within this
-    body_timeout: float = 30.0  # and its body within this after them
-    max_header_bytes: int = 16384
-    shutdown_timeout: float = 30.0
-    restart_engine: bool = False
-    log_level: str = "info"
-    access_log: bool = False
+    host: str = option("127.0.0.1", "bind address (default 127.0.0.1: this machine only)")
+    port: int = option(8000, "the HTTP port")
+    grpc_port: int | None = option(
+        None, "also serve gRPC (prefixscore.v1.PrefixScore: Classify, Score; and grpc.health.v1) "
+        "on this port, same limits and API key (needs grpcio)", type=int)
+    workers: int = option(
+        1, "front-end processes (HTTP, validation, tokenization) in front of one engine process; "
+        "1: one process, the engine on a thread (default: half the CPUs, at most 8; 1 on 2 CPUs "
+        "or fewer)", flag_default=None)
+    data_parallel: int = option(
+        1, "engine processes, one per GPU (engine i on cuda:i; choose the GPUs with "
+        "CUDA_VISIBLE_DEVICES): each front end sends each batch of requests to the least-loaded "
+        "engine (default: every visible GPU when the device is cuda, else 1). With N > 1, "
+        "--workers 1 means one front-end process", flag_default=None, metavar="N")
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on /v1/* (default: $PREFIXSCORE_API_KEY; a "
+        "blank key is refused)", proxy=True)
+    max_queue: int = option(
+        1024, "queries in flight per front-end process; beyond it requests get 429 with "
+        "Retry-After (a client under its share, --max-queue over the clients holding queries, "
+        "is still admitted)", proxy=True)
+    max_queue_tokens: int = option(
+        65536, "their tokens after the cached prefix, per front-end process: admission by cost "
+        "(429 beyond it; a request alone in the queue is always admitted)", proxy=True)
+    max_queue_ms: float | None = option(
+        None, "a request none of whose queries the engine has started within this is dropped "
+        "unrun and answered 503 with Retry-After (default: no limit, as TEI: the bounded queue "
+        "answers 429 at once when full, and a request's own deadline bounds its wait)",
+        type=float, proxy=True)
+    request_timeout: float | None = option(
+        None, "a request's deadline when it sets none (HTTP: X-Request-Timeout: SECONDS; gRPC: "
+        "its own deadline): answered 504 then, never computed after it (default: none)",
+        type=float, metavar="SECONDS", proxy=True)
+    max_body_bytes: int = option(1 << 20, "request body limit (413)", proxy=True)
+    max_queries: int = option(256, "queries (or items) per request (413)", proxy=True)
+    max_tokens: int = option(512, "tokens per query after the cached prefix (422)", proxy=True)
+    max_score_tokens: int = option(8192, "tokens of query + items per /v1/score request (413)",
+                                   proxy=True)
+    max_label_ids: int = option(64, "labels or label_token_ids per /v1/score request (413)",
+                                proxy=True)
+    cache_size: int = option(
+        0, "pair cache entries per front end: a classify query's or a /v1/score item's answer, "
+        "keyed by its prompt's token ids, label set and model (default 0: off)", proxy=True)
+    cache_bytes: int = option(
+        256 << 20, "and its bytes per front end, least recently used evicted first (a number, or "
+        "with K, M, G: binary units; default 256M)", parse=byte_size, metavar="BYTES", proxy=True)
+    cache_ttl: float = option(0.0, "pair cache TTL in seconds (0: none)", proxy=True)
+    max_connections: int = option(
+        4096, "connections per front-end process (must exceed its --max-queue share): at the "
+        "limit the oldest idle ones are closed for new ones; with all of them busy, new requests "
+        "get 503 + Retry-After (/healthz is always served)")
+    shed_lag_ms: float | None = option(
+        None, "a front end whose event loop runs this far behind (requests wait unread) answers "
+        "new compute requests 503 + Retry-After at once, before parsing them (default: twice "
+        "--target-p99-ms, else off; 0: off)", type=float)
+    header_timeout: float = option(
+        10.0, "seconds for a request's headers to arrive (408 and close; idle sockets too)")
+    body_timeout: float = option(
+        30.0, "seconds for a request's body to arrive after its headers (408)", proxy=True)
+    max_header_bytes: int = option(16384, "request line + headers (431)")
+    shutdown_timeout: float = option(
+        30.0, "on SIGTERM/SIGINT, seconds to finish accepted requests; the rest get 503",
+        proxy=True)
+    restart_engine: bool = option(False, "restart the engine when it dies (requests meanwhile get 503)")
+    log_level: str = option(
+        "info", "the server's log (default info; --verbose: debug, --quiet: warning)",
+        choices=["debug", "info", "warning", "error"], proxy=True)
+    access_log: bool = option(False, "log every request (costs throughput)", proxy=True)
     # This front end logs the "ready" lines (the launcher's first worker; one process: itself).
     announce: bool = True
 
