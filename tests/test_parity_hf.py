@@ -205,21 +205,21 @@ def test_classify_one_equals_batch(tiny_model):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_classify_one_at_a_time(tiny_model, monkeypatch):
     """On the GPU, classify(query) replays a graph with its layout's filled input reused and the
-    tokens rewritten (engine.GraphRunner.images): bitwise what a fresh fill gives, for queries of
+    tokens rewritten (graphs.GraphRunner.images): bitwise what a fresh fill gives, for queries of
     repeated and new lengths in any order; and as close to HF bf16-tolerance as classify_batch."""
-    from prefixscore import engine
+    from prefixscore import graphs
 
     path = str(tiny_model("qwen2"))
     queries = random_queries(64, seed=6)
     out = {}
-    for images in (engine.MAX_IMAGES, 0):
-        monkeypatch.setattr(engine, "MAX_IMAGES", images)
+    for images in (graphs.MAX_IMAGES, 0):
+        monkeypatch.setattr(graphs, "MAX_IMAGES", images)
         clf = Classifier(path, device="cuda", dtype="bfloat16")
         out[images] = [clf.classify(q) for q in queries]
         if images:
             assert clf.engine.graphs and all(g.images for g in clf.engine.graphs.values())
             batch = clf.classify_batch(queries)
-    assert [r.scores for r in out[engine.MAX_IMAGES]] == [r.scores for r in out[0]]
-    one = out[engine.MAX_IMAGES]
+    assert [r.scores for r in out[graphs.MAX_IMAGES]] == [r.scores for r in out[0]]
+    one = out[graphs.MAX_IMAGES]
     worst = max(abs(a.scores[l] - b.scores[l]) for a, b in zip(one, batch) for l in a.scores)
     assert worst < 5e-2, worst  # bf16: bucket and batch shape move scores by ~1e-2

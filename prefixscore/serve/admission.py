@@ -125,8 +125,8 @@ class Admission:
 
     def wait_s(self, n: int, batch: bool, tenant: int) -> float:
         """Seconds until n more queries of `tenant` are answered: the engine's backlog at its rate
-        (client.wait_s), of which, as clients take turns, this front end's queries ahead are each
-        client's up to this one's own count plus n."""
+        and a pass (client.wait_s), of which, as clients take turns, this front end's queries
+        ahead are each client's up to this one's own count plus n."""
         total = self.client.wait_s(n)
         mine = self.by_tenant[batch]
         if len(mine) < 2 and tenant in mine or not mine:
@@ -134,7 +134,8 @@ class Admission:
         own = mine.get(tenant, 0) + n
         held = sum(mine.values())
         ahead = sum(min(h, own) for t, h in mine.items() if t != tenant) + own
-        return total * ahead / (held + n)
+        one_pass = self.client.pass_s
+        return (total - one_pass) * ahead / (held + n) + one_pass
 
     def _under_share(self, count: int, batch: bool, tenant: int) -> bool:
         """Whether a client holding `count` queries (with this request) is within its share of the

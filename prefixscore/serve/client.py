@@ -59,6 +59,7 @@ class BaseClient:
         self.queued = 0  # the engine's queue depth in its last answer
         self.last_out = 0.0  # when the engine last answered (time.monotonic())
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
+        self.pass_s = 0.0  # a classify pass's seconds, smoothed: answers come a pass at a time
         self.rids_of: dict[asyncio.Future, list[int]] = {}  # until each future is done (abort)
         self.metrics = None  # set by the front end: engine deaths are counted
         self.became_ready: asyncio.Event | None = None
@@ -191,6 +192,8 @@ class BaseClient:
         self.last_out = time.monotonic()
         if isinstance(out, P.ClassifyOut):
             self.queued = out.queued
+            if out.forward_s > 0:
+                self.pass_s = out.forward_s if not self.pass_s else 0.8 * self.pass_s + 0.2 * out.forward_s
             if out.drain_rps > 0:  # the engine's own measure: every pass and what is between
                 self.rate = out.drain_rps
             elif out.forward_s > 0:  # before the engine has been busy for two passes
@@ -262,9 +265,13 @@ class BaseClient:
                 fut.set_exception(EngineDead(error))
 
     def wait_s(self, n: int) -> float:
-        """Seconds the engine needs for what is queued plus n more requests (Retry-After)."""
-        # this front end's rows in flight, or the engine's queue (every front end's) if longer
-        return (max(len(self.jobs), self.queued) + n) / self.rate if self.rate else 1.0
+        """Seconds the engine needs for what is queued plus n more requests (Retry-After): this
+        front end's rows in flight, or the engine's queue (every front end's) if longer, at the
+        engine's rate, and a pass more: the pass running when they arrive ends before theirs
+        starts, and a row is answered when its whole pass is (on a CPU a pass is ~1 s)."""
+        if not self.rate:
+            return 1.0
+        return (max(len(self.jobs), self.queued) + n) / self.rate + self.pass_s
 
 
 def _merge(msgs: list) -> P.ClassifyReq:

@@ -150,7 +150,12 @@ class DataParallelClient(BaseClient):
         live = [e for i, e in enumerate(self.engines) if self._error(i) is None]
         rate = sum(e.rate for e in live if e.rate)
         work = sum(max(len(e.jobs), e.queued) for e in live) + len(self.jobs) + n
-        return work / rate if rate else 1.0
+        return work / rate + self.pass_s if rate else 1.0
+
+    @property
+    def pass_s(self) -> float:
+        """The longest recent classify pass of the ready engines (client.BaseClient.pass_s)."""
+        return max((e.pass_s for i, e in enumerate(self.engines) if self._error(i) is None), default=0.0)
 
     # -- lifecycle
     def start(self, loop) -> None:

@@ -90,6 +90,10 @@ class Frontend(ClassifyMany, ScoreRoute):
             self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
+            # The tokenizer's first call costs ~20 ms (H200 host) that a request would pay in
+            # the event loop: a worker's first requests then ran over --shed-lag-ms and were shed.
+            for prompt in self.prompts:
+                prompt.encode_many([{"query": "warm up"}], True)
             if self.cfg.announce and not self.announced:
                 self.announced = True
                 self._announce(info)

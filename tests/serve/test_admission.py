@@ -13,11 +13,11 @@ from prefixscore.serve.metrics import Metrics
 class Engine:
     """The engine client's side admission reads: a backlog and a rate (rows/s)."""
 
-    def __init__(self, rate=None):
-        self.rate, self.backlog = rate, 0
+    def __init__(self, rate=None, pass_s=0.0):
+        self.rate, self.backlog, self.pass_s = rate, 0, pass_s
 
     def wait_s(self, n):
-        return (self.backlog + n) / self.rate if self.rate else 1.0
+        return (self.backlog + n) / self.rate + self.pass_s if self.rate else 1.0
 
 
 def admission(rate=None, **kw):
@@ -67,6 +67,8 @@ def test_wait_estimate_counts_the_queue_ahead_in_turns():
         a.admit(1, 1, deadline=deadline, tenant=7)
     assert e.value.status == 429 and "past this request's deadline" in e.value.detail
     assert int(e.value.headers["Retry-After"]) >= 10
+    a.client.pass_s = 0.5  # answers come a pass at a time: a pass more, not scaled by the turns
+    assert a.wait_s(1, False, 9) == pytest.approx(10.1 * 4 / 102 + 0.5)  # its 2 and 2 of the flood
 
 
 def test_measured_wait_beside_the_estimate_in_metrics():

@@ -569,10 +569,15 @@ def test_start_up_stall_is_not_read_as_a_backlog(monkeypatch):
     as if the loop were that far behind."""
     from prefixscore.serve import frontend as F
 
+    class Prompt:
+        def encode_many(self, queries, truncate):
+            time.sleep(0.03)  # the tokenizer's first call, warmed before the clock starts
+            return []
+
     class Cat:
         def __init__(self, info, prompts):
             time.sleep(0.08)  # the tokenizer build
-            self.prompts, self.scoring = [None], None
+            self.prompts, self.scoring = [Prompt()], None
 
     monkeypatch.setattr(F, "Catalog", Cat)
 
