@@ -31,6 +31,21 @@ def tenant_of(name: str) -> int:
     return zlib.crc32(name.encode("utf-8", "surrogateescape")) or 1
 
 
+def request_tenant(headers: list, client) -> tuple[int, str | None]:
+    """The client an HTTP request counts for (fair shares here, the engine's turns): its
+    X-Client-Id (one header, at most MAX_CLIENT_ID characters), else its address; 0 for none.
+    headers: ASGI's (lower-case name, value) byte pairs; client: (host, port) or None."""
+    values = [value for name, value in headers if name == b"x-client-id"]
+    if len(values) > 1:
+        return 0, f"{len(values)} X-Client-Id headers; send one"
+    if values:
+        name = values[0].decode("latin-1").strip()
+        if not name or len(name) > MAX_CLIENT_ID:
+            return 0, f"X-Client-Id must be 1 to {MAX_CLIENT_ID} characters, got {len(name)}"
+        return tenant_of("id:" + name), None
+    return (tenant_of("addr:" + str(client[0])), None) if client else (0, None)
+
+
 @dataclass
 class Ticket:
     """One admitted request: what it holds until released."""
@@ -109,6 +124,13 @@ class Admission:
         if answered and t.estimate is not None and not t.batch:
             self.metrics.queue_wait.labels("estimate").observe(t.estimate)
             self.metrics.queue_wait.labels("measured").observe(time.monotonic() - t.t0)
+
+    def light(self, tenant: int) -> bool:
+        """Whether this client holds fewer real-time queries than the clients holding any do on
+        average: a front end shedding because it runs behind (--shed-lag-ms) still reads its
+        requests, so one client's flood is not shed onto another's."""
+        mine = self.by_tenant[0]
+        return mine.get(tenant, 0) * len(mine) < sum(mine.values())
 
     def shortest_deadline(self) -> float:
         """Seconds: the shortest deadline this front end knows (a client's within the last

@@ -21,6 +21,8 @@ import threading
 import time
 from collections import OrderedDict
 
+from .admission import request_tenant
+
 log = logging.getLogger("prefixscore.serve")
 # Shutdown timing, in seconds around --shutdown-timeout T after the stop signal. At T - FAIL a
 # front end answers what still waits 503 (before uvicorn would cancel it: a 500); by T +
@@ -123,14 +125,20 @@ def protocol_class(cfg, frontend=None):
             self._cancel_timer()
             if shed_s is not None and self.parser.get_method() == b"POST" and not _probe(self.url):
                 lag = frontend.loop_lag
-                if lag is not None and lag.behind() > shed_s:  # it sat unread that long, or more
-                    return self._answer_with(shed_app)
+                if lag is not None and lag.behind() > shed_s and not self._light():
+                    return self._answer_with(shed_app)  # it sat unread that long, or more
             if not conns.too_busy() or _probe(self.url):
                 return super().on_headers_complete()
             conns.say("busy", logging.WARNING, f"more than --max-connections ({conns.limit}) "
                                                f"connections have a request in progress: new "
                                                f"requests are answered 503")
             self._answer_with(busy_app)
+
+        def _light(self) -> bool:
+            """A request of a client holding less than the others (Admission.light): read, not
+            shed. A bad X-Client-Id is shed as any other (the app would answer it 400)."""
+            tenant, error = request_tenant(self.headers, self.client)
+            return error is None and frontend.admission.light(tenant)
 
         def _answer_with(self, other):
             app, self.app = self.app, other  # read by super() for this request only

@@ -32,7 +32,8 @@ except ImportError:  # pragma: no cover
 from google.protobuf.message import DecodeError
 
 from .frontend import DEADLINE, TENANT, ApiError, Frontend
-from .http import UNAUTHORIZED, authorized, request_tenant
+from .admission import request_tenant
+from .http import UNAUTHORIZED, authorized
 from .proto import prefixscore_pb2 as pb
 
 log = logging.getLogger("prefixscore.grpc")

@@ -20,7 +20,7 @@ import msgspec
 from . import compat, fanout
 from .answers import label_probs
 from .config import MAX_TIMEOUT_S
-from .admission import MAX_CLIENT_ID, tenant_of
+from .admission import request_tenant
 from .frontend import DEADLINE, TENANT, ApiError, Frontend
 from .schemas import (ERRORS, AnyClassifyRequest, AnyScoreRequest, ClassifyManyResponse,
                       ClassifyRequest, ClassifyResponse, ScoreResponse, VllmClassifyRequest,
@@ -177,20 +177,6 @@ def request_deadline(headers: list) -> tuple[float | None, str | None]:
         return None, (f"X-Request-Timeout must be a plain decimal number of seconds in (0, "
                       f"{MAX_TIMEOUT_S:g}], got {value.decode('latin-1')!r}")
     return time.monotonic() + t, None
-
-
-def request_tenant(headers: list, client) -> tuple[int, str | None]:
-    """The client a request counts for (admission's fair shares, the engine's turns): its
-    X-Client-Id (one header, at most MAX_CLIENT_ID characters), else its address; 0 for none."""
-    values = [value for name, value in headers if name == b"x-client-id"]
-    if len(values) > 1:
-        return 0, f"{len(values)} X-Client-Id headers; send one"
-    if values:
-        name = values[0].decode("latin-1").strip()
-        if not name or len(name) > MAX_CLIENT_ID:
-            return 0, f"X-Client-Id must be 1 to {MAX_CLIENT_ID} characters, got {len(name)}"
-        return tenant_of("id:" + name), None
-    return (tenant_of("addr:" + str(client[0])), None) if client else (0, None)
 
 
 class FastClassify:

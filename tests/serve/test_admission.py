@@ -108,7 +108,7 @@ def test_client_id_from_http_headers_and_grpc_metadata():
     from types import SimpleNamespace
 
     from prefixscore.serve.grpc_server import call_tenant
-    from prefixscore.serve.http import request_tenant
+    from prefixscore.serve.admission import request_tenant
     named = request_tenant([(b"x-client-id", b"shop-7")], ("10.0.0.1", 5))
     assert named == (tenant_of("id:shop-7"), None)
     assert request_tenant([], ("10.0.0.1", 5)) == (tenant_of("addr:10.0.0.1"), None)

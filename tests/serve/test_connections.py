@@ -10,6 +10,7 @@ import time
 import httpx
 
 from prefixscore.serve import create_app
+from prefixscore.serve.admission import tenant_of
 from tests.serve.helpers import metric, running
 
 # 8 connections; the config check wants the queue a worker admits below that
@@ -154,3 +155,28 @@ def test_a_front_end_behind_its_target_sheds_at_once(clf):
         assert httpx.get(base + "/healthz", timeout=5).status_code == 200
         text = httpx.get(base + "/metrics", timeout=5).text
         assert metric(text, 'prefixscore_expired_total{reason="front_end_behind"}') == 1
+
+
+def test_a_front_end_behind_sheds_the_heavy_client_not_the_light_one(clf):
+    """Running behind, the front end still reads the requests of a client holding fewer queries
+    than the others (admission.Admission.light): one client's flood is shed, not another's
+    request beside it."""
+    app = create_app(clf, shed_lag_ms=20.0, **SMALL)
+    with running(app) as (base, server):
+        port = int(base.rsplit(":", 1)[1])
+        fe = app.state.frontend
+        flood = tenant_of("id:flood")
+        fe.admission.by_tenant[0][flood] = 20  # the flood's queries held, as under overload
+        loop = fe.client.loop
+        heavy, light = connect(port), connect(port)
+        try:
+            loop.call_soon_threadsafe(time.sleep, 0.15)  # the loop held: both wait unread
+            time.sleep(0.02)
+            heavy.sendall(POST.replace(b"\r\n\r\n", b"\r\nX-Client-Id: flood\r\n\r\n", 1) + BODY)
+            light.sendall(POST.replace(b"\r\n\r\n", b"\r\nX-Client-Id: light\r\n\r\n", 1) + BODY)
+            assert response(heavy)[0] == 503
+            assert response(light)[0] == 200
+        finally:
+            heavy.close()
+            light.close()
+            del fe.admission.by_tenant[0][flood]
