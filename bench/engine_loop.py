@@ -14,8 +14,9 @@ host, how busy the loop keeps the GPU, and the one-item score call.
              apply_softmax false (vocabulary graphs) and true, beside a scorer without graphs
   loop       --rows real queries sent to EngineLoop as front ends would (messages of 64 rows),
              drained at saturation, staged (pass N+1 launched before N is collected) and not:
-             rows/s and the GPU's busy share of the loop's wall time (CUDA events around every
-             pass), beside Classifier.classify_batch on the same rows
+             rows/s, passes, and the GPU's busy share of the loop's wall time (the union of its
+             kernels' intervals, torch.profiler, in a second drain), beside
+             Classifier.classify_batch on the same text and classify_encoded on its ids
 Writes $OUT/engine_loop.json (bench/results without OUT); each section as it finishes.
 """
 from __future__ import annotations
@@ -133,11 +134,10 @@ def one_item(sc, plain, n, device):
 
 
 def loop_rate(clf, rows, device, staged):
-    """Rows/s of EngineLoop draining `rows` real queries sent in messages of 64, and the GPU's busy
-    share of the wall time (events around each graph launch)."""
-    import torch
-
-    from prefixscore.graphs import GraphRunner
+    """Rows/s of EngineLoop draining `rows` real queries sent in messages of 64 (as front ends
+    send them), its passes, and the GPU's busy share of the loop's wall time: the union of the
+    kernels' intervals over the wall time, from torch.profiler in a second drain (the first,
+    unprofiled, gives the rate; the profiler's host overhead would lower it)."""
     from prefixscore.serve import protocol as P
     from prefixscore.serve.engine_loop import EngineLoop
 
@@ -151,45 +151,55 @@ def loop_rate(clf, rows, device, staged):
         data, offsets = P.pack_ids([e.ids for e in enc], [e.start for e in enc])
         msgs.append(P.ClassifyReq(0, list(range(k, k + len(enc))), data, offsets,
                                   [e.start for e in enc], [1e18] * len(enc)))
-    events, got = [], []
-    launch = GraphRunner.launch
-    cuda = str(device).startswith("cuda")
 
-    def timed(self, *a):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        c = launch(self, *a)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e1.record()
-        events.append((e0, e1))
-        return c
-
-    if cuda:
-        GraphRunner.launch = timed
-    try:
+    def drain():
+        got = []
         sync(device)
         t0 = time.perf_counter()
         loop.serve([(m, got.append) for m in msgs], passes=0)
         while len(loop.lanes) or loop.inflight:
             loop.serve([])
         sync(device)
-        wall = time.perf_counter() - t0
-    finally:
-        GraphRunner.launch = launch
-    busy = sum(a.elapsed_time(b) for a, b in events) / 1e3 if cuda else float("nan")
-    n = sum(len(o.rids) for o in got)
-    return {"rows_per_s": round(n / wall), "wall_s": round(wall, 3), "passes": len(events),
-            "gpu_busy_share": round(busy / wall, 3), "rows": n}
+        return got, time.perf_counter() - t0
+
+    got, wall = drain()
+    out = {"rows_per_s": round(sum(len(o.rids) for o in got) / wall), "wall_s": round(wall, 3),
+           "passes": len(got), "rows_per_pass": round(statistics.mean(o.batch_size for o in got), 1)}
+    if str(device).startswith("cuda"):
+        out["gpu_busy_share"] = round(busy_share(drain), 3)
+    return out
+
+
+def busy_share(drain) -> float:
+    """The union of the CUDA kernels' intervals during drain(), over its wall time (profiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, wall = drain()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA")
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # microseconds; overlapping kernels (streams) counted once
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e6 / wall
 
 
 def batch_rate(clf, rows, device):
+    """Classifier.classify_batch on the same text (tokenizing included) and classify_encoded on
+    its ids, rows/s, after a warm-up call each."""
     qs = real_queries(rows)
-    clf.classify_batch(qs[:512])
-    sync(device)
-    t = time.perf_counter()
-    clf.classify_batch(qs)
-    sync(device)
-    return {"rows_per_s": round(rows / (time.perf_counter() - t))}
+    out = {}
+    for name, call, arg in (("text", clf.classify_batch, qs),
+                            ("ids", clf.classify_encoded, [clf.encode(q) for q in qs])):
+        call(arg[:512])
+        sync(device)
+        t = time.perf_counter()
+        call(arg)
+        sync(device)
+        out[f"{name}_rows_per_s"] = round(rows / (time.perf_counter() - t))
+    return out
 
 
 def main():
