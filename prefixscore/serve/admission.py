@@ -55,6 +55,7 @@ class Ticket:
     tenant: int
     t0: float
     estimate: float | None  # seconds the queue ahead was expected to take; None: no rate yet
+    score: bool = False  # a /v1/score request: its tokens count in Admission.scoring
 
 
 class Admission:
@@ -66,13 +67,15 @@ class Admission:
         self.inflight = 0  # queries admitted and not yet answered (this front end)
         self.held = ([0, 0], [0, 0])  # per lane (real-time, batch): those queries, their tokens
         self.by_tenant = ({}, {})  # per lane: tenant -> its queries held
+        self.scoring = [0, 0]  # per lane: the tokens of the /v1/score requests held
         self.seen = (float("inf"), 0.0)  # the shortest client deadline lately: (seconds, when)
 
     def refuse(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None,
-               tenant: int = 0) -> float | None:
+               tenant: int = 0, score: bool = False) -> float | None:
         """The checks alone (429 + Retry-After; 504 for a deadline already past), nothing counted:
         called before tokenizing with tokens=0 too, so that under overload a refusal costs the
-        front end as little as it can. Returns the wait estimate (seconds), None without a rate."""
+        front end as little as it can. score: a /v1/score request of `tokens` (its wait is its
+        own run too). Returns the wait estimate (seconds), None without a rate."""
         cfg, held = self.cfg, self.held[batch]
         mine = self.by_tenant[batch].get(tenant, 0)
         if (held[0] + n > cfg.max_queue or (held[1] + tokens > cfg.max_queue_tokens and held[0] > 0)) \
@@ -81,7 +84,8 @@ class Admission:
             raise ApiError(429, f"queue full ({held[0]} {lane} queries, {held[1]} tokens waiting; "
                                 f"limits {cfg.max_queue} and {cfg.max_queue_tokens}); retry later",
                            self.client.wait_s(n))
-        wait = self.wait_s(n, batch, tenant) if self.client.rate else None
+        wait = self.score_wait_s(tokens, batch) if score else \
+            self.wait_s(n, batch, tenant) if self.client.rate else None
         if deadline is not None and not batch:
             now = time.monotonic()
             left = deadline - now
@@ -98,22 +102,26 @@ class Admission:
         return wait
 
     def admit(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None,
-              tenant: int = 0) -> Ticket:
+              tenant: int = 0, score: bool = False) -> Ticket:
         """refuse()'s checks, then n queries (or items) and their tokens held until release()."""
-        wait = self.refuse(n, tokens, batch, deadline, tenant)
+        wait = self.refuse(n, tokens, batch, deadline, tenant, score)
+        if score:
+            self.scoring[batch] += tokens
         held, mine = self.held[batch], self.by_tenant[batch]
         held[0] += n
         held[1] += tokens
         mine[tenant] = mine.get(tenant, 0) + n
         self.inflight += n
         self.metrics.queue_depth.inc(n)
-        return Ticket(n, tokens, batch, tenant, time.monotonic(), wait)
+        return Ticket(n, tokens, batch, tenant, time.monotonic(), wait, score)
 
     def release(self, t: Ticket, answered: bool = False) -> None:
         """answered: the engine answered it (its wait is measured beside its estimate)."""
         held, mine = self.held[t.batch], self.by_tenant[t.batch]
         held[0] -= t.n
         held[1] -= t.tokens
+        if t.score:
+            self.scoring[t.batch] -= t.tokens
         left = mine[t.tenant] - t.n
         if left:
             mine[t.tenant] = left
@@ -121,7 +129,7 @@ class Admission:
             del mine[t.tenant]
         self.inflight -= t.n
         self.metrics.queue_depth.dec(t.n)
-        if answered and t.estimate is not None and not t.batch:
+        if answered and t.estimate is not None and not t.batch and not t.score:
             self.metrics.queue_wait.labels("estimate").observe(t.estimate)
             self.metrics.queue_wait.labels("measured").observe(time.monotonic() - t.t0)
 
@@ -158,6 +166,17 @@ class Admission:
         ahead = sum(min(h, own) for t, h in mine.items() if t != tenant) + own
         one_pass = self.client.pass_s
         return (total - one_pass) * ahead / (held + n) + one_pass
+
+    def score_wait_s(self, tokens: int, batch: bool) -> float | None:
+        """Seconds until a /v1/score request of `tokens` is answered: the classify backlog, then
+        the score requests held ahead of it and its own run at the tokens per second a request's
+        run has lately taken (ScoreOut.run_s: other work's passes between included); None
+        before one has been answered."""
+        rate = self.client.score_rate
+        if not rate:
+            return None
+        ahead = self.client.wait_s(0) if self.client.rate else 0.0
+        return ahead + (self.scoring[batch] + tokens) / rate
 
     def _under_share(self, count: int, batch: bool, tenant: int) -> bool:
         """Whether a client holding `count` queries (with this request) is within its share of the

@@ -60,6 +60,7 @@ class BaseClient:
         self.last_out = 0.0  # when the engine last answered (time.monotonic())
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
         self.pass_s = 0.0  # a classify pass's seconds, smoothed: answers come a pass at a time
+        self.score_rate = None  # /v1/score tokens computed per second of a request's run, smoothed
         self.rids_of: dict[asyncio.Future, list[int]] = {}  # until each future is done (abort)
         self.metrics = None  # set by the front end: engine deaths are counted
         self.became_ready: asyncio.Event | None = None
@@ -222,6 +223,9 @@ class BaseClient:
                 self.running[out.rid] = (out, self.last_out)
                 self._show_running()
         elif isinstance(out, P.ScoreOut):
+            if out.run_s > 0 and out.prompt_tokens > 0:
+                r = out.prompt_tokens / out.run_s
+                self.score_rate = r if self.score_rate is None else 0.8 * self.score_rate + 0.2 * r
             if self.running.pop(out.rid, None) is not None:
                 self._show_running()
             entry = self.jobs.pop(out.rid, None)

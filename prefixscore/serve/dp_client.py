@@ -153,6 +153,12 @@ class DataParallelClient(BaseClient):
         return work / rate + self.pass_s if rate else 1.0
 
     @property
+    def score_rate(self) -> float | None:
+        """One score request's tokens per second of its run, averaged over the ready engines."""
+        rates = [e.score_rate for i, e in enumerate(self.engines) if self._error(i) is None and e.score_rate]
+        return sum(rates) / len(rates) if rates else None
+
+    @property
     def pass_s(self) -> float:
         """The longest recent classify pass of the ready engines (client.BaseClient.pass_s)."""
         return max((e.pass_s for i, e in enumerate(self.engines) if self._error(i) is None), default=0.0)

@@ -484,8 +484,10 @@ class EngineLoop:
         if isinstance(job, RowJob):
             return self._row_pass(job)
         m = job.msg
-        if job.run is None and not self._begin(job):
-            return
+        if job.run is None:
+            job.t_start = time.perf_counter()
+            if not self._begin(job):
+                return
         run, budget = job.run, self.score_budgets[bool(m.apply_softmax)]
         chunk, rows, done = run.filling, run.kv.filled if run.filling else 0, run.done
         t0 = time.perf_counter()
@@ -515,7 +517,7 @@ class EngineLoop:
         out = run.answer()
         unscored = [[] for _ in range(len(job.full) - run.depth)]
         job.reply(P.ScoreOut(m.rid, P.OK, out["scores"] + unscored, out["labels"], run.computed,
-                             None, run.depth, controlled, p99))
+                             None, run.depth, controlled, p99, time.perf_counter() - job.t_start))
 
     def _learn_kv_weight(self, budget: PassBudget, spent: float, cost: float, rows: int) -> None:
         """A query-part chunk attended to `rows` K/V rows: what it cost past its tokens' calibrated

@@ -176,9 +176,10 @@ class Frontend(ClassifyMany, ScoreRoute):
             raise ApiError(503, "the engine is not ready: " + self.client.error, 1)
         self.sync()
 
-    def _admit(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None):
+    def _admit(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None,
+               score: bool = False):
         """admission.Admission.admit for this request's client (TENANT)."""
-        return self.admission.admit(n, tokens, batch, deadline, TENANT.get())
+        return self.admission.admit(n, tokens, batch, deadline, TENANT.get(), score)
 
     def _refuse(self, n: int, tokens: int, batch: bool = False, deadline: float | None = None) -> None:
         self.admission.refuse(n, tokens, batch, deadline, TENANT.get())

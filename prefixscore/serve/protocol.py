@@ -168,6 +168,7 @@ class ScoreOut(msgspec.Struct, tag=True, array_like=True):
     depth: int = 0  # items scored: the first `depth`, the rest unscored (depth control)
     controlled: bool = False  # depth control decided the depth (a real-time request, a target)
     p99_ms: float = 0.0  # depth control's measured p99 of real-time score requests (0: none yet)
+    run_s: float = 0.0  # from its first pass to its answer (other work's passes between included)
 
 
 class ProgressOut(msgspec.Struct, tag=True, array_like=True):

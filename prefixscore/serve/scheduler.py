@@ -77,6 +77,7 @@ class ScoreJob:
     soft: list | None = None  # per item its soft token's vector or None (protocol.unpack_score)
     run: object = None  # its ScoreRun from its first pass on; None: not started
     total: int = 0  # the passes it takes, as last estimated (a progress figure)
+    t_start: float = 0.0  # when its first pass began (time.perf_counter())
 
     @property
     def key(self) -> tuple[int, int]:

@@ -117,7 +117,7 @@ class ScoreRoute:
         if prep is not call.prep:
             n = self.scoring.new_tokens(prep, self.info.scorer.prefix_ids)
         cfg = self.cfg
-        ticket, out = self._admit(len(todo), n, priority > 0), None
+        ticket, out = self._admit(len(todo), n, priority > 0, deadline, score=True), None
         try:
             out = await self._wait(self.client.score(
                 prep.full, prep.shared, cfg.start_by(deadline), call.labels,

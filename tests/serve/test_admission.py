@@ -13,17 +13,17 @@ from prefixscore.serve.metrics import Metrics
 class Engine:
     """The engine client's side admission reads: a backlog and a rate (rows/s)."""
 
-    def __init__(self, rate=None, pass_s=0.0):
-        self.rate, self.backlog, self.pass_s = rate, 0, pass_s
+    def __init__(self, rate=None, pass_s=0.0, score_rate=None):
+        self.rate, self.backlog, self.pass_s, self.score_rate = rate, 0, pass_s, score_rate
 
     def wait_s(self, n):
         return (self.backlog + n) / self.rate + self.pass_s if self.rate else 1.0
 
 
-def admission(rate=None, **kw):
+def admission(rate=None, score_rate=None, **kw):
     kw.setdefault("max_queries", min(kw.get("max_queue", 1024), 256))
     kw.setdefault("max_connections", 4096)
-    return Admission(FrontendConfig(**kw), Engine(rate), Metrics())
+    return Admission(FrontendConfig(**kw), Engine(rate, score_rate=score_rate), Metrics())
 
 
 def test_a_full_queue_still_admits_a_client_under_its_share():
@@ -123,3 +123,19 @@ def test_client_id_from_http_headers_and_grpc_metadata():
     with pytest.raises(ApiError) as e:
         call_tenant(context([("x-client-id", "a"), ("x-client-id", "b")]))
     assert e.value.status == 400
+
+
+def test_a_score_request_is_admitted_by_its_own_run_and_the_scores_ahead():
+    """A /v1/score request's wait: the classify backlog, the score tokens held ahead and its own
+    tokens at the measured tokens per second of a request's run; refused at once (429) when that
+    is past its deadline, and counted out on release."""
+    a = admission(rate=100.0, score_rate=10_000.0)
+    a.client.backlog = 10  # 0.1 s of classify rows
+    first = a.admit(10, 4_000, deadline=time.monotonic() + 5, score=True)
+    assert first.estimate == pytest.approx(0.1 + 0.4) and a.scoring == [4_000, 0]
+    with pytest.raises(ApiError) as e:  # 0.1 + (4,000 + 8,000) / 10,000 = 1.3 s > 1 s
+        a.admit(10, 8_000, deadline=time.monotonic() + 1.0, score=True)
+    assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1
+    a.release(first, answered=True)
+    assert a.scoring == [0, 0] and a.admit(10, 8_000, deadline=time.monotonic() + 1.0, score=True)
+    assert a.metrics.queue_wait.labels("estimate")._sum.get() == 0  # classify's figure only

@@ -85,6 +85,7 @@ def test_long_query_part_in_chunks_lets_classify_in(clf, scorer):
     loop = EngineLoop(clf, scorer, schedule=ScheduleOptions(pass_ms=1.0))
     loop.score_budgets[True].tokens = 100
     answers = []
+    t0 = time.perf_counter()
     loop.serve([(score_req([query + it for it in items], query), answers.append)])
     first = answers[0]
     assert isinstance(first, P.ProgressOut) and first.passes == 1 and first.filling
@@ -94,6 +95,8 @@ def test_long_query_part_in_chunks_lets_classify_in(clf, scorer):
     while not isinstance(answers[-1], P.ScoreOut):
         loop.serve([])
     out = answers[-1]
+    # its run, first pass to answer, with the classify pass between (what admission divides by)
+    assert answers[1].forward_s < out.run_s <= time.perf_counter() - t0
     progress = [a for a in answers if isinstance(a, P.ProgressOut)]
     assert [p.passes for p in progress] == [1, 2, 3, 4] and [p.filling for p in progress] == [True] * 3 + [False]
     body = {"query": query, "items": items, "label_token_ids": [5, 9], "apply_softmax": True}
