@@ -41,7 +41,8 @@ capacity phase.
   lanes     real-time classify at 50% + --batch-conc batch requests ("priority": 1) kept in
             flight: real-time p99 over open's 50% p99; batch queries/s over the idle capacity
             (capacity - the real-time rate)
-Then a summary (each figure beside its target: PASS / MISS / n/a) and $OUT/slo.json (or
+Then a summary (each figure beside its target: PASS / MISS / n/a; INVALID for a phase whose
+generator fell behind its schedule by more than --lag-ms at p99: it measured itself) and $OUT/slo.json (or
 bench/results/slo.json). What the server lacks (X-Request-Timeout, priority, /v1/score, depth) is
 probed first; its figures are n/a.
 """
@@ -356,9 +357,13 @@ def summary(out) -> list[dict]:
     """Each figure beside its target: PASS / MISS; n/a where the phase or the feature is missing."""
     ph, t, rows = out.get("phases", {}), TARGETS, []
 
-    def add(figure, value, shown, target="", ok=None):
+    def add(figure, value, shown, target="", ok=None, lagged=False):
+        """lagged: the phase's generator fell behind its schedule (late p99 > --lag-ms): it
+        measured itself as much as the server, so the figure is INVALID, neither met nor missed."""
+        verdict = "n/a" if value is None else "-" if ok is None else "INVALID" if lagged else \
+            "PASS" if ok else "MISS"
         rows.append({"figure": figure, "value": value, "shown": "n/a" if value is None else shown, "target": target,
-                     "verdict": "n/a" if value is None else "-" if ok is None else "PASS" if ok else "MISS"})
+                     "verdict": verdict})
 
     def trio(r, last="p999_ms"):
         return " / ".join(fmt_ms(r.get(k)) for k in ("p50_ms", "p99_ms", last))
@@ -374,20 +379,24 @@ def summary(out) -> list[dict]:
     for m in ("x2", "x10"):
         r = ph.get("overload", {}).get(m, {})
         g = r.get("gen", {})
+        lag = bool(g.get("lagged"))
         add(f"{m}: generator late p99 ms (sends that waited for a connection)", g.get("late_p99_ms"),
             f"{fmt_ms(g.get('late_p99_ms'))} ({g.get('conn_limited')})", "on time", not g.get("lagged"))
         add(f"{m}: answered / sent (of scheduled)", r.get("answered"),
-            f"{r.get('answered')} / {r.get('sent')} ({r.get('scheduled')})", "all", r.get("answered") == r.get("sent"))
-        add(f"{m}: 200s past their deadline", r.get("late_200"), str(r.get("late_200")), "0", r.get("late_200") == 0)
+            f"{r.get('answered')} / {r.get('sent')} ({r.get('scheduled')})", "all",
+            r.get("answered") == r.get("sent"), lagged=lag)
+        add(f"{m}: 200s past their deadline", r.get("late_200"), str(r.get("late_200")), "0",
+            r.get("late_200") == 0, lagged=lag)
         add(f"{m}: goodput / capacity", r.get("goodput_share"),
             f"{fmt_rate(r.get('goodput_rps'))}/s = {100 * r.get('goodput_share', 0):.0f}%",
-            f"≥ {t['goodput_share']:.0%}", r.get("goodput_share", 0) >= t["goodput_share"])
+            f"≥ {t['goodput_share']:.0%}", r.get("goodput_share", 0) >= t["goodput_share"], lagged=lag)
         add(f"{m}: p99 of 429/503 (from send), 504 (past deadline), ms", r.get("reject_p99_ms"),
             fmt_ms(r.get("reject_p99_ms")) + "".join(f" {k}: {fmt_ms(v['p99_ms'])}"
                                                      for k, v in r.get("rejects", {}).items()),
-            f"≤ {t['reject_p99_ms']:g}", (r.get("reject_p99_ms") or 0) <= t["reject_p99_ms"])
+            f"≤ {t['reject_p99_ms']:g}", (r.get("reject_p99_ms") or 0) <= t["reject_p99_ms"], lagged=lag)
         add(f"{m}: 429/503 without Retry-After", r.get("retry_after_missing") if r.get("shed_429_503") else None,
-            f"{r.get('retry_after_missing')} of {r.get('shed_429_503')}", "0", r.get("retry_after_missing") == 0)
+            f"{r.get('retry_after_missing')} of {r.get('shed_429_503')}", "0",
+            r.get("retry_after_missing") == 0, lagged=lag)
     r = ph.get("score", {})
     add("score into classify: classify p99 raised by, ms", r.get("raise_ms"),
         f"{fmt_ms(r.get('raise_ms'))} ({fmt_ms(r.get('classify_with', {}).get('p99_ms'))} vs "
@@ -406,10 +415,11 @@ def summary(out) -> list[dict]:
     add("lanes: batch throughput / idle capacity", r.get("batch_share"), f"{100 * (r.get('batch_share') or 0):.0f}% "
         f"({fmt_rate(r.get('batch_qps'))} q/s)", f"≥ {t['batch_share']:.0%}",
         (r.get("batch_share") or 0) >= t["batch_share"])
-    r = ph.get("fair", {}).get("light", {})
+    fair = ph.get("fair", {})
+    r = fair.get("light", {})
     add("fair: the light client's sends answered 200 within the deadline", r.get("in_time_share"),
         f"{100 * (r.get('in_time_share') or 0):.1f}% of {r.get('sent')}", f"≥ {t['fair_share']:.0%}",
-        (r.get("in_time_share") or 0) >= t["fair_share"])
+        (r.get("in_time_share") or 0) >= t["fair_share"], lagged=bool(fair.get("gen", {}).get("lagged")))
     print("\nsummary (n/a: the phase did not run or the server lacks the feature: see features and errors in the JSON)")
     w, v = max(len(r["figure"]) for r in rows), max(len(r["shown"]) for r in rows)
     for r in [{"figure": "figure", "shown": "value", "target": "target", "verdict": "verdict"}] + rows:
