@@ -46,6 +46,11 @@ class ClassifyJob:
 
 
 class BaseClient:
+    # What admission reads of the engine besides `rate`, set from its answers (_on_out); class
+    # defaults, so that DataParallelClient may define them over its engines instead.
+    pass_s = 0.0  # a classify pass's seconds, smoothed: answers come a pass at a time
+    score_rate = None  # /v1/score tokens computed per second of a request's run, smoothed
+
     def __init__(self, client_id: int = 0):
         self.id = client_id
         self.info: P.ReadyOut | None = None
@@ -59,8 +64,6 @@ class BaseClient:
         self.queued = 0  # the engine's queue depth in its last answer
         self.last_out = 0.0  # when the engine last answered (time.monotonic())
         self.rate = None  # engine requests/s, smoothed (for Retry-After)
-        self.pass_s = 0.0  # a classify pass's seconds, smoothed: answers come a pass at a time
-        self.score_rate = None  # /v1/score tokens computed per second of a request's run, smoothed
         self.rids_of: dict[asyncio.Future, list[int]] = {}  # until each future is done (abort)
         self.metrics = None  # set by the front end: engine deaths are counted
         self.became_ready: asyncio.Event | None = None
