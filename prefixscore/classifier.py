@@ -104,16 +104,12 @@ class Classifier:
         adapter_file = head_file = None
         fill = {}
         if spec.adapter is not None:  # a LoRA adapter (prefixscore finetune), merged into the weights
-            from .weights.adapter import read_adapter
-            from .weights.loading import LoadedModel
+            from .weights.adapter import open_adapter
 
-            adapter_file = read_adapter(spec.adapter)  # unreadable file: ModelLoadError before loading
+            adapter_file = open_adapter(spec.adapter, spec.model)
             if spec.head is not None:
                 raise ConfigError(f"pass an adapter or a head, not both: {spec.adapter} brings its own "
                                   f"decision rule (objective {adapter_file.meta['objective']!r})")
-            if isinstance(spec.model, LoadedModel):
-                raise ConfigError("an adapter is merged into the weights it loads with: pass the "
-                                  "model's path, not a loaded model (whose weights others share)")
             fill = {k: adapter_file.meta[k] for k in ("template", "labels", "chat")}
         if spec.head is not None:  # a trained head (weights/heads.py): template, labels, chat default to its own
             from .weights.heads import read_head
@@ -134,13 +130,10 @@ class Classifier:
     def _merge(self, adapter_file):
         """Check the adapter against this model, template and labels and merge it into the weights;
         -> its linear head for objective "head" (which then decides), else None."""
-        from .weights.adapter import check_adapter, merge_adapter
-        from .weights.loading import base_hash
+        from .weights.adapter import apply_adapter
 
-        check_adapter(adapter_file, base_hash(self.loaded), self.spec.template, self.spec.label_list,
-                      self.prompt.chat, str(self.spec.adapter))
-        merge_adapter(self.loaded, adapter_file)
-        self.adapter_meta = adapter_file.meta
+        self.adapter_meta = apply_adapter(self.loaded, adapter_file, self.spec.adapter,
+                                          (self.spec.template, self.spec.label_list, self.prompt.chat))
         return adapter_file.head_weights() if adapter_file.head is not None else None
 
     @classmethod

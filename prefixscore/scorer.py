@@ -94,16 +94,12 @@ class Scorer:
         mode, max_batch_tokens = spec.mode or "logprobs", spec.max_batch_tokens
         adapter_file = None
         if adapter is not None:  # unreadable or unsuitable: an error before the model loads
-            from .weights.loading import LoadedModel
-            from .weights.adapter import read_adapter
+            from .weights.adapter import open_adapter
 
-            adapter_file = read_adapter(adapter)
+            adapter_file = open_adapter(adapter, model)
             if adapter_file.head is not None:
                 raise ConfigError(f"{adapter} was fine-tuned with objective 'head': its linear head, "
                                   f"not the label tokens, decides, and a Scorer scores label tokens")
-            if isinstance(model, LoadedModel):
-                raise ConfigError("an adapter is merged into the weights it loads with: pass the "
-                                  "model's path, not a loaded model (whose weights others share)")
         if labels is not None and label_token_ids is not None:
             raise ConfigError("give labels or label_token_ids, not both")
         if mode not in MODES:
@@ -121,17 +117,10 @@ class Scorer:
         self.loaded = obtain(model, device, dtype)
         self.item_table = None if item_table is None else item_table.check_model(self.loaded)
         self.adapter_meta = None
-        if adapter_file is not None:
-            # Merged before the prefix and graphs are computed from the weights. Only the base
-            # model is checked: a Scorer's prompt is its own ({query}, {item}), never the
-            # classification prompt the adapter was trained with, so its scores mean the adapted
-            # model's reading of this prompt (use an adapter trained for related text).
-            from .weights.loading import base_hash
-            from .weights.adapter import check_adapter_base, merge_adapter
+        if adapter_file is not None:  # before the prefix and graphs are computed from the weights
+            from .weights.adapter import apply_adapter
 
-            check_adapter_base(adapter_file, base_hash(self.loaded), str(adapter))
-            merge_adapter(self.loaded, adapter_file)
-            self.adapter_meta = adapter_file.meta
+            self.adapter_meta = apply_adapter(self.loaded, adapter_file, adapter)  # the base only
         finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge
         self.engine = Engine.shared(self.loaded, batch_invariant=spec.batch_invariant)  # (Classifier's)
         self.config = self.engine.config

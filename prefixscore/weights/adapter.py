@@ -110,6 +110,32 @@ def check_adapter(adapter: Adapter, base: str, template: str, labels, chat: bool
                           f"{list(labels)} (same labels in the same order are needed)")
 
 
+def open_adapter(path, model) -> Adapter:
+    """The adapter at `path` for a model about to load (Classifier's and Scorer's one door):
+    read before any model loads (ModelLoadError if unreadable), refused over a loaded model,
+    whose weights others may share (ConfigError)."""
+    adapter = read_adapter(path)
+    if isinstance(model, LoadedModel):
+        raise ConfigError("an adapter is merged into the weights it loads with: pass the model's "
+                          "path, not a loaded model (whose weights others share)")
+    return adapter
+
+
+def apply_adapter(loaded: LoadedModel, adapter: Adapter, path, prompt=None) -> dict:
+    """Check `adapter` against the unmerged weights and merge it; -> its metadata. prompt:
+    (template, labels, chat) it must have been trained for (a Classifier's); None: the base model
+    only (a Scorer's prompt is its own, so its scores are the adapted model's reading of it)."""
+    from .loading import base_hash
+
+    base = base_hash(loaded)
+    if prompt is None:
+        check_adapter_base(adapter, base, str(path))
+    else:
+        check_adapter(adapter, base, *prompt, str(path))
+    merge_adapter(loaded, adapter)
+    return adapter.meta
+
+
 @torch.no_grad()
 def merge_adapter(loaded: LoadedModel, adapter: Adapter) -> LoadedModel:
     """Merge W += (alpha / r) B @ A into `loaded`'s weights, in place, once (a second merge is
