@@ -85,85 +85,96 @@ class Scorer:
                              allow_special_tokens=allow_special_tokens, batch_invariant=batch_invariant)
         elif model is not None or template is not None or labels is not None:
             raise ConfigError("pass spec= or model/template/labels, not both")
+        if max_items < 1:
+            raise ConfigError("max_items must be positive")
+        self.spec, self.mode, self.max_items = spec, spec.mode or "logprobs", max_items
+        adapter_file, labels = self._check(spec, label_token_ids, layout)
+        if item_table is not None and not isinstance(item_table, ItemTable):
+            item_table = ItemTable.load(item_table)
+        self.loaded = obtain(spec.model, spec.device, spec.dtype)
+        self.item_table = None if item_table is None else item_table.check_model(self.loaded)
+        self.adapter_meta = None
+        if adapter_file is not None:  # before the prefix and graphs are computed from the weights
+            from .weights.adapter import apply_adapter
+
+            self.adapter_meta = apply_adapter(self.loaded, adapter_file, spec.adapter)  # the base only
+        finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge
+        self.engine = Engine.shared(self.loaded, batch_invariant=spec.batch_invariant)  # (Classifier's)
+        self.config = self.engine.config
+        self.tokenizer = self.loaded.tokenizer
+        self._heads: OrderedDict = OrderedDict()  # label-set key -> LabelHead, for requests' label sets
+        self._prompt(spec, label_token_ids, prefix_ids)
+        # The scorer's own label set is kept for good (its CUDA graphs use its weight).
+        self._own_key = self._label_key(labels, label_token_ids, ConfigError)
+        self.head = self._build_head(self._own_key, ConfigError)
+        self.labels, self.trie = self.head.labels, self.head.trie
+        check_prefix_fits(len(self.prefix_ids), self.trie.max_len, self.config.context_limit)
+        self.spans = SpanLayout(layout, spec.max_batch_tokens)
+        self.prefix_kv = self.engine.prefill(self.prefix_ids)
+        self._check_mode(self.mode, self.head)
+        if layout == "packed" and self.mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:
+            raise ConfigError("layout 'packed' needs labels that branch at most once after their "
+                              "first token; these branch more, so use layout 'alone' or 'auto'")
+        self.capture_info = self._capture(graphs) if graphs else {}
+
+    @staticmethod
+    def _check(spec: ModelSpec, label_token_ids, layout: str):
+        """Every check that needs no model, so a mistake fails before one loads; -> (the adapter
+        file or None, the labels checked, None with label_token_ids)."""
         if spec.head is not None or spec.truncate:
             raise ConfigError("a Scorer takes no head and no truncate: it scores label tokens, and "
                               "refuses an over-long request")
-        self.spec = spec
-        model, template, device, dtype, chat = spec.model, spec.template, spec.device, spec.dtype, spec.chat
-        labels, adapter, allow_special_tokens = spec.label_list, spec.adapter, spec.allow_special_tokens
-        mode, max_batch_tokens = spec.mode or "logprobs", spec.max_batch_tokens
-        adapter_file = None
-        if adapter is not None:  # unreadable or unsuitable: an error before the model loads
+        adapter_file, labels, mode = None, spec.label_list, spec.mode or "logprobs"
+        if spec.adapter is not None:  # unreadable or unsuitable: an error before the model loads
             from .weights.adapter import open_adapter
 
-            adapter_file = open_adapter(adapter, model)
+            adapter_file = open_adapter(spec.adapter, spec.model)
             if adapter_file.head is not None:
-                raise ConfigError(f"{adapter} was fine-tuned with objective 'head': its linear head, "
-                                  f"not the label tokens, decides, and a Scorer scores label tokens")
+                raise ConfigError(f"{spec.adapter} was fine-tuned with objective 'head': its linear "
+                                  f"head, not the label tokens, decides, and a Scorer scores label tokens")
         if labels is not None and label_token_ids is not None:
             raise ConfigError("give labels or label_token_ids, not both")
         if mode not in MODES:
             raise ConfigError(f"unknown mode {mode!r}: use one of {', '.join(MODES)}")
         if layout not in LAYOUTS:
             raise ConfigError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-        if max_items < 1:
-            raise ConfigError("max_items must be positive")
         if label_token_ids is None:
             labels = check_labels(DEFAULT_LABELS if labels is None else labels)
-        if template is not None:
-            check_template(template, SLOTS)  # fail fast, before loading a model
-        if item_table is not None and not isinstance(item_table, ItemTable):
-            item_table = ItemTable.load(item_table)
-        self.loaded = obtain(model, device, dtype)
-        self.item_table = None if item_table is None else item_table.check_model(self.loaded)
-        self.adapter_meta = None
-        if adapter_file is not None:  # before the prefix and graphs are computed from the weights
-            from .weights.adapter import apply_adapter
+        if spec.template is not None:
+            check_template(spec.template, SLOTS)
+        return adapter_file, labels
 
-            self.adapter_meta = apply_adapter(self.loaded, adapter_file, adapter)  # the base only
-        finish_load(self.loaded)  # dtype fp8: quantized now, after the adapter merge
-        self.engine = Engine.shared(self.loaded, batch_invariant=spec.batch_invariant)  # (Classifier's)
-        self.config = self.engine.config
-        self.tokenizer = tok = self.loaded.tokenizer
-        self.mode = mode
-        self.max_items = max_items
-        self._heads: OrderedDict = OrderedDict()  # label-set key -> LabelHead, for requests' label sets
-        if tok is None:
-            if template is not None or label_token_ids is None:
+    def _prompt(self, spec: ModelSpec, label_token_ids, prefix_ids) -> None:
+        """The template, its Prompt and the pinned prefix; a model without a tokenizer scores
+        token ids behind `prefix_ids`."""
+        if self.tokenizer is None:
+            if spec.template is not None or label_token_ids is None:
                 raise ConfigError("this model has no tokenizer: give label_token_ids and no template, "
                                   "and score token ids (score_ids)")
             self.template, self.prompt, self.item_first = None, None, False
             self.prefix_ids = list(prefix_ids or [])
-        else:
-            if prefix_ids is not None:
-                raise ConfigError("prefix_ids is for models without a tokenizer; with a template the "
-                                  "instruction before the slots is the pinned prefix")
-            self.template = DEFAULT_TEMPLATE if template is None else template
-            self.prompt = Prompt(tok, self.template, chat=chat, slots=SLOTS,
-                                 special_tokens=allow_special_tokens)
-            pieces = self.prompt.pieces
-            self.item_first = pieces.index(sentinel("item")) < pieces.index(sentinel("query"))
-            self.prefix_ids = self.prompt.prefix_ids
-        # The scorer's own label set is kept for good (its CUDA graphs use its weight).
-        self._own_key = self._label_key(labels, label_token_ids, ConfigError)
-        self.head = self._build_head(self._own_key, ConfigError)
-        self.labels, self.trie = self.head.labels, self.head.trie
-        check_prefix_fits(len(self.prefix_ids), self.trie.max_len, self.config.context_limit)
-        self.spans = SpanLayout(layout, max_batch_tokens)
-        self.prefix_kv = self.engine.prefill(self.prefix_ids)
-        self._check_mode(mode, self.head)
-        if layout == "packed" and mode in ("logprobs", "softmax") and len(self.trie.branch_paths()) > 1:
-            raise ConfigError("layout 'packed' needs labels that branch at most once after their "
-                              "first token; these branch more, so use layout 'alone' or 'auto'")
-        # CUDA graphs for the pinned prefix and the scorer's own labels (any Plan fits a bucket);
-        # other label sets and items computed without the cached prefix run eagerly.
-        self.capture_info = {}
-        if graphs and mode != "vocab_probs":
-            self.capture_info = self.engine.capture(self.prefix_kv, self.head.weight, mode != "logits",
-                                                    max_batch_tokens)
-        vocab = self.engine.capture_vocab(self.prefix_kv, max_batch_tokens) if graphs else None
-        if vocab:  # SGLang's default mode (apply_softmax false), any label set: graphs too
-            self.capture_info["vocab"] = vocab
+            return
+        if prefix_ids is not None:
+            raise ConfigError("prefix_ids is for models without a tokenizer; with a template the "
+                              "instruction before the slots is the pinned prefix")
+        self.template = DEFAULT_TEMPLATE if spec.template is None else spec.template
+        self.prompt = Prompt(self.tokenizer, self.template, chat=spec.chat, slots=SLOTS,
+                             special_tokens=spec.allow_special_tokens)
+        pieces = self.prompt.pieces
+        self.item_first = pieces.index(sentinel("item")) < pieces.index(sentinel("query"))
+        self.prefix_ids = self.prompt.prefix_ids
+
+    def _capture(self, graphs: bool) -> dict:
+        """CUDA graphs for the pinned prefix and the scorer's own labels (any Plan fits a bucket),
+        and for SGLang's default mode (apply_softmax false) any label set's; other label sets and
+        items computed without the cached prefix run eagerly."""
+        tokens, info = self.spec.max_batch_tokens, {}
+        if self.mode != "vocab_probs":
+            info = self.engine.capture(self.prefix_kv, self.head.weight, self.mode != "logits", tokens)
+        vocab = self.engine.capture_vocab(self.prefix_kv, tokens)
+        if vocab:
+            info["vocab"] = vocab
+        return info
 
     @property
     def layout(self) -> str:
