@@ -94,11 +94,13 @@ def batch_tokens(a) -> int:
     return GPU_BATCH_TOKENS if gpu else CPU_BATCH_TOKENS
 
 
-def model_spec(a) -> ModelSpec:
+def model_spec(a, warn: bool = True) -> ModelSpec:
     """The model and prompt flags as a ModelSpec (template and label files read here, so a process
-    that builds the classifier elsewhere, a Ray actor or the engine process, needs neither)."""
+    that builds the classifier elsewhere, a Ray actor or the engine process, needs neither).
+    warn: say when the seed prompt runs without its adapter (not for declared classifiers)."""
     labels, template = labels_option(a), template_option(a)
-    warn_seed_prompt(labels, template, getattr(a, "adapter", None), getattr(a, "head", None))
+    if warn:
+        warn_seed_prompt(labels, template, getattr(a, "adapter", None), getattr(a, "head", None))
     spec = ModelSpec(a.model, template, labels, device=a.device, dtype=a.dtype, chat=a.chat,
                      mode=a.mode, truncate=a.truncate, max_batch_tokens=batch_tokens(a),
                      head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),

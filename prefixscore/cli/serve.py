@@ -58,12 +58,10 @@ def add_command(subparsers, model_args) -> None:
 def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     """The flags as the two processes' configs (every value checked here, before any model loads)."""
     from ..classifier import classifier_labels
-    from .common import batch_tokens, seed_adapter_default, warn, warn_seed_prompt
+    from .common import model_spec, seed_adapter_default, warn
     from ..errors import ConfigError
-    from ..rows.io import labels_option, template_option
     from ..prompt import check_template
     from ..serve.classifiers import seed_prompt_warnings, specs
-    from ..values import ModelSpec
 
     declared = specs(a)  # before the seed adapter's default: declared classifiers run the raw model
     if not declared:
@@ -72,26 +70,18 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         raise ConfigError("--adapter and --no-adapter: pass one")
     for line in seed_prompt_warnings(declared, a.adapter):
         warn(line)
-    template, labels = template_option(a), labels_option(a)
-    if not declared:
-        warn_seed_prompt(labels, template, a.adapter, getattr(a, "head", None))
-    if template is not None:
-        check_template(template, ("query",))
-    if labels is not None:
-        labels = classifier_labels(labels)
+    spec = model_spec(a, warn=not declared)
+    if spec.template is not None:
+        check_template(spec.template, ("query",))
+    if spec.labels is not None:
+        spec = spec.replace(labels=tuple(classifier_labels(spec.label_list)))
     score_labels = None if a.score_labels is None else [l.strip() for l in a.score_labels.split(",")]
     check_before_loading(a, score_labels, declared)
     dp = data_parallel(a)
+    if dp > 1:  # engine i: cuda:i (launch)
+        spec = spec.replace(device=_device_type(spec.device))
     engine = EngineConfig(
-        spec=ModelSpec(
-            a.model, template, labels,
-            device=a.device if dp == 1 else _device_type(a.device),  # engine i: cuda:i (launch)
-            dtype=a.dtype, mode=a.mode, chat=a.chat, truncate=a.truncate,
-            max_batch_tokens=batch_tokens(a), head=getattr(a, "head", None),
-            adapter=getattr(a, "adapter", None),
-            allow_special_tokens=getattr(a, "allow_special_tokens", False),
-            batch_invariant=getattr(a, "batch_invariant", None) or None),
-        score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
+        spec=spec, score_template=a.score_template, score_labels=tuple(score_labels) if score_labels else None,
         item_table=a.item_table, batch_window_ms=a.batch_window_ms, engine_spin_ms=a.engine_spin_ms, engine_cpu=a.engine_cpu,
         served_model_name=a.served_model_name or _hub_name(a.model), classifiers=declared,
         schedule=ScheduleOptions(**values(ScheduleOptions, a)))
