@@ -1,7 +1,7 @@
 """Several classifiers of one model in one flat forward pass (Classifier.many's fused path).
 
 At batch 1 a forward is bound by reading the weights, so two classifiers asked for the same query
-cost two weight reads when run one after the other (H200, 0.5B: x1.91 of one). Here their requests
+cost two weight reads when run one after the other (about twice one). Here their requests
 share one pass: the pinned prefixes are concatenated into one bank, each token sees only its own
 classifier's slice of it (Context.prefix_range, kernels/attention.py), and the label rows of every
 classifier form one head whose columns each read-out row may choose among only its own

@@ -17,8 +17,8 @@ TOKENIZE_FIRST, TOKENIZE_MAX = 32, 512
 TOKENIZE_AHEAD = 4  # tokenizer calls queued behind the one the engine waits for
 # While a tokenizer thread runs, the interpreter hands the GIL over within this (default: 5 ms). The
 # engine's thread lets the GIL go around every CUDA call, hundreds per eager batch, and waited a
-# whole interval each time to get it back from the tokenizer's Python. H200, 4096 real queries,
-# 0.5B, text in against ids in: 0.74 -> 0.90 and 0.80 -> 0.84 (two hosts); 5 us had 3x outliers.
+# whole interval each time to get it back from the tokenizer's Python: text in now runs closer
+# to ids in (BENCHMARKS.md, text in against ids in); 5 us had outliers.
 # None leaves the interpreter's setting alone.
 SWITCH_INTERVAL = 2e-5
 

@@ -255,8 +255,8 @@ def plain(v):
     return str(v)
 
 
-# JSONL lines by msgspec, compact: 0.7 us a row of nine scores against json.dumps' 7.8 (CI host),
-# and on the H200 json.dumps in the writer thread held the GIL for ~15% of a log job's samples,
+# JSONL lines by msgspec, compact: a tenth of json.dumps' time a row (CI host), and on a GPU host
+# json.dumps in the writer thread held the GIL for a real share of a log job's samples,
 # time the engine's thread waited for. Types JSON lacks: msgspec's own forms for datetimes (ISO
 # 8601, as isoformat() for naive ones), decimals (text) and bytes (base64); plain() for the rest.
 _JSONL = msgspec.json.Encoder(enc_hook=plain, decimal_format="string")

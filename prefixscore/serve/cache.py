@@ -85,8 +85,8 @@ def text_keys(ident: bytes, req: dict, items: list) -> list[tuple] | None:
     the answer as the client sent them, query, item). None for any other request (token ids,
     embedding items, labels not plain lists). Stored only after the request was checked and
     scored (score_keys' path), so a hit is a request already accepted, and the whole repeat of a
-    text request is answered without tokenizing it again (~1.3 ms for 100 items of 150 tokens,
-    about a tenth of the request's engine time on the H200). Texts that differ, in whitespace too,
+    text request is answered without tokenizing it again (tokenizing 100 items costs a real share
+    of the request's engine time on a GPU). Texts that differ, in whitespace too,
     have different keys; the ids keys still join texts that tokenize alike."""
     query = req.get("query")
     if not isinstance(query, str) or not all(type(it) is str for it in items):

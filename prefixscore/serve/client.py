@@ -275,7 +275,7 @@ class BaseClient:
         """Seconds the engine needs for what is queued plus n more requests (Retry-After): this
         front end's rows in flight, or the engine's queue (every front end's) if longer, at the
         engine's rate, and a pass more: the pass running when they arrive ends before theirs
-        starts, and a row is answered when its whole pass is (on a CPU a pass is ~1 s)."""
+        starts, and a row is answered when its whole pass is (on a CPU, a long wait)."""
         if not self.rate:
             return 1.0
         return (max(len(self.jobs), self.queued) + n) / self.rate + self.pass_s

@@ -227,7 +227,7 @@ def _shed_app(cfg, metrics=None):
     """The ASGI app that answers a compute request while the front end runs more than
     --shed-lag-ms behind: 503 + Retry-After without the app's work (Guard, parsing, admission:
     a refusal through them costs about half an accepted request, so a front end near its limit
-    fell further behind under overload, H200 429s 767 ms late). The body is read (within
+    fell further behind under overload, its 429s hundreds of ms late). The body is read (within
     --body-timeout) so the connection stays open for the client's next request."""
     async def shed(scope, receive, send):
         from .http import send_json

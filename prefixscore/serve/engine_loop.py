@@ -110,7 +110,7 @@ class EngineLoop:
         self.classify_budget = PassBudget(schedule.pass_s, times=schedule.pass_times)
         # Calibrated on multi-item passes (_warm_scorer), one budget per mode: apply_softmax and
         # SGLang's default (the label tokens' share of the whole vocabulary) run different heads,
-        # both eagerly today (~10 ms a pass on the H200, mostly host work). Never fewer tokens
+        # both eagerly today (mostly host work: BENCHMARKS.md, the engine loop). Never fewer tokens
         # than the floor, or a long request would crawl through passes of one item.
         self.score_budgets = {softmax: PassBudget(schedule.pass_s, floor=256, times=2.0)
                               for softmax in (False, True)}
@@ -165,10 +165,10 @@ class EngineLoop:
 
     def _warm_scorer(self, gpu: bool) -> None:
         """A few multi-item passes of the sizes requests bring (short and long items, one and
-        many): the first request paid for the eager kernels' tuning (an H200 run: 816 ms for a
-        request the next time took 85 ms, classify held meanwhile). Then the smallest and the
-        largest are timed for the multi-item pass budget: its costs are its own (span planning,
-        eager launches: ~10 ms fixed on the H200 against classify's 0.6 ms)."""
+        many): the first request paid for the eager kernels' tuning, ten times its later time,
+        classify held meanwhile. Then the smallest and the largest are timed for the multi-item
+        pass budget: its costs are its own (span planning, eager launches: a fixed cost many times
+        classify's; BENCHMARKS.md, the engine loop)."""
         sc = self.scorer
         labels = {} if sc.labels else {"label_token_ids": [11, 12]}
         sizes = ((1, 8), (16, 8), (4, 64), (32, 64)) if gpu else ((1, 8), (4, 8))

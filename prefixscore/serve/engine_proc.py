@@ -86,7 +86,7 @@ def spin_seconds(spec: str, device: str) -> float:
 
 def engine_cpu(spec: str, device: str) -> int | None:
     """--engine-cpu: the CPU for the engine thread, or None (off by default: pinning measured
-    better in one H200 run and worse in another). Never on CPU inference: its OpenMP workers
+    better in one GPU run and worse in another). Never on CPU inference: its OpenMP workers
     would inherit the one-CPU mask."""
 
     if spec == "none" or not hasattr(os, "sched_setaffinity"):

@@ -72,8 +72,8 @@ class Frontend(ClassifyMany, ScoreRoute):
         client.metrics = metrics
         # The prompt is built when the engine's Ready arrives (at start-up), not by the first
         # request this process takes: that built the tokenizer inside a request and, in a worker
-        # that had not imported transformers yet, held its event loop for seconds (H200, 8
-        # workers: healthz max 8.6 s, open-loop max 9.5 s while p99 was 4.8 ms).
+        # that had not imported transformers yet, held its event loop for seconds (healthz and
+        # open-loop maxima of seconds while the p99 was a few ms).
         client.on_ready = self.sync
 
     # -- state
@@ -90,16 +90,16 @@ class Frontend(ClassifyMany, ScoreRoute):
             self.classifiers, self.info = info.classifiers, info
             self.created = self.created or int(time.time())
             self.metrics.served(info.model, info.pid)
-            # The tokenizer's first call costs ~20 ms (H200 host) that a request would pay in
-            # the event loop: a worker's first requests then ran over --shed-lag-ms and were shed.
+            # The tokenizer's first call is slow (BENCHMARKS.md, SLO), and a request would pay it
+            # in the event loop: a worker's first requests then ran over --shed-lag-ms and were shed.
             for prompt in self.prompts:
                 prompt.encode_many([{"query": "warm up"}], True)
             if self.cfg.announce and not self.announced:
                 self.announced = True
                 self._announce(info)
             # Building the prompts (the tokenizer) holds the loop for seconds; a tick that late
-            # read as a backlog and shed every request for as long (H200: the first requests
-            # after "ready" all got 503 front_end_behind). So the clock starts after it.
+            # read as a backlog and shed every request for as long (the first requests after
+            # "ready" all got 503 front_end_behind). So the clock starts after it.
             if self.loop_lag is not None:
                 self.loop_lag.restart()
         if self.loop_lag is None and self.info is not None and loop is not None and loop.is_running():

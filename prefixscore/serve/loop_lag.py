@@ -9,8 +9,8 @@ class LoopLag:
     """How late this event loop runs what is due: a tick every 5 ms notes how late it fired, and
     `lag` is the recent worst (decaying to half in about ten ticks). A request's bytes wait about
     that long in its socket before a busy loop reads them, time the server's clock for its
-    deadline (started when the request is read) cannot see: under overload the clients of an
-    H200 server got 200s up to ~1 s past their 50 ms deadlines. So a deadline is taken to have
+    deadline (started when the request is read) cannot see: under overload clients got 200s
+    far past their deadlines (BENCHMARKS.md, SLO). So a deadline is taken to have
     started that much earlier (Frontend.deadline)."""
 
     EVERY = 0.005

@@ -192,8 +192,8 @@ class Lanes:
         self.live: dict[tuple[int, int], Row] = {}  # queued rows by (client, rid)
         # Classify and score passes of a lane share the engine by time when both wait: after a
         # score pass, classify passes until they have had as long (at least one). Turn by turn,
-        # an 8k-token multi-item request's ~25 ms passes each let one ~2 ms classify pass in, and
-        # classify at half the H200's capacity fell behind into 504s.
+        # an 8k-token multi-item request's long passes each let one short classify pass in, and
+        # classify at half of capacity fell behind into 504s.
         self.since = [0.0, 0.0]  # per lane: classify seconds since its last score pass
         self.score_s = [0.0, 0.0]  # per lane: that score pass's seconds
         self.ran = [False, False]  # per lane: a classify pass since that score pass
@@ -336,17 +336,17 @@ class PassBudget:
     """Tokens per pass for about `seconds` of engine time. A pass costs a fixed part (launches, the
     label head, the host's work around them) plus a cost per token: the per-token cost is timed at
     warm-up (calibrate: a pass of one row against one of many), the fixed part re-estimated after
-    every pass from what it took, because it moves with the load (H200: ~0.6 ms on an idle engine,
-    ~1.4 ms at 3,000 requests/s). The goal is `seconds`, but never under `times` the fixed part:
-    below it every pass shrinks to a row or two and throughput to a row per fixed cost (the H200
-    held ~1,200 requests/s that way, and ~12,000 with a goal from the idle engine's fixed part).
+    every pass from what it took, because it moves with the load (about twice as large under
+    load as idle). The goal is `seconds`, but never under `times` the fixed part: below it every
+    pass shrinks to a row or two and throughput to a row per fixed cost (a tenth of the capacity
+    a goal from the idle engine's fixed part held).
     The budget is what a pass of the goal holds: (goal - fixed) / per-token cost. Uncalibrated
     (no warm-up: tests) it stays at `first`.
 
     The per-token cost is taken as calibrated, so a pass slower than the model says raises the
     fixed part, the goal (times it) and so the next pass's tokens: with a per-token cost under
     the truth that feeds on itself (multi-item passes calibrated on classify's cost, 4x too low,
-    grew to ~80 ms on the H200 while classify p99 rose 41 ms). Each kind of pass is calibrated on
+    grew several times over their goal while classify p99 rose with them). Each kind of pass is calibrated on
     its own, and the fixed part is held under `most` times its calibrated value."""
 
     def __init__(self, seconds: float, first: int = 256, floor: int = 32, ceiling: int = 1 << 20,

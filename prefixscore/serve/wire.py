@@ -4,10 +4,9 @@ end, each message one frame (4-byte little-endian length, then the msgspec bytes
 Why not ZeroMQ, which this replaced: a ZeroMQ message crosses two I/O threads (the sender's and
 the receiver's) on its way, each a thread wake-up, and a front end's event loop then wakes on
 ZeroMQ's own notification descriptor. A request and its answer made four such hand-offs: on the
-2-core CI host a round trip of ZeroMQ DEALER/ROUTER over ipc:// took 77 us at the median against
-14 us for a Unix socket read by the same event loop and the same spinning engine (bench/ipc.py),
-and on the H200 host the front-end processes' layout cost 0.32 ms a request more than the engine
-on a thread. Here a frame is one send() and one recv() on each side: the engine polls its sockets
+2-core CI host a round trip of ZeroMQ DEALER/ROUTER over ipc:// took several times a Unix
+socket's read by the same event loop and the same spinning engine (bench/ipc.py), and on a GPU
+host the front-end processes' layout cost a request much more than the engine on a thread. Here a frame is one send() and one recv() on each side: the engine polls its sockets
 itself between passes (it spins anyway), a front end's event loop reads its socket directly.
 
 - EngineSocket (the engine process): listens on the path, accepts every front end, takes what
