@@ -197,12 +197,11 @@ class BaseClient:
         if isinstance(out, P.ClassifyOut):
             self.queued = out.queued
             if out.forward_s > 0:
-                self.pass_s = out.forward_s if not self.pass_s else 0.8 * self.pass_s + 0.2 * out.forward_s
+                self.pass_s = _smooth(self.pass_s, out.forward_s)
             if out.drain_rps > 0:  # the engine's own measure: every pass and what is between
                 self.rate = out.drain_rps
             elif out.forward_s > 0:  # before the engine has been busy for two passes
-                r = out.batch_size / out.forward_s
-                self.rate = r if self.rate is None else 0.8 * self.rate + 0.2 * r
+                self.rate = _smooth(self.rate, out.batch_size / out.forward_s)
             scores = np.frombuffer(out.scores, dtype=np.float32).reshape(len(out.rids), -1)
             for i, rid in enumerate(out.rids):
                 entry = self.jobs.pop(rid, None)
@@ -227,8 +226,7 @@ class BaseClient:
                 self._show_running()
         elif isinstance(out, P.ScoreOut):
             if out.run_s > 0 and out.prompt_tokens > 0:
-                r = out.prompt_tokens / out.run_s
-                self.score_rate = r if self.score_rate is None else 0.8 * self.score_rate + 0.2 * r
+                self.score_rate = _smooth(self.score_rate, out.prompt_tokens / out.run_s)
             if self.running.pop(out.rid, None) is not None:
                 self._show_running()
             entry = self.jobs.pop(out.rid, None)
@@ -279,6 +277,11 @@ class BaseClient:
         if not self.rate:
             return 1.0
         return (max(len(self.jobs), self.queued) + n) / self.rate + self.pass_s
+
+
+def _smooth(old: float | None, new: float) -> float:
+    """An engine figure smoothed over its answers (a fifth of each new one); None or 0: none yet."""
+    return new if not old else 0.8 * old + 0.2 * new
 
 
 def _merge(msgs: list) -> P.ClassifyReq:

@@ -275,9 +275,8 @@ class Lanes:
         q, seen = self.jobs[k], self.started_at[k]
         if not q[0].started and len(q) > 1:
             i = min(range(len(q)), key=lambda i: (seen.get(q[i].tenant, -1), i))
-            q.rotate(-i)
-            job = q.popleft()
-            q.rotate(i)
+            job = q[i]
+            del q[i]
             q.appendleft(job)
         if not q[0].started:
             if len(seen) > 4096:  # clients come and go: forget them all now and then
