@@ -44,6 +44,9 @@ class Plan:
     # input is soft [E, hidden] (any float dtype) instead of their token's embedding; None: none.
     soft_rows: torch.Tensor | None = None
     soft: torch.Tensor | None = None
+    # A chunk of a long request's prompt over an engine.KVBank (engine.extend_plan): the bank rows
+    # [T] int32 each token's K/V is written to; None: a pass that writes no K/V.
+    kv_dst: torch.Tensor | None = None
 
     @property
     def prefix_range(self):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 
 import torch
 
@@ -29,6 +30,9 @@ from .graphs import GRAPH_MAX_TOKENS, GraphRunner
 # Label tokens a vocabulary graph takes (Engine.capture_vocab): a /v1/score request's label set
 # (the server's --max-label-ids is 64 by default; a larger set runs eagerly).
 VOCAB_LABELS = 64
+# Rows of an engine's K/V bank (KVBank): two requests of the server's longest query part (its
+# --max-score-tokens, 8,192 by default) at once; a request that finds no room runs eagerly.
+BANK_ROWS = 2 * (8192 + 512)
 
 class Engine:
     def __init__(self, loaded: LoadedModel, options: KernelOptions | None = None):
@@ -49,6 +53,7 @@ class Engine:
         # not one each (a second classifier costs its prefix KV, label rows and static buffers).
         self.pool = None
         self.capture_stream = None
+        self.bank: KVBank | None = None  # (make_bank: the K/V of long requests, in graphs' reach)
 
     @classmethod
     def shared(cls, loaded: LoadedModel, **options) -> "Engine":
@@ -86,33 +91,51 @@ class Engine:
         self.extend(kv, ids)  # (one chunk: the whole prefix)
         return kv.view(len(ids))
 
-    @torch.inference_mode()
-    def query_kv(self, base, capacity: int) -> "QueryKV":
-        """A request's own K/V buffer of `capacity` rows: `base` (the pinned prefix's K/V, or the
-        engine's empty one) first, the rest filled a chunk at a time by extend()."""
-        return QueryKV(base, capacity, self.config, self.device, self.dtype)
+    def make_bank(self, rows: int = BANK_ROWS) -> "KVBank":
+        """The engine's K/V bank (made once): where requests longer than a pass keep their own
+        K/V (query_kv(banked=True)), so the passes over it replay graphs (capture(..., ranges=True)
+        over bank.kv, capture_extend)."""
+        if self.bank is None:
+            self.bank = KVBank(rows, self.config, self.device, self.dtype)
+        return self.bank
 
     @torch.inference_mode()
-    def extend(self, kv: "QueryKV", ids: list[int]) -> None:
+    def query_kv(self, base, capacity: int, banked: bool = False) -> "QueryKV":
+        """A request's own K/V buffer of `capacity` rows: `base` (the pinned prefix's K/V, or the
+        engine's empty one) first, the rest filled a chunk at a time by extend(). banked: in the
+        engine's bank if it has one with room (else a buffer of its own, whose passes run eagerly)."""
+        bank = self.bank if banked else None
+        lo = bank.alloc(capacity) if bank is not None else None
+        return QueryKV(base, capacity, self.config, self.device, self.dtype,
+                       None if lo is None else (bank, lo))
+
+    @torch.inference_mode()
+    def extend(self, kv: "QueryKV", ids: list[int]):
         """Compute `ids` as the next tokens after kv's filled rows (positions continue there; each
         attends to every filled row and causally to the chunk) and write their K/V into kv: one
         bounded pass of a prompt longer than a pass (a score request's query part). Chunk by chunk
         this is the causal prefill of the whole prompt, its sums taken over other splits (the
         prefix part, then the chunk's own, merged by log-sum-exp), so equal to one pass within
-        rounding, not bitwise. Queued without a host sync on CUDA."""
+        rounding, not bitwise. Queued without a host sync on CUDA (a graph replay where the K/V is
+        in the bank and a chunk graph was captured); returns wait(), which waits for it."""
         n, c = kv.filled, len(ids)
         if n + c > kv.capacity:
             raise ValueError(f"{c} tokens past the {kv.capacity - n} left in this K/V")
+        g = self.graphs.get((id(kv.bufs), "extend")) if kv.bank is not None else None
+        kv.filled = n + c
+        if g is not None and c <= g.max_tokens:
+            return g.launch(extend_plan(ids, kv.lo, n))
         zeros = torch.zeros(c, dtype=torch.int32, device=self.device)
         out: list = []
         ctx = Context(kv.view(n), zeros, zeros, zeros, torch.tensor([0, c]), kv_out=out,
                       options=self.options)
         tokens = torch.tensor(ids, device=self.device)
         self.model(tokens, torch.arange(n, n + c, device=self.device), ctx)
+        lo = kv.lo
         for (k, v), (bk, bv) in zip(out, kv.bufs):
-            bk[n:n + c].copy_(k)
-            bv[n:n + c].copy_(v)
-        kv.filled = n + c
+            bk[lo + n:lo + n + c].copy_(k)
+            bv[lo + n:lo + n + c].copy_(v)
+        return _waiter(self.device)
 
     def label_weight(self, columns: list[int]) -> torch.Tensor:
         """The output head's rows for the label tokens only: an N-row projection, never the vocab."""
@@ -235,17 +258,35 @@ class Engine:
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets,
                 "graph_mem_mb": (torch.cuda.memory_reserved() - mem0) / 2**20}  # pools + buffers
 
-    def capture_vocab(self, prefix_kv, max_tokens: int, labels: int = VOCAB_LABELS) -> dict:
+    def capture_vocab(self, prefix_kv, max_tokens: int, labels: int = VOCAB_LABELS,
+                      ranges: bool = False) -> dict:
         """CUDA graphs of vocab_probs passes over prefix_kv, for any set of up to `labels` label
         tokens (GraphRunner vocab): SGLang's default /v1/score mode replays a graph too."""
         if self.device.type != "cuda":
             return {}
         t0 = time.perf_counter()
         runner = GraphRunner(self, prefix_kv, None, False, min(max_tokens, GRAPH_MAX_TOKENS),
-                             vocab=labels)
+                             ranges, vocab=labels)
         self.graphs[(id(prefix_kv), "vocab")] = runner
         torch.cuda.synchronize()
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets}
+
+    def capture_bank(self, weight, logprobs: bool, max_tokens: int, vocab: bool) -> dict:
+        """CUDA graphs of the passes over the K/V bank (made here): a chunk of a query part
+        (extend), items over it with `weight`'s labels and, with vocab, SGLang's default mode."""
+        if self.device.type != "cuda":
+            return {}
+        bank = self.make_bank()
+        t0 = time.perf_counter()
+        runner = GraphRunner(self, bank.kv, None, False, min(max_tokens, GRAPH_MAX_TOKENS), True,
+                             write_kv=bank.trash)
+        self.graphs[(id(bank.kv), "extend")] = runner
+        info = {"extend_s": time.perf_counter() - t0}
+        if weight is not None and (id(bank.kv), id(weight), logprobs) not in self.graphs:
+            info["items"] = self.capture(bank.kv, weight, logprobs, max_tokens, ranges=True)
+        if vocab and (id(bank.kv), "vocab") not in self.graphs:
+            info["vocab"] = self.capture_vocab(bank.kv, max_tokens, ranges=True)
+        return info
 
     def vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
         """Each label token's probability under the whole vocabulary: the full output head, but
@@ -259,21 +300,59 @@ class Engine:
         return self.vocab_head(h, torch.tensor(tokens, device=h.device)).cpu()
 
 
-class QueryKV:
-    """One request's K/V past what every request shares: per layer (k, v) [capacity, Hkv, D],
-    its first rows the base (pinned prefix) K/V, then the tokens Engine.extend computed. view(n)
-    is the first n rows as the per-layer list a Context takes, one list object per n, so spans
-    over the same rows share a pass (spans.SpanLayout.passes groups by it)."""
+class KVBank:
+    """The K/V of requests longer than a pass, as regions of one buffer per layer: the passes over
+    them name their rows by index (a token's prefix range, a chunk's destination rows), never by a
+    tensor of their own, so one set of CUDA graphs serves every request. Row `trash` (the last)
+    takes the writes of a graph's padding tokens."""
 
-    def __init__(self, base, capacity: int, config, device, dtype):
+    def __init__(self, rows: int, config, device, dtype):
+        shape = (rows + 1, config.num_kv_heads, config.head_dim)
+        # zeros: an eager CPU pass masks the rows past a token's range, and 0 x NaN would not vanish
+        self.kv = [(torch.zeros(shape, device=device, dtype=dtype),
+                    torch.zeros(shape, device=device, dtype=dtype)) for _ in range(config.num_layers)]
+        self.rows = self.trash = rows
+        self.used: dict[int, int] = {}  # first row -> end, of each region in use
+
+    def alloc(self, n: int) -> int | None:
+        """The first row of a free region of n rows (first fit), or None if none is left."""
+        at = 0
+        for lo, hi in sorted(self.used.items()):
+            if lo - at >= n:
+                break
+            at = max(at, hi)
+        if at + n > self.rows:
+            return None
+        self.used[at] = at + n
+        return at
+
+    def free(self, lo: int) -> None:
+        self.used.pop(lo, None)
+
+
+class QueryKV:
+    """One request's K/V past what every request shares: per layer (k, v), rows [lo, lo +
+    capacity) of `bufs` (a region of the engine's KVBank, freed with this object, or a buffer of
+    its own: lo 0), its first rows the base (pinned prefix) K/V, then the tokens Engine.extend
+    computed (`filled` rows in all); close() gives the region back. view(n) is the first n rows as the per-layer list a Context
+    takes, one list object per n, so spans over the same rows share a pass; range(n) the same
+    rows as bank indices (spans.cached_spans: a bank's passes replay graphs)."""
+
+    def __init__(self, base, capacity: int, config, device, dtype, region=None):
+        """region: (bank, first row) of a region allocated for it; None: a buffer of its own."""
         P = base[0][0].shape[0]
-        shape = (capacity, config.num_kv_heads, config.head_dim)
-        self.bufs = []
-        for bk, bv in base:
-            k, v = torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype)
-            k[:P].copy_(bk)
-            v[:P].copy_(bv)
-            self.bufs.append((k, v))
+        self.bank, self.lo = region if region is not None else (None, 0)
+        self.close = lambda: None  # (a region goes back to the bank: now or when this is freed)
+        if self.bank is not None:
+            self.bufs = self.bank.kv
+            self.close = weakref.finalize(self, self.bank.free, self.lo)
+        else:
+            shape = (capacity, config.num_kv_heads, config.head_dim)
+            self.bufs = [(torch.zeros(shape, device=device, dtype=dtype),
+                          torch.zeros(shape, device=device, dtype=dtype)) for _ in base]
+        for (k, v), (bk, bv) in zip(self.bufs, base):
+            k[self.lo:self.lo + P].copy_(bk)
+            v[self.lo:self.lo + P].copy_(bv)
         self.capacity, self.filled = capacity, P
         self._views: dict[int, list] = {}
 
@@ -281,8 +360,37 @@ class QueryKV:
         if n > self.filled:
             raise ValueError(f"{n} rows asked of a K/V with {self.filled} filled")
         if n not in self._views:
-            self._views[n] = [(k[:n], v[:n]) for k, v in self.bufs]
+            lo = self.lo
+            self._views[n] = [(k[lo:lo + n], v[lo:lo + n]) for k, v in self.bufs]
         return self._views[n]
+
+    def range(self, n: int) -> tuple[int, int]:
+        if n > self.filled:
+            raise ValueError(f"{n} rows asked of a K/V with {self.filled} filled")
+        return self.lo, self.lo + n
+
+
+def extend_plan(ids: list[int], lo: int, n: int) -> Plan:
+    """The Plan of a chunk after n filled rows of a bank region at row lo (Engine.extend's graph):
+    one causal span that sees rows [lo, lo + n) and writes its K/V to the rows after them."""
+    c = len(ids)
+    z = torch.zeros(c, dtype=torch.int32)
+    return Plan(tokens=torch.tensor(ids, dtype=torch.int64),
+                positions=torch.arange(n, n + c, dtype=torch.int64), base_start=z, base_end=z,
+                own_start=z, seg_offsets=torch.tensor([0, c]), rows=torch.zeros(0, dtype=torch.int64),
+                allowed=torch.zeros(0, 1, dtype=torch.bool), batch=0,
+                prefix_start=torch.full((c,), lo, dtype=torch.int32),
+                prefix_end=torch.full((c,), lo + n, dtype=torch.int32),
+                kv_dst=torch.arange(lo + n, lo + n + c, dtype=torch.int32))
+
+
+def _waiter(device):
+    """wait() for the work queued so far on the device (nothing to wait for on a CPU)."""
+    if device.type != "cuda":
+        return lambda: None
+    done = torch.cuda.Event()
+    done.record()
+    return done.synchronize
 
 
 def _soft(plan: Plan):

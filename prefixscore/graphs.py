@@ -46,17 +46,22 @@ class GraphRunner:
     """
 
     def __init__(self, engine, prefix_kv, weight, logprobs, max_tokens, ranges: bool = False,
-                 vocab: int = 0):
+                 vocab: int = 0, write_kv: int | None = None):
         """vocab: instead of a label head (weight None), each read-out row's probabilities of up
         to `vocab` tokens under the whole vocabulary (Engine.vocab_head: SGLang's /v1/score
         default), the tokens an input of the call (any label set of that many single tokens), for
-        the first VOCAB_ROWS read-out rows of a bucket at most."""
+        the first VOCAB_ROWS read-out rows of a bucket at most. write_kv (with ranges, prefix_kv
+        an engine.KVBank's): no head; each layer's K/V of the pass's tokens written to the bank
+        rows of the plan's kv_dst, a padding token's to row write_kv (a chunk of Engine.extend)."""
         self.engine, self.prefix_kv, self.weight, self.logprobs = engine, prefix_kv, weight, logprobs
-        self.ranges, self.vocab = ranges, vocab
-        self.rows_in = 8 if ranges else 6  # int32 rows of the input
+        self.ranges, self.vocab, self.write_kv = ranges, vocab, write_kv
+        assert write_kv is None or ranges
+        # int32 rows of the input: tokens, positions, base_start, base_end, own_start, read-out
+        # rows; with ranges prefix_start, prefix_end; with write_kv kv_dst
+        self.rows_in = 6 + 2 * ranges + (write_kv is not None)
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
         self.max_tokens = Tmax = self.buckets[-1]
-        self.N = vocab or weight.shape[0]
+        self.N = vocab or (1 if weight is None else weight.shape[0])
         dev = engine.device
         # Two slots of pinned host buffers, used in turn, so a pass can be launched while the one
         # before it runs (launch(); its collect() later): the host fills one slot while the GPU
@@ -147,6 +152,8 @@ class GraphRunner:
     def _idle(self, T):
         ints = np.zeros((self.rows_in, T), dtype=np.int32)  # (a padding token's prefix range: empty)
         ints[4] = self.pad[:T]
+        if self.write_kv is not None:
+            ints[8] = self.write_kv
         return ints
 
     @property
@@ -164,9 +171,16 @@ class GraphRunner:
         ints, allowed = self._split_in(self.dev_in, T)
         tokens, pos, bs, be, own, rows = ints[:6]
         best, scores = self._split_out(self.dev_out, T)
+        kv_out = [] if self.write_kv is not None else None
         ctx = Context(self.prefix_kv, bs, be, own, prefix_range=(ints[6], ints[7]) if self.ranges else None,
-                      options=self.engine.options)
-        if self.vocab:  # (allowed: the tokens)
+                      kv_out=kv_out, options=self.engine.options)
+        if kv_out is not None:
+            self.engine.model(tokens, pos, ctx)
+            dst = ints[8].long()
+            for (k, v), (bk, bv) in zip(kv_out, self.prefix_kv):
+                bk.index_copy_(0, dst, k)
+                bv.index_copy_(0, dst, v)
+        elif self.vocab:  # (allowed: the tokens)
             R = self.rows_of(T)
             self.engine.forward_vocab(tokens, pos, ctx, rows[:R], allowed, out=scores[:R])
         else:
@@ -209,8 +223,12 @@ class GraphRunner:
             if self.ranges:
                 h[6, :T] = plan.prefix_start.numpy()
                 h[7, :T] = plan.prefix_end.numpy()
+            if self.write_kv is not None:
+                h[8, :T] = plan.kv_dst.numpy()
             h[:, T:Tb] = 0
             h[4, T:Tb] = self.pad[T:Tb]
+            if self.write_kv is not None:
+                h[8, T:Tb] = self.write_kv
             h[5, :R] = plan.rows.numpy()
             h[5, R:Tb] = 0  # padding rows read token 0 (stale indices could point past this bucket)
             if self.vocab:

@@ -99,7 +99,7 @@ class ScoreRun:
         # item that agrees less attends to fewer of its rows)
         L = max(q)
         base = sc.prefix_kv if start else sc.engine.no_prefix
-        self.kv = sc.engine.query_kv(base, start + L)
+        self.kv = sc.engine.query_kv(base, start + L, banked=True)
         self._plan = (start, ref, L, dict(zip(idx, q)))
 
     def _cost(self, i: int) -> int:
@@ -115,7 +115,7 @@ class ScoreRun:
         start, ref, L, _ = self._plan
         rows = self.kv.filled
         c = min(start + L - rows, max(CHUNK_MIN, int(tokens / (1 + kv_weight * rows))))
-        self.sc.engine.extend(self.kv, ref[rows - start:rows - start + c])
+        self.sc.engine.extend(self.kv, ref[rows - start:rows - start + c])()  # (its cost is timed)
         self.computed += c
         return c * (1 + kv_weight * rows)
 
@@ -152,6 +152,8 @@ class ScoreRun:
         computed = sum(len(g.shared) + sum(map(len, g.tails)) for g in spans)
         self.computed += computed
         self.done += k
+        if self.finished and self.kv is not None:
+            self.kv.close()  # (a region of the engine's K/V bank goes back now)
         return computed
 
 
@@ -165,7 +167,8 @@ class PromptRun:
         """ids: the whole prompt; start: the tokens of it the classifier has cached (its pinned
         prefix, or 0)."""
         self.clf, self.ids = clf, ids
-        self.kv = clf.engine.query_kv(clf.prefix_kv if start else clf.engine.no_prefix, len(ids))
+        self.kv = clf.engine.query_kv(clf.prefix_kv if start else clf.engine.no_prefix, len(ids),
+                                      banked=True)
         self.passes = 0
         self.answer = None  # (label index, score row) after the last pass
 
@@ -186,6 +189,7 @@ class PromptRun:
         if left <= c:
             (best,), (scores,) = self.clf.decide_after(self.kv.view(rows), self.ids[rows:])
             self.answer = best, scores
+            self.kv.close()
             return left * (1 + kv_weight * rows)
-        self.clf.engine.extend(self.kv, self.ids[rows:rows + c])
+        self.clf.engine.extend(self.kv, self.ids[rows:rows + c])()
         return c * (1 + kv_weight * rows)

@@ -166,14 +166,18 @@ class Scorer:
 
     def _capture(self, graphs: bool) -> dict:
         """CUDA graphs for the pinned prefix and the scorer's own labels (any Plan fits a bucket),
-        and for SGLang's default mode (apply_softmax false) any label set's; other label sets and
-        items computed without the cached prefix run eagerly."""
+        and for SGLang's default mode (apply_softmax false) any label set's; the same over the
+        engine's K/V bank (a long query part's chunks, and the items after them); other label sets
+        and items computed without the cached prefix run eagerly."""
         tokens, info = self.spec.max_batch_tokens, {}
-        if self.mode != "vocab_probs":
+        own = self.mode != "vocab_probs"
+        if own:
             info = self.engine.capture(self.prefix_kv, self.head.weight, self.mode != "logits", tokens)
         vocab = self.engine.capture_vocab(self.prefix_kv, tokens)
         if vocab:
             info["vocab"] = vocab
+            info["bank"] = self.engine.capture_bank(self.head.weight if own else None,
+                                                    self.mode != "logits", tokens, vocab=True)
         return info
 
     @property

@@ -45,6 +45,8 @@ class Span:
     tails: list[list[int]]
     slots: list[int]  # where each item's result goes
     soft: list | None = None  # per tail, its soft token's vector (an embedding item) or None
+    # kv an engine.KVBank's: the rows [lo, hi) of it the span sees (its request's QueryKV region)
+    kv_range: tuple | None = None
 
 
 @dataclass
@@ -103,6 +105,7 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
     """
     toks, seg = [], []  # per segment: (length, first position, base start, base end, own start)
     rows, offs, t = [], [0], 0
+    ranged = groups[0].kv_range is not None  # (a pass's spans share one K/V: SpanLayout.passes)
     soft = [v for g in groups if g.soft for v in g.soft if v is not None]  # in flat order
     for g in groups:
         s0, L = t, len(g.shared)
@@ -134,6 +137,11 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
     i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
     n_items = sum(len(g.tails) for g in groups)
     tokens = np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)
+    ranges = None
+    if ranged:  # the bank rows each span's tokens see
+        lo, hi, n = (np.array(x, np.int64) for x in zip(*(
+            (*g.kv_range, e - b) for g, b, e in zip(groups, offs, offs[1:]))))
+        ranges = (i32(np.repeat(lo, n)), i32(np.repeat(hi, n)))
     soft_rows = None
     if soft:  # each embedding item's tail holds one SOFT: the rows that skip the embedding lookup
         soft_rows = np.flatnonzero(tokens == SOFT)
@@ -150,6 +158,8 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
         batch=n_items,
         soft_rows=None if soft_rows is None else torch.from_numpy(soft_rows),
         soft=None if soft_rows is None else torch.stack(soft),
+        prefix_start=None if ranges is None else ranges[0],
+        prefix_end=None if ranges is None else ranges[1],
     )
 
 
@@ -199,7 +209,8 @@ def cached_spans(layout: SpanLayout, prep, idx: list[int], start: int, q: list[i
     own K/V that holds its query part (engine.QueryKV, filled through start + L): an item's tail
     starts where it stops agreeing with the query part, min(q, L), and attends to that many rows
     of the K/V (causal, so they are exactly the rows its own prompt would give), no shared tokens
-    in the pass."""
+    in the pass. A K/V in the engine's bank is named by its rows (Span.kv_range): the spans of
+    every request there share passes and the bank's graphs."""
     full, spans, by_len = prep.full, [], {}
     soft = (lambda ids: None) if prep.soft is None else (lambda ids: [prep.soft[i] for i in ids])
     for i, n in zip(idx, q):
@@ -209,6 +220,8 @@ def cached_spans(layout: SpanLayout, prep, idx: list[int], start: int, q: list[i
         m = 1 if one_per_span else layout.items_per_span(0, sizes)
         for chunk in layout.fill(0, sizes, m):
             its = [ids[j] for j in chunk]
-            spans.append(Span(start + n, kv.view(start + n), [], [full[i][start + n:] for i in its],
-                              its, soft(its)))
+            banked = kv.bank is not None
+            spans.append(Span(start + n, kv.bufs if banked else kv.view(start + n), [],
+                              [full[i][start + n:] for i in its], its, soft(its),
+                              kv.range(start + n) if banked else None))
     return spans

@@ -131,3 +131,51 @@ def _fix_bf16_casts():
 
     cast_impl._rounds = True
     builder.cast_impl = cast_impl
+
+
+def eager_graphs(monkeypatch):
+    """CUDA graphs on the CPU, for GraphRunner's bookkeeping (buffers, buckets, padding): capture
+    records each bucket's body and a replay calls it eagerly. -> wire(runner), which points the
+    runner's graphs at its bodies (call it after making the runner); wire.captured lists the
+    buckets captured, in order."""
+    import contextlib
+
+    from prefixscore.graphs import GraphRunner
+
+    class EagerGraph:
+        body = None
+
+        def replay(self):
+            self.body()
+
+        def pool(self):
+            return None
+
+    def stub(**attrs):
+        return type("Stub", (), {k: (lambda self, *a, v=v: v) for k, v in attrs.items()})()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", EagerGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a: stub(wait_stream=None))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stub(synchronize=None))
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a: stub(record=None, synchronize=None))
+    body = GraphRunner._body
+    captured = []
+
+    def recording(self, T, slot):
+        captured.append(T)
+        body(self, T, slot)
+
+    monkeypatch.setattr(GraphRunner, "_body", recording)
+
+    def wire(runner):
+        for T, graphs in runner.slot_graphs.items():
+            for slot, g in enumerate(graphs):
+                g.body = (lambda T=T, slot=slot: body(runner, T, slot))
+        return runner
+
+    wire.captured = captured
+    return wire

@@ -9,6 +9,7 @@ import torch
 
 from prefixscore.batch import plan_classify
 from prefixscore.labels import LabelTrie
+from tests.helpers import eager_graphs
 
 
 def reference(suffixes, starts, paths, allowed):
@@ -56,19 +57,11 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     padding) on the CPU, with each 'graph' replayed as an eager call of the captured body: a run
     through it equals the eager engine call, for batches in several buckets and in a row (stale
     buffer contents from a bigger batch must not leak into a smaller one)."""
-    import contextlib
-
     from prefixscore.engine import Engine
     from prefixscore.graphs import GraphRunner
     from prefixscore.kernels.options import KernelOptions
     from prefixscore.weights.loading import load
     from prefixscore.prompt import Prompt
-
-    class EagerGraph:
-        body = None
-
-        def replay(self):
-            self.body()
 
     loaded = load(tiny_model("qwen2"), "cpu", torch.float32)
     # a GPU host: the copy kernel needs CUDA tensors (test_copy_bytes runs it there)
@@ -78,30 +71,9 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
                            prompt.render(query="x"), prompt.encode_text)
     prefix = engine.prefill(prompt.prefix_ids)
     weight = engine.label_weight(trie.columns)
-    captured = []
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", EagerGraph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "Stream", lambda *a: type("S", (), {"wait_stream": lambda s, o: None})())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"synchronize": lambda s: None})())
-    monkeypatch.setattr(EagerGraph, "pool", lambda self: None, raising=False)
-    monkeypatch.setattr(torch.cuda, "Event", lambda *a: type("E", (), {"record": lambda s: None,
-                                                                      "synchronize": lambda s: None})())
-    orig_body = GraphRunner._body
-
-    def body(self, T, slot):  # record each bucket's body as its graph
-        captured.append(T)
-        orig_body(self, T, slot)
-        self._last = T
-
-    monkeypatch.setattr(GraphRunner, "_body", body)
-    runner = GraphRunner(engine, prefix, weight, True, 64)
-    for T, graphs in runner.slot_graphs.items():
-        for slot, g in enumerate(graphs):
-            g.body = (lambda T=T, slot=slot: orig_body(runner, T, slot))
-    assert sorted(set(captured)) == runner.buckets == [1, 2, 4, 8, 16, 32, 64]
+    wire = eager_graphs(monkeypatch)
+    runner = wire(GraphRunner(engine, prefix, weight, True, 64))
+    assert sorted(set(wire.captured)) == runner.buckets == [1, 2, 4, 8, 16, 32, 64]
     rng = random.Random(0)
     used = set()
     for B in (6, 1, 3, 1):
@@ -148,10 +120,7 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
     assert runner.inflight == [None, None]
     # A vocabulary runner (SGLang's default /v1/score mode): any label tokens, up to N of them,
     # as an input; each read-out row's probabilities under the whole vocabulary, as eagerly.
-    vocab = GraphRunner(engine, prefix, None, False, 64, vocab=5)
-    for T, graphs_ in vocab.slot_graphs.items():
-        for slot, g in enumerate(graphs_):
-            g.body = (lambda T=T, slot=slot: orig_body(vocab, T, slot))
+    vocab = wire(GraphRunner(engine, prefix, None, False, 64, vocab=5))
     for ns, tokens in (((3,), [5, 9]), ((2, 6, 1), [7, 11, 13, 17, 19]), ((4,), [23])):
         plan = plan_classify([[rng.randrange(vocab_size) for _ in range(n)] for n in ns], [P] * len(ns), trie)
         got = vocab.run(plan, tokens)[0][:, :len(tokens)]

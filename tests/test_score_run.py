@@ -16,10 +16,15 @@ from prefixscore.score_run import CHUNK_MIN
 ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def scorer(tiny_model):
-    return Scorer(tiny_model("llama"), "Is the item relevant? Query: {query}{item}", ["yes", "no"],
-                  chat=False, device="cpu", dtype=torch.float32)
+@pytest.fixture(scope="module", params=["own", "bank"])
+def scorer(tiny_model, request):
+    """own: each long request's K/V a buffer of its own (the eager path); bank: regions of the
+    engine's K/V bank, its rows named by index in every pass (as the GPU's graphs take them)."""
+    sc = Scorer(tiny_model("llama"), "Is the item relevant? Query: {query}{item}", ["yes", "no"],
+                chat=False, device="cpu", dtype=torch.float32)
+    if request.param == "bank":
+        sc.engine.make_bank(700)
+    return sc
 
 
 def run_all(sc, body, tokens, depth=None):
@@ -128,22 +133,41 @@ def test_chunks_shrink_as_the_kv_fills(scorer):
     assert sum(sizes) == 440 and len(set(sizes)) > 2
 
 
+@pytest.fixture(scope="module")
+def gpu_scorer(tiny_model):
+    return Scorer(tiny_model("qwen2"), "Is the item relevant? Query: {query}{item}", ["yes", "no"],
+                  chat=False, device="cuda", dtype=torch.bfloat16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("softmax", [True, False])
-def test_gpu_chunked_query_part(tiny_model, softmax):
-    """On the GPU (Triton attention over the request's K/V, bf16): chunked against one pass,
-    within bf16 rounding compounded over the layers (0.02 of a probability; vocabulary
-    probabilities: 0.1 in log)."""
-    loaded_scorer = Scorer(tiny_model("qwen2"), "Is the item relevant? Query: {query}{item}", ["yes", "no"],
-                           chat=False, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("softmax,labels", [(True, "own"), (True, [5, 9]), (False, [5, 9])])
+def test_gpu_chunked_query_part(gpu_scorer, softmax, labels):
+    """On the GPU (Triton attention over the request's K/V in the engine's bank, bf16): chunked
+    against one pass, within bf16 rounding compounded over the layers (0.02 of a probability;
+    vocabulary probabilities: 0.1 in log). The chunks replay the bank's extend graphs, the items
+    its graphs for the scorer's own labels and for the vocabulary mode (a request's label set
+    under softmax: eagerly, over the same bank rows)."""
+    sc = gpu_scorer
+    bank = sc.engine.bank
+    replayed = []
+    for key, g in sc.engine.graphs.items():
+        if key[0] == id(bank.kv):
+            for graphs in g.slot_graphs.values():
+                for graph in graphs:
+                    replay = graph.replay
+                    graph.replay = lambda replay=replay, key=key: replayed.append(key[1]) or replay()
     rng = np.random.default_rng()
     query = rng.integers(10, 2000, 400).tolist()
     items = [rng.integers(10, 2000, rng.integers(1, 9)).tolist() for _ in range(9)]
-    body = {"query": query, "items": items, "apply_softmax": softmax, "label_token_ids": [5, 9]}
-    want = np.asarray(loaded_scorer.score_request(body)["scores"])
-    run, steps = run_all(loaded_scorer, body, tokens=128)
+    body = {"query": query, "items": items, "apply_softmax": softmax,
+            **({} if labels == "own" else {"label_token_ids": labels})}
+    want = np.asarray(sc.score_request(body)["scores"])
+    run, steps = run_all(sc, body, tokens=128)
     got = np.asarray(run.answer()["scores"])
-    assert sum(f for f, _ in steps) == 4
+    assert sum(f for f, _ in steps) == 4 and run.kv.bank is bank and bank.used == {}
+    assert "extend" in replayed
+    assert (id(sc.head.weight) in replayed) == (labels == "own")
+    assert ("vocab" in replayed) == (not softmax)
     if softmax:
         assert np.abs(got - want).max() <= 0.02
     else:
@@ -171,3 +195,51 @@ def test_long_classify_prompt_in_chunks(tiny_model, mode):
     best, got = run.answer
     assert run.passes == -(-(len(enc.ids) - enc.start) // 100) and run.kv.filled < len(enc.ids)
     assert best == want_best and np.abs(np.asarray(got) - np.asarray(want)).max() < ATOL
+
+
+@pytest.mark.parametrize("softmax", [True, False])
+def test_bank_passes_through_graph_runners(tiny_model, monkeypatch, softmax):
+    """A long request over the engine's K/V bank, its chunks and items replayed by the bank's graph
+    runners (on the CPU: each 'graph' its captured body, run eagerly): padding tokens write only
+    the bank's trash row, the chunks fill the request's region as the eager path does, and the
+    answer equals the unchunked one. A second request that finds no room runs on a K/V of its
+    own; the first's region goes back when it finishes."""
+    from prefixscore.graphs import GraphRunner
+    from tests.helpers import eager_graphs
+
+    sc = Scorer(tiny_model("llama"), "Is the item relevant? Query: {query}{item}", ["yes", "no"],
+                chat=False, device="cpu", dtype=torch.float32)
+    eng = sc.engine
+    bank = eng.make_bank(500)
+    wire = eager_graphs(monkeypatch)
+    runners = {(id(bank.kv), "extend"): GraphRunner(eng, bank.kv, None, False, 64, True, write_kv=bank.trash),
+               (id(bank.kv), id(sc.head.weight), True): GraphRunner(eng, bank.kv, sc.head.weight, True, 64, True),
+               (id(bank.kv), "vocab"): GraphRunner(eng, bank.kv, None, False, 64, True, vocab=4)}
+    launched = []
+    for key, r in runners.items():
+        wire(r)
+        launch = r.launch
+        r.launch = lambda *a, key=key, launch=launch: launched.append(key[1]) or launch(*a)
+    eng.graphs.update(runners)
+    rng = np.random.default_rng()
+    bodies = [{"query": rng.integers(10, 2000, 300).tolist(),
+               "items": [rng.integers(10, 2000, rng.integers(1, 9)).tolist() for _ in range(5)],
+               "apply_softmax": softmax, **({} if softmax else {"label_token_ids": [5, 9]})}
+              for _ in range(2)]  # (softmax: the scorer's own labels, whose graphs it has)
+    wants = [sc.score_request(b) for b in bodies]
+    before = [k.clone() for k, _ in bank.kv]
+    runs = [sc.begin(sc.input.parse(b), tokens=60) for b in bodies]
+    assert runs[0].kv.bank is bank and runs[1].kv.bank is None  # 2 x 300 rows: no room for both
+    while not all(r.finished for r in runs):
+        for r in runs:
+            if not r.finished:
+                r.step(60)
+    for r, want in zip(runs, wants):
+        check(r.answer(), want)
+    assert {"extend", id(sc.head.weight) if softmax else "vocab"} == set(launched)
+    lo, hi = runs[0].kv.range(runs[0].kv.filled)
+    for (k, _), k0 in zip(bank.kv, before):  # rows outside the region and the trash: untouched
+        changed = (k != k0).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed and set(changed) <= set(range(lo, hi)) | {bank.trash}
+    assert bank.used == {}  # (the finished request's region went back)
+    assert sc.begin(sc.input.parse(bodies[1]), tokens=60).kv.bank is bank
