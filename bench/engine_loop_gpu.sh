@@ -15,10 +15,10 @@ stages=${*:-tests inproc slo}
 for s in $stages; do
   echo "== $s $(date +%T)"
   case $s in
-    tests) bash tests/gpu.sh -x -k "batch or score_run or vocab or graph_copies or scores_do_not or slo" ;;
+    tests) bash tests/gpu.sh -x -k "batch or score_run or scorer or embedding or many or slo" ;;
     inproc) python3 -m bench.engine_loop -- --model /tmp/q05 --device cuda ;;
     slo) python3 -m bench.slo --server-cpus 0-9 --load-cpus 10-15 --phases score,overload,fair \
-           --rates 3000,6000,10000,15000,20000 --refine 1 -- --model /tmp/q05 --device cuda \
+           --rates 100,1000,3000,6000,9000,12000,15000 --refine 1 -- --model /tmp/q05 --device cuda \
            --target-p99-ms 5 ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac 2>&1 | tee "$OUT/engine_loop_gpu_$s.log"

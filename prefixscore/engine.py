@@ -176,10 +176,10 @@ class Engine:
                           options=self.options)
 
     @torch.inference_mode()
-    def forward_vocab(self, tokens, positions, ctx, rows, cols, out=None):
+    def forward_vocab(self, tokens, positions, ctx, rows, cols, out=None, soft=None):
         """The whole model's probabilities of tokens `cols` at `rows` (vocab_head), every row of
         the forward computed (a graph's)."""
-        h = self.model(tokens, positions, ctx)
+        h = self.model(tokens, positions, ctx, soft)
         return self.vocab_head(h[rows.long()], cols, out)
 
     def vocab_head(self, h, cols, out=None):
@@ -197,8 +197,18 @@ class Engine:
 
     def run(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
         """-> (scores [R, N] fp32, best [R]) on the CPU for the plan's read-out rows."""
-        g = self._graph(plan, prefix_kv, weight, logprobs)
-        return g.run(plan) if g is not None else self.launch(plan, prefix_kv, weight, logprobs)()
+        return self.launch(plan, prefix_kv, weight, logprobs)()
+
+    @property
+    def bare(self) -> tuple:
+        """(K/V, kv_range) of a pass that sees no pinned prefix: an empty range of the bank, whose
+        graphs then serve it, where the engine has one; else the empty K/V."""
+        return (self.no_prefix, None) if self.bank is None else (self.bank.kv, (0, 0))
+
+    @property
+    def captures(self) -> bool:
+        """Whether this engine's passes replay CUDA graphs (captured on CUDA only)."""
+        return self.device.type == "cuda"
 
     @property
     def queues(self) -> bool:
@@ -206,21 +216,30 @@ class Engine:
         gains by launching the next pass before collecting this one. On a CPU it computes."""
         return self.device.type == "cuda"
 
-    def _graph(self, plan: Plan, prefix_kv, weight, logprobs) -> "GraphRunner | None":
-        if plan.soft is not None:  # embedding overrides run eagerly: the graphs stay as they are
-            return None
+    def _graph(self, plan: Plan, prefix_kv, weight, logprobs, columns) -> tuple:
+        """(the runner whose graphs the plan replays, its label tokens) or (None, None): the
+        runner of this weight, else (columns given) the one taking any label set over prefix_kv."""
         g = self.graphs.get((id(prefix_kv), id(weight), logprobs))
-        return g if g is not None and plan.num_tokens <= g.max_tokens else None
+        if g is not None and g.fits(plan):
+            return g, None
+        g = self.graphs.get((id(prefix_kv), "labels", logprobs)) if columns is not None else None
+        return (g, columns) if g is not None and g.fits(plan, columns) else (None, None)
 
     @torch.inference_mode()
-    def launch(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True):
+    def launch(self, plan: Plan, prefix_kv, weight: torch.Tensor, logprobs: bool = True,
+               columns: list[int] | None = None):
         """Queue the plan's forward and return `collect()`, which waits for it and returns what
         run() returns. On CUDA neither an eager (past the graphs) forward nor a graph replay waits
         for the GPU, so the host can prepare the next plan while the GPU works (a graph runner
-        has SLOTS input slots: the launch after those collects the oldest first)."""
-        g = self._graph(plan, prefix_kv, weight, logprobs)
+        has SLOTS input slots: the launch after those collects the oldest first). columns: the
+        vocabulary ids of weight's rows (a label set's), so a graph taking any set may replay."""
+        g, tokens = self._graph(plan, prefix_kv, weight, logprobs, columns)
         if g is not None:
-            return g.launch(plan)
+            if tokens is None:
+                return g.launch(plan)
+            collect = g.launch(plan, tokens)
+            n = len(tokens)
+            return lambda: (lambda s, b: (s[:, :n], b))(*collect())
         cuda = self.device.type == "cuda"
         p = plan.pinned().to(self.device) if cuda else plan  # pinned: the copies do not block
         ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets,
@@ -242,50 +261,61 @@ class Engine:
 
         return collect
 
-    def capture(self, prefix_kv, weight, logprobs: bool, max_tokens: int, ranges: bool = False) -> dict:
+    def capture(self, prefix_kv, weight, logprobs: bool, max_tokens: int, ranges: bool = False,
+                soft: bool = False) -> dict:
         """CUDA graphs for every bucket up to max_tokens; returns capture time and memory.
-        ranges: plans carry per-token prefix ranges (a bank of several prefixes, many.py)."""
-        if self.device.type != "cuda":
+        ranges: plans carry per-token prefix ranges (a bank of several prefixes, many.py); soft:
+        they may carry embedding items. weight None: any label set of up to VOCAB_LABELS tokens,
+        an input of each call (launch's columns)."""
+        if not self.captures:
             return {}
         torch.cuda.synchronize()
         # torch.cuda.graph() empties the allocator's cache on entry, which read as negative graph
         # memory (-1.7 GB after the prefill's temporaries): empty it before the baseline too.
         torch.cuda.empty_cache()
         mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
-        runner = GraphRunner(self, prefix_kv, weight, logprobs, min(max_tokens, GRAPH_MAX_TOKENS), ranges)
-        self.graphs[(id(prefix_kv), id(weight), logprobs)] = runner
+        runner = GraphRunner(self, prefix_kv, weight, logprobs, min(max_tokens, GRAPH_MAX_TOKENS), ranges,
+                             labels=VOCAB_LABELS if weight is None else 0, soft=soft)
+        self.graphs[(id(prefix_kv), "labels" if weight is None else id(weight), logprobs)] = runner
         torch.cuda.synchronize()
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets,
                 "graph_mem_mb": (torch.cuda.memory_reserved() - mem0) / 2**20}  # pools + buffers
 
     def capture_vocab(self, prefix_kv, max_tokens: int, labels: int = VOCAB_LABELS,
-                      ranges: bool = False) -> dict:
+                      ranges: bool = False, soft: bool = False) -> dict:
         """CUDA graphs of vocab_probs passes over prefix_kv, for any set of up to `labels` label
         tokens (GraphRunner vocab): SGLang's default /v1/score mode replays a graph too."""
-        if self.device.type != "cuda":
+        if not self.captures:
             return {}
         t0 = time.perf_counter()
         runner = GraphRunner(self, prefix_kv, None, False, min(max_tokens, GRAPH_MAX_TOKENS),
-                             ranges, vocab=labels)
+                             ranges, vocab=labels, soft=soft)
         self.graphs[(id(prefix_kv), "vocab")] = runner
         torch.cuda.synchronize()
         return {"capture_s": time.perf_counter() - t0, "buckets": runner.buckets}
 
-    def capture_bank(self, weight, logprobs: bool, max_tokens: int, vocab: bool) -> dict:
-        """CUDA graphs of the passes over the K/V bank (made here): a chunk of a query part
-        (extend), items over it with `weight`'s labels and, with vocab, SGLang's default mode."""
-        if self.device.type != "cuda":
+    def capture_scorer(self, prefix_kv, weight, logprobs: bool, max_tokens: int) -> dict:
+        """A Scorer's graphs, over its pinned prefix and over the engine's K/V bank (made here):
+        its own labels' (weight; None: none, mode vocab_probs), any label set's under softmax,
+        SGLang's default mode's, each taking embedding items; and the bank's chunks (extend).
+        What another scorer of this engine captured already is shared."""
+        if not self.captures:
             return {}
         bank = self.make_bank()
-        t0 = time.perf_counter()
-        runner = GraphRunner(self, bank.kv, None, False, min(max_tokens, GRAPH_MAX_TOKENS), True,
-                             write_kv=bank.trash)
-        self.graphs[(id(bank.kv), "extend")] = runner
-        info = {"extend_s": time.perf_counter() - t0}
-        if weight is not None and (id(bank.kv), id(weight), logprobs) not in self.graphs:
-            info["items"] = self.capture(bank.kv, weight, logprobs, max_tokens, ranges=True)
-        if vocab and (id(bank.kv), "vocab") not in self.graphs:
-            info["vocab"] = self.capture_vocab(bank.kv, max_tokens, ranges=True)
+        info = {}
+        for kv, ranges in ((prefix_kv, False), (bank.kv, True)):
+            part = info.setdefault("bank" if ranges else "prefix", {})
+            if weight is not None and (id(kv), id(weight), logprobs) not in self.graphs:
+                part["own"] = self.capture(kv, weight, logprobs, max_tokens, ranges, soft=True)
+            if (id(kv), "labels", True) not in self.graphs:
+                part["labels"] = self.capture(kv, None, True, max_tokens, ranges, soft=True)
+            if (id(kv), "vocab") not in self.graphs:
+                part["vocab"] = self.capture_vocab(kv, max_tokens, ranges=ranges, soft=True)
+        if (id(bank.kv), "extend") not in self.graphs:
+            t0 = time.perf_counter()
+            self.graphs[(id(bank.kv), "extend")] = GraphRunner(
+                self, bank.kv, None, False, min(max_tokens, GRAPH_MAX_TOKENS), True, write_kv=bank.trash)
+            info["bank"]["extend"] = {"capture_s": time.perf_counter() - t0}
         return info
 
     def vocab_probs(self, plan: Plan, kv, tokens: list[int]) -> torch.Tensor:
@@ -293,8 +323,7 @@ class Engine:
         only at the read-out rows (one row per item): the Scorer's mode vocab_probs. A graph
         replay where one was captured for kv (capture_vocab) and the plan fits it."""
         g = self.graphs.get((id(kv), "vocab"))
-        if (g is not None and plan.soft is None and plan.num_tokens <= g.max_tokens and
-                plan.rows.shape[0] <= g.rows_of(g.bucket_of[plan.num_tokens]) and len(tokens) <= g.N):
+        if g is not None and g.fits(plan, tokens):
             return g.run(plan, tokens)[0][:, :len(tokens)]
         h, plan = self.hidden(plan, kv, read=True)
         return self.vocab_head(h, torch.tensor(tokens, device=h.device)).cpu()
@@ -394,4 +423,9 @@ def _waiter(device):
 
 
 def _soft(plan: Plan):
-    return None if plan.soft is None else (plan.soft_rows, plan.soft)
+    """The model's soft input of a plan's embedding items: (src [T], table [E, hidden])."""
+    if plan.soft is None:
+        return None
+    rows = plan.soft_rows.long()
+    src = torch.full((plan.num_tokens,), -1, dtype=torch.int64, device=rows.device)
+    return src.index_copy_(0, rows, torch.arange(rows.shape[0], device=rows.device)), plan.soft

@@ -251,9 +251,9 @@ class Transformer(nn.Module):
         return self._rope_tables[key]
 
     def forward(self, tokens, positions, ctx: Context, soft=None, rows=None):
-        """tokens, positions [T] -> hidden states [T, hidden] before the final norm. soft: (rows [E],
-        vectors [E, hidden]): those rows' input is the vector, not their token's embedding (as
-        transformers' inputs_embeds). rows (int [R], on the model's device): -> [R, hidden], the
+        """tokens, positions [T] -> hidden states [T, hidden] before the final norm. soft: (src [T]
+        int, table [E, hidden]): row t's input is table[src[t]], not its token's embedding, where
+        src[t] >= 0 (as transformers' inputs_embeds; static shapes, so a graph takes it). rows (int [R], on the model's device): -> [R, hidden], the
         hidden states of those rows only. The last layer then computes its K/V for every row (those
         rows attend to them) and its attention, O and MLP for those rows only: a pass reads one row
         per query or item, so W3 (100 items of 150 tokens) skips ~96% of one layer in 24."""
@@ -262,11 +262,12 @@ class Transformer(nn.Module):
         x, ssq, cos, sin = embed_rope(tokens, positions, emb, *self.rope_table(emb.device, emb.dtype),
                                       options=ctx.options)
         if soft is not None:
-            at, vec = soft
-            vec = vec.to(x.dtype)
-            x = x.index_copy(0, at, vec)
+            src, table = soft
+            on = src >= 0
+            vec = table.index_select(0, src.clamp(min=0)).to(x.dtype)
+            x = torch.where(on[:, None], vec, x)
             if ssq is not None:  # [1, T]: the overridden rows' sums of squares, as embed_rope's
-                ssq = ssq.index_copy(1, at, vec.float().square().sum(-1)[None])
+                ssq = torch.where(on[None], vec.float().square().sum(-1)[None], ssq)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x, ssq = layer(x, ssq, cos, sin, ctx, i, rows if i == last else None)

@@ -141,7 +141,7 @@ class ScoreRun:
             run = [i for i in run if i not in q]
         if run:  # with the query part in the pass (slots are the subset's: back to the request's)
             for g in request_spans(sc.spans, prep.subset(run), sc.prefix_ids, sc.prefix_kv,
-                                   sc.engine.no_prefix, self.branch, one_per_span):
+                                   sc.engine.bare, self.branch, one_per_span):
                 g.slots = [run[s] for s in g.slots]
                 spans.append(g)
         out = {}

@@ -165,20 +165,16 @@ class Scorer:
         self.prefix_ids = self.prompt.prefix_ids
 
     def _capture(self, graphs: bool) -> dict:
-        """CUDA graphs for the pinned prefix and the scorer's own labels (any Plan fits a bucket),
-        and for SGLang's default mode (apply_softmax false) any label set's; the same over the
-        engine's K/V bank (a long query part's chunks, and the items after them); other label sets
-        and items computed without the cached prefix run eagerly."""
-        tokens, info = self.spec.max_batch_tokens, {}
+        """CUDA graphs of every pass a scorer runs (Engine.capture_scorer): over the pinned prefix
+        and over the engine's K/V bank (a long query part's chunks, and the items after them), for
+        its own labels, any label set under softmax and SGLang's default mode, embedding items
+        included. Items computed without the cached prefix, and label sets over VOCAB_LABELS
+        tokens, run eagerly. -> capture_info: the own labels' capture (time, memory), the rest
+        under "prefix" and "bank"."""
         own = self.mode != "vocab_probs"
-        if own:
-            info = self.engine.capture(self.prefix_kv, self.head.weight, self.mode != "logits", tokens)
-        vocab = self.engine.capture_vocab(self.prefix_kv, tokens)
-        if vocab:
-            info["vocab"] = vocab
-            info["bank"] = self.engine.capture_bank(self.head.weight if own else None,
-                                                    self.mode != "logits", tokens, vocab=True)
-        return info
+        info = self.engine.capture_scorer(self.prefix_kv, self.head.weight if own else None,
+                                          self.mode != "logits", self.spec.max_batch_tokens)
+        return {**info.get("prefix", {}).get("own", {}), **info}
 
     @property
     def layout(self) -> str:
@@ -320,7 +316,7 @@ class Scorer:
         return self.input.prepare_ids(query_ids, items_ids, item_first)
 
     def _groups(self, prep: Prepared, branch: int, one_per_span: bool) -> list[Span]:
-        return request_spans(self.spans, prep, self.prefix_ids, self.prefix_kv, self.engine.no_prefix,
+        return request_spans(self.spans, prep, self.prefix_ids, self.prefix_kv, self.engine.bare,
                              branch, one_per_span)
 
     # ------------------------------------------------------------ spans -> passes -> scores
@@ -383,7 +379,8 @@ class Scorer:
         if mode == "vocab_probs":
             probs = self.engine.vocab_probs(plan, kv, [p[0] for p in trie.paths])
             return lambda: (probs.tolist(), probs.argmax(-1).tolist())
-        pending = self.engine.launch(plan, kv, head.weight, mode != "logits")  # a graph if captured
+        pending = self.engine.launch(plan, kv, head.weight, mode != "logits",  # a graph if captured
+                                     trie.columns)
 
         def collect():
             s, best = pending()

@@ -184,22 +184,24 @@ def query_part(prep, start: int, idx: list[int]) -> tuple[list[int], list[int], 
     return ref, q, L
 
 
-def request_spans(layout: SpanLayout, prep, prefix_ids: list[int], prefix_kv, no_prefix, branch: int,
+def request_spans(layout: SpanLayout, prep, prefix_ids: list[int], prefix_kv, bare: tuple, branch: int,
                   one_per_span: bool) -> list[Span]:
-    """Split one request (a score_input.Prepared) into spans. `branch`: label-branch tokens per item; one_per_span when
-    the labels branch more than once (a branch then takes its item's whole span as base)."""
+    """Split one request (a score_input.Prepared) into spans. bare: (K/V, its kv_range) of items
+    computed without the pinned prefix (engine.Engine.bare); `branch`: label-branch tokens per
+    item; one_per_span when the labels branch more than once (a branch then takes its item's
+    whole span as base)."""
     full, groups = prep.full, []
     soft = (lambda ids: None) if prep.soft is None else (lambda ids: [prep.soft[i] for i in ids])
     for start, idx in by_start(prep, prefix_ids).items():
-        kv = prefix_kv if start else no_prefix
+        kv, rng = (prefix_kv, None) if start else bare
         ref, q, L = query_part(prep, start, idx)
         aligned = [i for i, n in zip(idx, q) if n >= L]
-        groups += [Span(start, kv, [], [full[i][start:]], [i], soft([i])) for i, n in zip(idx, q) if n < L]
+        groups += [Span(start, kv, [], [full[i][start:]], [i], soft([i]), rng) for i, n in zip(idx, q) if n < L]
         sizes = [len(full[i]) - start - L + branch for i in aligned]
         m = 1 if one_per_span else layout.items_per_span(L, sizes)
         for chunk in layout.fill(L, sizes, m):
             ids = [aligned[j] for j in chunk]
-            groups.append(Span(start, kv, ref[:L], [full[i][start + L:] for i in ids], ids, soft(ids)))
+            groups.append(Span(start, kv, ref[:L], [full[i][start + L:] for i in ids], ids, soft(ids), rng))
     return groups
 
 

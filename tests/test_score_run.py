@@ -145,8 +145,8 @@ def test_gpu_chunked_query_part(gpu_scorer, softmax, labels):
     """On the GPU (Triton attention over the request's K/V in the engine's bank, bf16): chunked
     against one pass, within bf16 rounding compounded over the layers (0.02 of a probability;
     vocabulary probabilities: 0.1 in log). The chunks replay the bank's extend graphs, the items
-    its graphs for the scorer's own labels and for the vocabulary mode (a request's label set
-    under softmax: eagerly, over the same bank rows)."""
+    its graphs for the scorer's own labels, for any label set under softmax, or for the
+    vocabulary mode."""
     sc = gpu_scorer
     bank = sc.engine.bank
     replayed = []
@@ -166,8 +166,8 @@ def test_gpu_chunked_query_part(gpu_scorer, softmax, labels):
     got = np.asarray(run.answer()["scores"])
     assert sum(f for f, _ in steps) == 4 and run.kv.bank is bank and bank.used == {}
     assert "extend" in replayed
-    assert (id(sc.head.weight) in replayed) == (labels == "own")
-    assert ("vocab" in replayed) == (not softmax)
+    kind = id(sc.head.weight) if labels == "own" else "labels" if softmax else "vocab"
+    assert set(replayed) == {"extend", kind}, replayed
     if softmax:
         assert np.abs(got - want).max() <= 0.02
     else:
@@ -243,3 +243,58 @@ def test_bank_passes_through_graph_runners(tiny_model, monkeypatch, softmax):
         assert changed and set(changed) <= set(range(lo, hi)) | {bank.trash}
     assert bank.used == {}  # (the finished request's region went back)
     assert sc.begin(sc.input.parse(bodies[1]), tokens=60).kv.bank is bank
+
+
+def test_every_scorer_pass_replays_a_graph(tiny_model, monkeypatch):
+    """Engine.capture_scorer's runners on the CPU (tests/helpers.eager_graphs): text items, token-id
+    items, embedding items, a request's own label set under softmax, SGLang's default mode, and a
+    long query part (its chunks and items over the K/V bank) all replay graphs, none eagerly, with
+    the answers of the eager engine."""
+    from prefixscore.engine import Engine
+    from prefixscore.graphs import GraphRunner
+    from tests.helpers import eager_graphs
+
+    sc = Scorer(tiny_model("llama"), "Is the item relevant? Query: {query}\nItem: {item}", ["yes", "no"],
+                chat=False, device="cpu", dtype=torch.float32)
+    eng = sc.engine
+    rng = np.random.default_rng()
+    H = sc.config.hidden_size
+    words = ["red", "blue", "shoe", "dress", "running", "coat", "green", "wool"]
+    text = lambda n: " ".join(rng.choice(words, n))  # noqa: E731
+    bodies = [{"query": text(5), "items": [text(3), text(6)], "apply_softmax": True},
+              {"query": rng.integers(10, 2000, 6).tolist(), "items": [rng.integers(10, 2000, 4).tolist()],
+               "apply_softmax": True},
+              {"query": text(4), "items": [rng.standard_normal(H).astype(np.float32), text(2)],
+               "apply_softmax": True},
+              {"query": text(4), "items": [text(3)], "apply_softmax": True, "label_token_ids": [5, 9, 11]},
+              {"query": text(4), "items": [text(3), text(2)], "apply_softmax": False, "label_token_ids": [5, 9]},
+              {"query": text(200), "items": [text(3), rng.standard_normal(H).astype(np.float32)],
+               "apply_softmax": True}]
+    want = []
+    for b in bodies:  # eagerly: no graphs yet
+        run = sc.begin(sc.input.parse(b), tokens=64)
+        while not run.finished:
+            run.step(64)
+        want.append(run.answer())
+    wire = eager_graphs(monkeypatch)
+    monkeypatch.setattr(Engine, "captures", property(lambda self: True))
+    eng.capture_scorer(sc.prefix_kv, sc.head.weight, True, 64)
+    used, eager = set(), []
+    for key, runner in eng.graphs.items():
+        wire(runner)
+    launch = GraphRunner.launch
+    monkeypatch.setattr(GraphRunner, "launch", lambda self, *a: used.add(
+        next(k for k, r in eng.graphs.items() if r is self)) or launch(self, *a))
+    forward = Engine.forward_scores
+    monkeypatch.setattr(Engine, "forward_scores", lambda self, *a, prune=False, **k: (
+        eager.append(a[0].shape) if prune else None) or forward(self, *a, prune=prune, **k))
+    monkeypatch.setattr(Engine, "hidden", lambda *a, **k: eager.append(a[1].num_tokens))
+    for b, w in zip(bodies, want):
+        run = sc.begin(sc.input.parse(b), tokens=64)
+        while not run.finished:
+            run.step(64)
+        check(run.answer(), w)
+        assert not eager, b
+    bank, P = eng.bank.kv, sc.prefix_kv
+    assert used == {(id(P), id(sc.head.weight), True), (id(P), "labels", True), (id(P), "vocab"),
+                    (id(bank), "extend"), (id(bank), id(sc.head.weight), True)}, used
