@@ -48,7 +48,9 @@ def real_queries(n):
 
     with open(ROOT / "tests" / "data" / "intent_dev.csv", newline="") as f:
         qs = [r["query"] for r in csv.DictReader(f)]
-    return [qs[i % len(qs)] for i in range(n)]
+    # past the dev set's length each repeat gets a number, so no two rows of a pass are the same
+    # (the loop computes identical rows once: repeats would measure that, not the engine)
+    return [qs[i % len(qs)] + (f" {i // len(qs)}" if i >= len(qs) else "") for i in range(n)]
 
 
 def sync(device):

@@ -8,6 +8,8 @@ buffers let a pass be launched while the one before it runs (launch(), collect()
 """
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import torch
 
@@ -105,6 +107,19 @@ class GraphRunner:
         self._capture(engine)
 
     def _capture(self, engine):
+        # No garbage collection while capturing: a dead runner's graphs freed by the collector
+        # mid-capture (CUDAGraph reset) invalidate the capture under way, the whole process's
+        # in CUDA's global capture mode. Collect before, as SGLang's capture does.
+        gc.collect()
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_buckets(engine)
+        finally:
+            if was:
+                gc.enable()
+
+    def _capture_buckets(self, engine):
         pool = engine.pool
         # Warm up on the stream that captures: what a kernel caches per stream (the skinny GEMMs'
         # split-K counters) then exists before the capture, which would otherwise record its
