@@ -237,9 +237,8 @@ class Engine:
         if g is not None:
             if tokens is None:
                 return g.launch(plan)
-            collect = g.launch(plan, tokens)
-            n = len(tokens)
-            return lambda: (lambda s, b: (s[:, :n], b))(*collect())
+            pending, n = g.launch(plan, tokens), len(tokens)
+            return lambda: (lambda s, b: (s[:, :n], b))(*pending())
         cuda = self.device.type == "cuda"
         p = plan.pinned().to(self.device) if cuda else plan  # pinned: the copies do not block
         ctx = Context(prefix_kv, p.base_start, p.base_end, p.own_start, p.seg_offsets,

@@ -15,6 +15,14 @@ import numbers
 from dataclasses import asdict, dataclass
 
 from .errors import ConfigError
+from .options import option
+
+# A pass's new tokens at most (max_batch_tokens) by device. A CPU pass of 16,384 tokens of the
+# bundled model took 7.9 s (2 cores), which is how long a Ctrl-C waited. bench/stop.py, the bundled
+# model with the seed adapter on 2 cores: with passes of 1,024 tokens a SIGINT exited within 1.3 s
+# (3 signals), with 2,048 within 2.3 s; the rates were 40 and 44 rows/s (36 and 34 in another
+# run): 1,024 keeps Ctrl-C under 2 s.
+GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 1024
 
 
 @dataclass(frozen=True)
@@ -23,19 +31,39 @@ class ModelSpec:
     prompt and labels for a Classifier (a Scorer's own relevance prompt and yes/no), cuda when
     available, bf16 on GPU and fp32 on CPU, the chat template when the tokenizer has one, and for
     template, labels and chat an adapter's or head's own."""
-    model: object = None  # HF folder, .gguf file, hub name, or a LoadedModel to share weights
+    # The fields but template and labels are options (options.py): the command line's model and
+    # prompt flags (cli/common.model_args), the TOML keys and Ray's, derived from these.
+    model: object = option(None, "HF folder, .gguf file, or Hugging Face hub name org/name[@revision] "
+                           "(or org/name/FILE.gguf), downloaded into the hub cache unless "
+                           "HF_HUB_OFFLINE=1 (default: bundled SmolLM2-135M-Instruct); in Python "
+                           "also a LoadedModel, to share its weights", type=str)
     template: str | None = None
     labels: tuple[str, ...] | None = None
-    device: str | None = None
-    dtype: str | None = None  # float32, bfloat16, fp8
-    chat: bool | None = None
-    mode: str | None = None  # the component's MODES; None: logprobs
-    truncate: bool = False  # cut over-long queries instead of refusing them
-    max_batch_tokens: int = 16384
-    head: str | None = None  # a trained label head file (prefixscore fit-head)
-    adapter: str | None = None  # a LoRA adapter file (prefixscore finetune), or "seed"
-    allow_special_tokens: bool = False  # parse special-token text in a query as control tokens
-    batch_invariant: bool | None = None  # kernels in batch-invariant mode; None: the environment's
+    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda if available)", type=str)
+    dtype: str | None = option(None, "float32 / bfloat16 / fp8 (e4m3 weights, Hopper) (default: bf16 "
+                               "on GPU, fp32 on CPU; fp8 for an FP8 checkpoint on Hopper)", type=str)
+    chat: bool | None = option(None, "wrap the template in the model's chat template (default: if it "
+                               "has one)", switch="both")
+    mode: str | None = option(None, "scores: label log-probs (default) or raw first-token logits "
+                              "(fastest)", choices=["logprobs", "logits"], flag_default="logprobs",
+                              record=True)
+    truncate: bool = option(False, "cut queries that exceed the context instead of failing", record=True)
+    max_batch_tokens: int = option(GPU_BATCH_TOKENS, f"max new tokens per forward pass (default: "
+                                   f"{GPU_BATCH_TOKENS} on a GPU, {CPU_BATCH_TOKENS} on a CPU, where a "
+                                   f"pass of {GPU_BATCH_TOKENS} tokens took 8 s and Ctrl-C waits for "
+                                   f"the pass in flight)", flag="batch-tokens", type=int, flag_default=None,
+                                   record=True)
+    head: str | None = option(None, "trained head (prefixscore fit-head); its template, labels and chat "
+                              "flag are the defaults", type=str)
+    adapter: str | None = option(None, "LoRA adapter (prefixscore finetune), merged into the weights at "
+                                 "load; its template, labels and chat flag are the defaults. 'seed': "
+                                 "the shipped one, which classify, eval and serve use by default on "
+                                 "the bundled model", type=str)
+    allow_special_tokens: bool = option(False, "parse special-token text such as <|im_end|> inside "
+                                        "queries as control tokens (default: plain text)", record=True)
+    batch_invariant: bool | None = option(None, "scores bitwise the same whatever a query is batched "
+                                          "with (CUDA kernels in one launch config for every batch "
+                                          "size; slower at large batches)", switch="on")
 
     def __post_init__(self):
         if isinstance(self.labels, list):  # a list is the natural way to write them

@@ -11,6 +11,8 @@ import sys
 
 from .. import __version__
 from ..errors import InputError, PrefixScoreError
+from ..options import recorded, values
+from ..values import ModelSpec
 from .common import (
     apply_sources, batch_tokens, classifier_kwargs, err, error, log, make_classifier, model_args,
     quiet, run_batches, seed_adapter_default, verbosity,
@@ -100,10 +102,10 @@ def _classify_files(a) -> int:
 
 
 def _flags(a) -> dict:
-    """The options a sidecar records: batch_tokens as run (its default is the device's), as the
-    Ray path records the classifier's."""
-    return {"batch_tokens": batch_tokens(a)} | {k: getattr(a, k) for k in (
-        "mode", "truncate", "allow_special_tokens", "probs", "top_k")}
+    """The options a sidecar records: the model's marked record (values.ModelSpec), batch_tokens
+    as run (its default is the device's), as the Ray path records the classifier's; probs, top_k."""
+    spec = ModelSpec(**values(ModelSpec, a, skip=("template", "labels")) | {"max_batch_tokens": batch_tokens(a)})
+    return recorded(spec) | {"probs": a.probs, "top_k": a.top_k}
 
 
 def _first_query(a) -> str:
@@ -152,7 +154,7 @@ def cmd_eval(a) -> int:
     check_output(a.json)
     _check_predictions(a.predictions)
     rows = read_rows(a.data, a.input_format, (a.column, a.label_column))
-    head = getattr(a, "head", None)
+    head = a.head
     probe = argparse.Namespace(**(vars(a) | {"head": None}))  # a head is compared, not a new task
     seed_adapter_default(probe)
     adapter = probe.adapter
@@ -323,7 +325,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
     a.argv = argv[1:]  # the command's own arguments (apply_sources parses them again)
-    if not getattr(a, "func", None):
+    if "func" not in vars(a):  # no command
         p.print_help()
         return 2
     try:

@@ -15,45 +15,21 @@ import time
 
 from ..errors import ConfigError
 from ..rows.io import labels_option, template_option
-from ..values import ModelSpec
+from ..options import add_flags, values
+from ..values import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ModelSpec
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
+    """The model and prompt flags: ModelSpec's options (values.py), the template and labels (each
+    also from a file) and --no-adapter."""
     g = p.add_argument_group("model and prompt")
-    g.add_argument("--model", default=None,
-                   help="HF folder, .gguf file, or Hugging Face hub name org/name[@revision] (or "
-                        "org/name/FILE.gguf), downloaded into the hub cache unless HF_HUB_OFFLINE=1 "
-                        "(default: bundled SmolLM2-135M-Instruct)")
+    add_flags(g, ModelSpec, skip=("template", "labels"))
     g.add_argument("--template", default=None, help="prompt template with one {query} slot (default: the seed prompt)")
     g.add_argument("--template-file", default=None, help="read the template from a file")
     g.add_argument("--labels", default=None, help="comma-separated labels (default: the nine seed labels)")
     g.add_argument("--labels-file", default=None, help="one label per line")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="float32 / bfloat16 / fp8 (e4m3 weights, Hopper) (default: bf16 on GPU, "
-                   "fp32 on CPU; fp8 for an FP8 checkpoint on Hopper)")
-    g.add_argument("--mode", default="logprobs", choices=["logprobs", "logits"],
-                   help="scores: label log-probs (default) or raw first-token logits (fastest)")
-    g.add_argument("--chat", default=None, action=argparse.BooleanOptionalAction,
-                   help="wrap the template in the model's chat template (default: if it has one)")
-    g.add_argument("--truncate", action="store_true", help="cut queries that exceed the context instead of failing")
-    g.add_argument("--allow-special-tokens", action="store_true",
-                   help="parse special-token text such as <|im_end|> inside queries as control tokens "
-                        "(default: plain text)")
-    g.add_argument("--batch-tokens", type=int, default=None,
-                   help=f"max new tokens per forward pass (default: {GPU_BATCH_TOKENS} on a GPU, "
-                        f"{CPU_BATCH_TOKENS} on a CPU, where a pass of {GPU_BATCH_TOKENS} tokens took "
-                        f"8 s and Ctrl-C waits for the pass in flight)")
-    g.add_argument("--batch-invariant", action="store_true", default=None,
-                   help="scores bitwise the same whatever a query is batched with (CUDA kernels in "
-                        "one launch config for every batch size; slower at large batches)")
-    g.add_argument("--adapter", default=None,
-                   help="LoRA adapter (prefixscore finetune), merged into the weights at load; its "
-                        "template, labels and chat flag are the defaults. 'seed': the shipped one, "
-                        "which classify, eval and serve use by default on the bundled model")
     g.add_argument("--no-adapter", action="store_true",
                    help="the raw model with the seed prompt, not the shipped seed adapter")
-    g.add_argument("--head", default=None,
-                   help="trained head (prefixscore fit-head); its template, labels and chat flag are the defaults")
     common_args(p)
 
 
@@ -73,20 +49,13 @@ def common_args(p: argparse.ArgumentParser) -> None:
                    help="debug logging on stderr")
 
 
-# A CPU pass of 16,384 tokens of the bundled model took 7.9 s (2 cores), which is how long a
-# Ctrl-C waited. bench/stop.py, the bundled model with the seed adapter on 2 cores: with passes of
-# 1,024 tokens a SIGINT exited within 1.3 s (3 signals), with 2,048 within 2.3 s; the rates were
-# 40 and 44 rows/s (36 and 34 in another run): 1,024 keeps Ctrl-C under 2 s.
-GPU_BATCH_TOKENS, CPU_BATCH_TOKENS = 16384, 1024
-
-
 def batch_tokens(a) -> int:
     """--batch-tokens, or its default for the device the model will run on."""
     if a.batch_tokens is not None:
         return a.batch_tokens
     from ..weights.loading import resolve_device
 
-    device = getattr(a, "device", None)
+    device = a.device
     try:
         gpu = resolve_device(device).type == "cuda"
     except ConfigError:  # a bad --device is reported where the model loads
@@ -100,12 +69,9 @@ def model_spec(a, warn: bool = True) -> ModelSpec:
     warn: say when the seed prompt runs without its adapter (not for declared classifiers)."""
     labels, template = labels_option(a), template_option(a)
     if warn:
-        warn_seed_prompt(labels, template, getattr(a, "adapter", None), getattr(a, "head", None))
-    spec = ModelSpec(a.model, template, labels, device=a.device, dtype=a.dtype, chat=a.chat,
-                     mode=a.mode, truncate=a.truncate, max_batch_tokens=batch_tokens(a),
-                     head=getattr(a, "head", None), adapter=getattr(a, "adapter", None),
-                     allow_special_tokens=a.allow_special_tokens,
-                     batch_invariant=getattr(a, "batch_invariant", None) or None)
+        warn_seed_prompt(labels, template, a.adapter, a.head)
+    spec = ModelSpec(template=template, labels=labels, **{
+        **values(ModelSpec, a, skip=("template", "labels")), "max_batch_tokens": batch_tokens(a)})
     log.debug("%s", spec)
     return spec
 
@@ -314,6 +280,7 @@ def apply_sources(a, parser, environ=None) -> list[str]:
     options = _options(parser)
     config = a.config if a.config is not None else (environ.get(ENV_PREFIX + "CONFIG") or None)
     sources = (_config_words(config, options) if config else []) + _env_words(options, environ)
+    a.source_words = [w for _, words in sources for w in words]  # what they said (resume_args.said)
     if not sources:
         return []
     parser.exit_on_error = False  # a bad value raises, to be reported as its source's
@@ -329,7 +296,6 @@ def apply_sources(a, parser, environ=None) -> list[str]:
     for k, v in vars(merged).items():
         setattr(a, k, v)
     a.config = config
-    a.source_words = [w for _, words in sources for w in words]  # what they said (resume_args.said)
     return [f"{' '.join(w.split('=', 1)[0] for w in words)} from {where}" for where, words in sources if words]
 
 
@@ -363,11 +329,11 @@ def seed_adapter_default(a) -> None:
     from ..errors import ConfigError
     from ..weights.adapter import SEED_ADAPTER
 
-    if getattr(a, "no_adapter", False):
+    if a.no_adapter:
         if a.adapter is not None:
             raise ConfigError("--adapter and --no-adapter: pass one")
         return
-    own = [k for k in _OWN_TASK if getattr(a, k, None) is not None]
+    own = [k for k in _OWN_TASK if vars(a).get(k) is not None]  # (score_template: serve's)
     if own == ["score_template"] and a.adapter is None:  # the seed task, but the weights are shared
         err("note: --score-template: classify and /v1/score run the raw model (an adapter is merged "
             "into the weights both share, so the seed adapter would change /v1/score's scores too); "

@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..options import keys
 from ..rows.resume import META_FORMAT, meta_path
+from ..values import ModelSpec
 
 # The sidecar's options that are the command's own (the same name), and how a recorded value
 # becomes the option's value where they differ.
-SAME = ("input_format", "column", "format", "chunk_rows", "batch_tokens", "mode", "truncate",
-        "allow_special_tokens", "probs", "top_k", "model", "adapter", "head", "template", "chat",
-        "dtype", "device")
+SAME = ("input_format", "column", "format", "chunk_rows", "probs", "top_k", "template",
+        *keys(ModelSpec))  # (the model's options: values.ModelSpec)
 AS_FLAG = {"keep_columns": lambda v: v if isinstance(v, str) else ",".join(v),
            "labels": lambda v: ",".join(v) if not any("," in x for x in v) else None}
 
@@ -27,7 +28,7 @@ def said(a) -> set[str]:
     for act, _ in saved:
         act.default = argparse.SUPPRESS
     try:
-        words = getattr(a, "source_words", []) + a.argv
+        words = a.source_words + a.argv
         return set(vars(parser.parse_known_args(words, argparse.Namespace())[0]))
     finally:
         for act, default in saved:
@@ -37,7 +38,7 @@ def said(a) -> set[str]:
 def fill_from_sidecar(a) -> list[str]:
     """Options of a.output's sidecar set on `a` where the command said nothing -> their names.
     Nothing without --resume, an output or a readable sidecar (the job then says what is wrong)."""
-    if not getattr(a, "resume", False) or a.output in (None, "-"):
+    if not a.resume or a.output in (None, "-"):
         return []
     try:
         with open(meta_path(a.output), encoding="utf-8") as f:

@@ -8,11 +8,10 @@ import json
 import sys
 import time
 
-from .common import batch_tokens, err, quiet
+from .common import err, model_spec, quiet
 from ..errors import ConfigError, InputError, error_at
 from ..overlap import run_ahead
 from ..scorer import LAYOUTS, MODES, Scorer
-from ..values import ModelSpec
 
 # score_request's keys that the command does not take per line: refused rather than ignored
 REQUEST_ONLY_KEYS = ("labels", "label_token_ids", "apply_softmax", "item_first")
@@ -44,8 +43,6 @@ def _read_requests(path: str) -> list[tuple[int, dict]]:
 
 def cmd_score(a) -> int:
     from ..rows.progress import Bar
-
-    from ..rows.io import labels_option, template_option
     from ..rows.writer import Output, check_output
 
     if a.truncate:
@@ -60,11 +57,7 @@ def cmd_score(a) -> int:
         raise InputError("no requests: pass --input FILE (JSONL) or pipe JSONL on stdin")
     rows = _read_requests(src)
     t0 = time.perf_counter()
-    spec = ModelSpec(a.model, template_option(a), labels_option(a), device=a.device, dtype=a.dtype,
-                     chat=a.chat, mode=a.mode, max_batch_tokens=batch_tokens(a),
-                     allow_special_tokens=a.allow_special_tokens, adapter=a.adapter,
-                     batch_invariant=getattr(a, "batch_invariant", None) or None)
-    sc = Scorer(spec=spec, layout=a.layout, max_items=a.max_items, item_table=a.item_table)
+    sc = Scorer(spec=model_spec(a, warn=False), layout=a.layout, max_items=a.max_items, item_table=a.item_table)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {sc.loaded.name} on {sc.engine.device} "
          f"({str(sc.engine.dtype).removeprefix('torch.')}), prefix {sc.prefix_len} tokens cached, "
          f"labels {', '.join(sc.labels)}, mode {sc.mode}")

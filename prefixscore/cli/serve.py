@@ -66,7 +66,7 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
     declared = specs(a)  # before the seed adapter's default: declared classifiers run the raw model
     if not declared:
         seed_adapter_default(a)
-    elif getattr(a, "no_adapter", False) and a.adapter is not None:
+    elif a.no_adapter and a.adapter is not None:
         raise ConfigError("--adapter and --no-adapter: pass one")
     for line in seed_prompt_warnings(declared, a.adapter):
         warn(line)
@@ -87,17 +87,9 @@ def configs(a) -> tuple[FrontendConfig, EngineConfig]:
         schedule=ScheduleOptions(**values(ScheduleOptions, a)))
     decided = dict(workers=default_workers() if a.workers is None else a.workers, data_parallel=dp,
                    api_key=api_key_from(a.api_key), log_level=_log_level(a),
-                   shed_lag_ms=_shed_lag(a.shed_lag_ms, a.target_p99_ms))
+                   shed_lag_ms=engine.schedule.shed_lag_ms(a.shed_lag_ms))
     front = FrontendConfig(**values(FrontendConfig, a, skip=decided), **decided)
     return front, engine
-
-
-def _shed_lag(flag: float | None, target: float | None) -> float | None:
-    """--shed-lag-ms: as given (0: off), else twice the latency target (a front end that far
-    behind cannot hold it; once is within a busy loop's ordinary jitter), else off."""
-    if flag is not None:
-        return flag or None
-    return 2 * target if target else None
 
 
 def check_before_loading(a, score_labels, classifiers=()) -> None:
@@ -122,11 +114,11 @@ def check_before_loading(a, score_labels, classifiers=()) -> None:
     engine_cpu(a.engine_cpu, "cuda")  # the device only decides what 'auto' picks
     data_parallel(a)
     resolve_dtype(a.dtype, resolve_device(a.device))
-    if getattr(a, "adapter", None) is not None:
-        if getattr(a, "head", None) is not None:
+    if a.adapter is not None:
+        if a.head is not None:
             raise ConfigError("pass --adapter or --head, not both: an adapter brings its own decision rule")
         read_adapter(a.adapter)
-    if getattr(a, "head", None) is not None:
+    if a.head is not None:
         from ..weights.heads import read_head
 
         read_head(a.head)
@@ -163,7 +155,7 @@ def data_parallel(a) -> int:
 
     dev = resolve_device(a.device)
     visible = torch.cuda.device_count() if dev.type == "cuda" else 0
-    n = given = getattr(a, "data_parallel", None)
+    n = given = a.data_parallel
     if n is None:
         n = max(1, visible) if dev.type == "cuda" and dev.index is None else 1
     if n < 1:
@@ -208,7 +200,7 @@ def _log_level(a) -> str:
     --log-level other than the default wins."""
     if a.log_level != "info":
         return a.log_level
-    return {"quiet": "warning", "verbose": "debug"}.get(getattr(a, "verbosity", "normal"), "info")
+    return {"quiet": "warning", "verbose": "debug"}.get(a.verbosity, "info")
 
 
 def cmd_serve(a) -> int:

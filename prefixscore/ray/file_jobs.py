@@ -28,11 +28,13 @@ from types import SimpleNamespace
 
 from ..classifier import Result
 from ..errors import InputError
+from ..options import recorded
 from ..rows.files import check, commit, looks_finished, plan, start
 from ..rows.io import Row, RowReader
 from ..rows.writer import ResultWriter, RowFormat
 from ..rows.resume import CHUNK_ROWS, check_meta, chunk_ends
 from ..rows.stream import Progress
+from ..values import ModelSpec
 from .data import checked, connect, describe, pool
 
 import pyarrow as pa  # noqa: E402 (after data.py, which says how to install Ray Data and pyarrow)
@@ -207,10 +209,8 @@ def classify_files(inputs, output: str, *, input_format: str = "auto", column: s
     t0 = time.perf_counter()
     info = info or (lambda msg: print(msg, file=sys.stderr, flush=True))
     targets = plan(inputs, output, format, input_format)
-    flags = {"batch_tokens": classifier.get("max_batch_tokens", 16384),
-             "mode": classifier.get("mode", "logprobs"), "truncate": classifier.get("truncate", False),
-             "allow_special_tokens": classifier.get("allow_special_tokens", False),
-             "probs": probs, "top_k": top_k}  # as the command line records them
+    spec = ModelSpec(**{k: v for k, v in classifier.items() if k in ModelSpec.__dataclass_fields__})
+    flags = recorded(spec) | {"probs": probs, "top_k": top_k}  # as the command line records them
     options = [check(t, input_format, column, keep_columns, chunk_rows, strict, flags) for t in targets]
     done = [resume and looks_finished(t) for t in targets]
     todo = [(t, o) for t, o, d in zip(targets, options, done) if not d]

@@ -36,7 +36,7 @@ import os
 import sys
 
 from ..errors import ConfigError
-from ..options import proxy_keys
+from ..options import keys, proxy_keys
 from ..serve.config import EngineConfig, FrontendConfig
 from ..values import ModelSpec
 
@@ -56,9 +56,7 @@ READY_TIMEOUT_S = 3600.0  # the engine's warm-up (CUDA graphs of a large model) 
 FRONT_KEYS = proxy_keys(FrontendConfig)  # the fields marked proxy=True
 # Settings named as the server's flags: the ModelSpec's (--batch-tokens is its max_batch_tokens)
 # beside EngineConfig's own.
-SPEC_KEYS = {"device": "device", "dtype": "dtype", "mode": "mode", "chat": "chat", "truncate": "truncate",
-             "batch_tokens": "max_batch_tokens", "head": "head", "adapter": "adapter",
-             "allow_special_tokens": "allow_special_tokens", "batch_invariant": "batch_invariant"}
+SPEC_KEYS = keys(ModelSpec, skip=("model", "template", "labels"))  # key -> the field
 ENGINE_KEYS = tuple(SPEC_KEYS) + tuple(f.name for f in dataclasses.fields(EngineConfig)
                                        if f.name not in ("spec", "classifiers"))
 DEPLOY_KEYS = ("name", "num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",

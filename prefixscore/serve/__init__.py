@@ -51,8 +51,8 @@ def create_app(classifier, scorer=None, *, restart_engine: bool = False, batch_w
     from .http import create_app as http_app
     from .metrics import Metrics
 
-    if schedule is not None and schedule.target_p99_ms and "shed_lag_ms" not in limits:
-        limits["shed_lag_ms"] = 2 * schedule.target_p99_ms  # as `prefixscore serve` sets it
+    if schedule is not None and "shed_lag_ms" not in limits:
+        limits["shed_lag_ms"] = schedule.shed_lag_ms()  # as `prefixscore serve` sets it
     cfg = FrontendConfig(restart_engine=restart_engine, **limits)
     check_window(batch_window_ms)
     metrics = Metrics()

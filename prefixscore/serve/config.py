@@ -82,6 +82,14 @@ class ScheduleOptions:
         the CPU burst); on a GPU the pass goal is the larger anyway."""
         return 3.0 if self.target_p99_ms or self.pass_ms else 10.0
 
+    def shed_lag_ms(self, flag: float | None = None) -> float | None:
+        """--shed-lag-ms (FrontendConfig's): as given (0: off), else twice the latency target (a
+        front end that far behind cannot hold it; once is within a busy loop's ordinary jitter),
+        else off."""
+        if flag is not None:
+            return flag or None
+        return 2 * self.target_p99_ms if self.target_p99_ms else None
+
     @property
     def pass_s(self) -> float:
         """The engine pass's time bound, in seconds."""

@@ -18,6 +18,7 @@ close, answer 503, and the launcher restarts it with --restart-engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -26,7 +27,11 @@ import sys
 import time
 
 from ..errors import ConfigError
-from ..values import ModelSpec
+
+# A ModelSpec's fields each declared classifier sets for itself (ClassifierSpec.kwargs), and the
+# adapter, which Classifier.many refuses (merged into the weights: one classifier); the rest are
+# the model's, shared by all.
+PER_PROMPT = ("template", "labels", "chat", "mode", "head", "adapter")
 from .config import EngineConfig
 from .engine_loop import STOP, EngineLoop, Stopped
 from .wire import EngineSocket
@@ -46,19 +51,17 @@ def build(cfg: EngineConfig):
     elif spec.adapter is not None:  # merged into the weights: one classifier (classifiers.specs)
         (one,) = cfg.classifiers
         clf = {one.name: Classifier(spec=spec.replace(**one.kwargs(spec.chat, spec.mode)))}
-    else:
-        common = dict(truncate=spec.truncate, max_batch_tokens=spec.max_batch_tokens,
-                      allow_special_tokens=spec.allow_special_tokens, batch_invariant=spec.batch_invariant)
-        clf = Classifier.many({s.name: s.kwargs(spec.chat, spec.mode) for s in cfg.classifiers},
-                              model=spec.model, device=spec.device, dtype=spec.dtype, **common)
+    else:  # the model's options (those no classifier sets) shared by every classifier
+        common = {k: v for k, v in dataclasses.asdict(spec).items() if k not in PER_PROMPT}
+        clf = Classifier.many({s.name: s.kwargs(spec.chat, spec.mode) for s in cfg.classifiers}, **common)
     scorer = None
     if cfg.score_template:
         from ..scorer import Scorer
 
-        scorer = Scorer(spec=ModelSpec(first(clf).loaded, cfg.score_template, cfg.score_labels,
-                                       chat=spec.chat, max_batch_tokens=spec.max_batch_tokens,
-                                       allow_special_tokens=spec.allow_special_tokens,
-                                       batch_invariant=spec.batch_invariant),
+        # the server's options but the classifier's own prompt, head and mode, on its weights
+        scorer = Scorer(spec=spec.replace(model=first(clf).loaded, template=cfg.score_template,
+                                          labels=cfg.score_labels, mode=None, head=None,
+                                          adapter=None, truncate=False, device=None, dtype=None),
                         item_table=cfg.item_table)
     return clf, scorer
 
