@@ -103,10 +103,53 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
 
     Python walks segments (a few per item); numpy expands them to tokens.
     """
-    toks, seg = [], []  # per segment: (length, first position, base start, base end, own start)
-    rows, offs, t = [], [0], 0
-    ranged = groups[0].kv_range is not None  # (a pass's spans share one K/V: SpanLayout.passes)
+    toks, seg, rows, offs = _segments(groups, branches)
+    t = offs[-1]
+    seg = np.array(seg, np.int64).reshape(-1, 5)
+    lens = seg[:, 0]
+    first = np.zeros(len(seg), np.int64)
+    np.cumsum(lens[:-1], out=first[1:])
+    expand = lambda col: np.repeat(col, lens)  # noqa: E731
+    positions = np.arange(t, dtype=np.int64) + expand(seg[:, 1] - first)
+    n_items = sum(len(g.tails) for g in groups)
+    tokens = np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)
+    ranges = None
+    if groups[0].kv_range is not None:  # the bank rows each span's tokens see (a pass's spans
+        # share one K/V: SpanLayout.passes)
+        lo, hi, n = (np.array(x, np.int64) for x in zip(*(
+            (*g.kv_range, e - b) for g, b, e in zip(groups, offs, offs[1:]))))
+        ranges = (_i32(np.repeat(lo, n)), _i32(np.repeat(hi, n)))
     soft = [v for g in groups if g.soft for v in g.soft if v is not None]  # in flat order
+    soft_rows = None
+    if soft:  # each embedding item's tail holds one SOFT: the rows that skip the embedding lookup
+        soft_rows = np.flatnonzero(tokens == SOFT)
+        assert len(soft_rows) == len(soft), "one soft token per embedding item"
+        tokens[soft_rows] = 0  # (any id: its embedding is replaced)
+    return Plan(
+        tokens=torch.from_numpy(tokens),
+        positions=torch.from_numpy(positions),
+        base_start=_i32(expand(seg[:, 2])), base_end=_i32(expand(seg[:, 3])),
+        own_start=_i32(expand(seg[:, 4])),
+        seg_offsets=torch.tensor(offs, dtype=torch.long),
+        rows=torch.tensor(rows, dtype=torch.long),
+        allowed=torch.from_numpy(np.tile(trie.allowed.numpy(), (n_items, 1))),
+        batch=n_items,
+        soft_rows=None if soft_rows is None else torch.from_numpy(soft_rows),
+        soft=None if soft_rows is None else torch.stack(soft),
+        prefix_start=None if ranges is None else ranges[0],
+        prefix_end=None if ranges is None else ranges[1],
+    )
+
+
+def _i32(a) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, np.int32))
+
+
+def _segments(groups: list[Span], branches: list[tuple]):
+    """plan_items' walk over the spans: (token lists, per segment (length, first position, base
+    start, base end, own start), read-out rows, each span's first flat token and the end)."""
+    toks, seg = [], []
+    rows, offs, t = [], [0], 0
     for g in groups:
         s0, L = t, len(g.shared)
         assert len(branches) <= 1 or len(g.tails) == 1
@@ -128,39 +171,7 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
                 t += m
                 rows.append(t - 1)
         offs.append(t)
-    seg = np.array(seg, np.int64).reshape(-1, 5)
-    lens = seg[:, 0]
-    first = np.zeros(len(seg), np.int64)
-    np.cumsum(lens[:-1], out=first[1:])
-    expand = lambda col: np.repeat(col, lens)  # noqa: E731
-    positions = np.arange(t, dtype=np.int64) + expand(seg[:, 1] - first)
-    i32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.int32))  # noqa: E731
-    n_items = sum(len(g.tails) for g in groups)
-    tokens = np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)
-    ranges = None
-    if ranged:  # the bank rows each span's tokens see
-        lo, hi, n = (np.array(x, np.int64) for x in zip(*(
-            (*g.kv_range, e - b) for g, b, e in zip(groups, offs, offs[1:]))))
-        ranges = (i32(np.repeat(lo, n)), i32(np.repeat(hi, n)))
-    soft_rows = None
-    if soft:  # each embedding item's tail holds one SOFT: the rows that skip the embedding lookup
-        soft_rows = np.flatnonzero(tokens == SOFT)
-        assert len(soft_rows) == len(soft), "one soft token per embedding item"
-        tokens[soft_rows] = 0  # (any id: its embedding is replaced)
-    return Plan(
-        tokens=torch.from_numpy(tokens),
-        positions=torch.from_numpy(positions),
-        base_start=i32(expand(seg[:, 2])), base_end=i32(expand(seg[:, 3])),
-        own_start=i32(expand(seg[:, 4])),
-        seg_offsets=torch.tensor(offs, dtype=torch.long),
-        rows=torch.tensor(rows, dtype=torch.long),
-        allowed=torch.from_numpy(np.tile(trie.allowed.numpy(), (n_items, 1))),
-        batch=n_items,
-        soft_rows=None if soft_rows is None else torch.from_numpy(soft_rows),
-        soft=None if soft_rows is None else torch.stack(soft),
-        prefix_start=None if ranges is None else ranges[0],
-        prefix_end=None if ranges is None else ranges[1],
-    )
+    return toks, seg, rows, offs
 
 
 def by_start(prep, prefix_ids: list[int]) -> dict[int, list[int]]:

@@ -234,22 +234,15 @@ class Frontend(ClassifyMany, ScoreRoute):
                 self.admission.release(ticket, job is not None)
             self.metrics.classifier_tokens(info.name).inc(cost)
             self._check_status(job, deadline)
-        labels = info.labels
-        # rows are as wide as the engine's most labels; a classifier's fill the first columns
-        scores = None if job is None else job.scores if job.scores.shape[1] == len(labels) else \
-            job.scores[:, :len(labels)]
-        rows = iter(range(len(todo)))
-        results, fresh = [], {}  # fresh: key index -> (label index, scores), to store
-        for i, (e, h) in enumerate(zip(encoded, hits)):
-            if h is None:
-                r = next(rows)
-                h = fresh[i] = (job.best[r], scores[r].tolist())
-                results.append((e.values["query"], labels[h[0]], h[1], False))
-            else:
-                results.append((e.values["query"], labels[h[0]], h[1], True))
+        results, fresh = _merge(encoded, hits, job, info.labels)
         if cache is not None:
             store(cache, [keys[i] for i in fresh], list(fresh.values()), CLASSIFY_IDS)
             self.metrics.cache_held(cache)
+        return self._classified(results, info, encoded, todo, job, t0, t1)
+
+    def _classified(self, results, info, encoded, todo, job, t0: float, t1: float) -> Answer:
+        """classify's Answer, its stages observed: tokenize t0 -> t1, the engine's pass after."""
+        labels = info.labels
         t2 = time.perf_counter()
         forward = job.forward_s if job else 0.0
         prompt_tokens = sum(len(e.ids) for e in encoded)
@@ -390,3 +383,21 @@ def _set_late(fut) -> None:
     if not fut.done():
         fut.set_exception(Late())
 
+
+
+def _merge(encoded, hits, job, labels):
+    """Per query (text, label, scores, cached) from the cache's hits and the engine's rows (in the
+    misses' order), and fresh: {query index: (label index, scores)} of the engine's, to store."""
+    # rows are as wide as the engine's most labels; a classifier's fill the first columns
+    scores = None if job is None else job.scores if job.scores.shape[1] == len(labels) else \
+        job.scores[:, :len(labels)]
+    rows = iter(range(len(encoded)))
+    results, fresh = [], {}
+    for i, (e, h) in enumerate(zip(encoded, hits)):
+        if h is None:
+            r = next(rows)
+            h = fresh[i] = (job.best[r], scores[r].tolist())
+            results.append((e.values["query"], labels[h[0]], h[1], False))
+        else:
+            results.append((e.values["query"], labels[h[0]], h[1], True))
+    return results, fresh

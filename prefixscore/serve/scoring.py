@@ -43,22 +43,7 @@ class ScoreRoute:
                                 "--score-template TEMPLATE to enable /v1/score")
         items = req.get("items")
         items = [items] if isinstance(items, str) else items
-        if req.get("query") is None or not items:
-            raise ApiError(422, f"query and {field} are required", param=field)
-        if len(items) > cfg.max_queries:
-            raise ApiError(413, f"{len(items)} {field} in one request, over the limit of "
-                                f"{cfg.max_queries} (--max-queries)", param=field)
-        labels = req.get("label_token_ids") or req.get("labels") or []
-        if len(labels) > cfg.max_label_ids:
-            raise ApiError(413, f"{len(labels)} labels in one request, over the limit of "
-                                f"{cfg.max_label_ids} (--max-label-ids)")
-        texts = [req["query"], *items, *(req.get("labels") or [])]
-        if not all(is_unicode(t) for t in texts if isinstance(t, str)):
-            raise ApiError(422, f"query, {field} and labels must be valid Unicode text (a lone "
-                                f"surrogate)")
-        if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
-            raise ApiError(422, f"prior must be a list of one score (or one list of scores per "
-                                f"label) per item: {len(items)}", param="prior")
+        self._check_limits(req, items, field, prior)
         # Text items are keyed by their text, so the cache answers before any tokenizer call (a
         # whole repeat is never tokenized); token ids and embedding items by their ids.
         cache, hits, keys = self.cache, None, None
@@ -66,10 +51,7 @@ class ScoreRoute:
             keys = text_keys(self.scorer_id, req, items)
             hits = None if keys is None else lookup(cache, self.metrics, keys, "score")
             if hits is not None and None not in hits:
-                return {"scores": [list(h[1]) for h in hits], "labels": list(hits[0][0]),
-                        "model": self.info.model, "object": "scoring", "depth": len(hits),
-                        "scored": [True] * len(hits), "cached": len(hits),
-                        "usage": {"prompt_tokens": 0, "total_tokens": 0, "completion_tokens": 0}}
+                return self._score_answer([list(h[1]) for h in hits], hits[0][0], hits, prior, 0)
         # The one tokenization of the request; the context limit is checked after this server's
         # own limit, which a request far too long for either breaks first.
         scoring = self.scoring
@@ -89,14 +71,39 @@ class ScoreRoute:
                 if h is not None:
                     labels, rows[i] = h[0], list(h[1])
             self.metrics.cache_held(cache)
-        # Scored: from the engine now or from the cache. depth: the leading run of scored items
-        # (the first `depth` are scored, as without a cache); cached items past it are scored too.
+        return self._score_answer(rows, labels, hits, prior, computed)
+
+    def _check_limits(self, req: dict, items, field: str, prior) -> None:
+        """This server's limits and a request's shape, before any tokenizer call (ApiError)."""
+        cfg = self.cfg
+        if req.get("query") is None or not items:
+            raise ApiError(422, f"query and {field} are required", param=field)
+        if len(items) > cfg.max_queries:
+            raise ApiError(413, f"{len(items)} {field} in one request, over the limit of "
+                                f"{cfg.max_queries} (--max-queries)", param=field)
+        labels = req.get("label_token_ids") or req.get("labels") or []
+        if len(labels) > cfg.max_label_ids:
+            raise ApiError(413, f"{len(labels)} labels in one request, over the limit of "
+                                f"{cfg.max_label_ids} (--max-label-ids)")
+        texts = [req["query"], *items, *(req.get("labels") or [])]
+        if not all(is_unicode(t) for t in texts if isinstance(t, str)):
+            raise ApiError(422, f"query, {field} and labels must be valid Unicode text (a lone "
+                                f"surrogate)")
+        if prior is not None and (not isinstance(prior, list) or len(prior) != len(items)):
+            raise ApiError(422, f"prior must be a list of one score (or one list of scores per "
+                                f"label) per item: {len(items)}", param="prior")
+
+    def _score_answer(self, rows, labels, hits, prior, computed: int) -> dict:
+        """The response: per item its scores (from the engine or the cache), past the depth the
+        caller's prior, else null. Scored: from the engine now or from the cache; depth: the
+        leading run of scored items (the first `depth` are scored, as without a cache); cached
+        items past it are scored too."""
         scored = [r is not None for r in rows]
         depth = scored.index(False) if False in scored else len(rows)
         L = len(labels)
         scores = [r if r is not None else None if prior is None else
                   (list(prior[i]) if isinstance(prior[i], list) else [prior[i]] * L)
-                  for i, r in enumerate(rows)]  # past the depth: the caller's prior, else null
+                  for i, r in enumerate(rows)]
         return {"scores": scores, "labels": list(labels), "model": self.info.model,
                 "object": "scoring", "depth": depth, "scored": scored,
                 "cached": 0 if hits is None else len(hits) - hits.count(None),
