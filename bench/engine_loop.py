@@ -138,7 +138,8 @@ def loop_rate(clf, rows, device, staged):
     """Rows/s of EngineLoop draining `rows` real queries sent in messages of 64 (as front ends
     send them), its passes, and the GPU's busy share of the loop's wall time: the union of the
     kernels' intervals over the wall time, from torch.profiler in a second drain (the first,
-    unprofiled, gives the rate; the profiler's host overhead would lower it)."""
+    unprofiled, gives the rate; the profiler's host overhead would lower it), each after a
+    warm-up drain (without it the staged run, first, paid for the kernels' compiles)."""
     from prefixscore.serve import protocol as P
     from prefixscore.serve.engine_loop import EngineLoop
 
@@ -163,6 +164,7 @@ def loop_rate(clf, rows, device, staged):
         sync(device)
         return got, time.perf_counter() - t0
 
+    drain()  # warm-up: the eager shapes of passes past the graphs compile their kernels here
     got, wall = drain()
     out = {"rows_per_s": round(sum(len(o.rids) for o in got) / wall), "wall_s": round(wall, 3),
            "passes": len(got), "rows_per_pass": round(statistics.mean(o.batch_size for o in got), 1)}

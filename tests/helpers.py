@@ -137,10 +137,15 @@ def eager_graphs(monkeypatch):
     """CUDA graphs on the CPU, for GraphRunner's bookkeeping (buffers, buckets, padding): capture
     records each bucket's body and a replay calls it eagerly. -> wire(runner), which points the
     runner's graphs at its bodies (call it after making the runner); wire.captured lists the
-    buckets captured, in order."""
+    buckets captured, in order. On a host with a GPU (KernelOptions' copies in the graph on) every
+    bucket copies around its replay, as with graph_copies off."""
     import contextlib
 
+    from prefixscore import graphs
     from prefixscore.graphs import GraphRunner
+
+    if os.environ.get("TRITON_INTERPRET") != "1":  # (a GPU host: the in-graph copy kernel would
+        monkeypatch.setattr(graphs, "GRAPH_COPY_MAX_BYTES", -1)  # get CPU tensors: copy around)
 
     class EagerGraph:
         body = None
