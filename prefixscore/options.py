@@ -48,12 +48,13 @@ def flag(f: dataclasses.Field) -> str:
     return "--" + key(f).replace("_", "-")
 
 
-def add_flags(group, cls, skip=()) -> None:
-    """One flag per option field of cls (but those named in skip), on an argparse parser or group:
+def add_flags(group, cls, skip=(), only=None) -> None:
+    """One flag per option field of cls (but those named in skip; only: those named there), on an
+    argparse parser or group:
     a bool field is a switch, any other takes a value parsed by the field's parse or type; the
     help ends with the default where the help does not say it."""
     for f in options(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         m = f.metadata["option"]
         default = f.default if m["flag_default"] is dataclasses.MISSING else m["flag_default"]

@@ -35,8 +35,8 @@ class ModelSpec:
     # prompt flags (cli/common.model_args), the TOML keys and Ray's, derived from these.
     model: object = option(None, "HF folder, .gguf file, or Hugging Face hub name org/name[@revision] "
                            "(or org/name/FILE.gguf), downloaded into the hub cache unless "
-                           "HF_HUB_OFFLINE=1 (default: bundled SmolLM2-135M-Instruct); in Python "
-                           "also a LoadedModel, to share its weights", type=str)
+                           "HF_HUB_OFFLINE=1 (default: bundled SmolLM2-135M-Instruct)",
+                           type=str)  # (in Python also a LoadedModel, to share its weights)
     template: str | None = None
     labels: tuple[str, ...] | None = None
     device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda if available)", type=str)

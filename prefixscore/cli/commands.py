@@ -254,6 +254,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefixscore", description=__doc__)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command")
+    _classify_command(sub)
+    _eval_command(sub)
+    # score, serve and the training commands: each module of this package adds its own subcommand.
+    from . import items, score, serve, train
+
+    for module in (score, serve, train, items):
+        module.add_command(sub, model_args)
+    for command in sub.choices.values():  # main() parses a command's words again (apply_sources)
+        command.set_defaults(command_parser=command)
+    return p
+
+
+def _classify_command(sub) -> None:
     c = sub.add_parser("classify", help="classify queries (arguments, a file, or stdin)")
     c.add_argument("queries", nargs="*", help="queries to classify")
     c.add_argument("-i", "--input", help="file with queries (txt: one per line, csv, jsonl, parquet); - "
@@ -294,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --ray: N actors (default: one per GPU; without GPUs one per CPU save one)")
     model_args(c)
     c.set_defaults(func=cmd_classify)
+
+
+def _eval_command(sub) -> None:
     e = sub.add_parser("eval", help="accuracy and confusion matrix against a label column")
     e.add_argument("data", help="CSV, JSONL or Parquet file with query and label columns; - for stdin "
                                 "(with --input-format csv or jsonl)")
@@ -310,14 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "then exit without classifying")
     model_args(e)
     e.set_defaults(func=cmd_eval)
-    # score, serve and the training commands: each module of this package adds its own subcommand.
-    from . import items, score, serve, train
-
-    for module in (score, serve, train, items):
-        module.add_command(sub, model_args)
-    for command in sub.choices.values():  # main() parses a command's words again (apply_sources)
-        command.set_defaults(command_parser=command)
-    return p
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,6 @@ embed-items` precomputes a catalogue's item-embedding table with it (rows/table_
 at a time, resumable), which `Scorer(item_table=...)` and `serve --item-table` read."""
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -13,8 +12,10 @@ import torch
 
 from .common import common_args, err, quiet
 from ..errors import ConfigError
+from ..options import add_flags
 from ..train.item_encoder import KINDS, POOLINGS
 from ..train.item_fit import FitOptions
+from ..values import ModelSpec
 
 SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -120,11 +121,7 @@ def cmd_embed_items(a) -> int:
 
 
 def _model_args(p) -> None:
-    g = p.add_argument_group("model and prompt")
-    g.add_argument("--model", default=None, help="HF folder, .gguf file or hub name (default: the bundled "
-                                                  "SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="float32 / bfloat16 (default: bf16 on GPU, fp32 on CPU)")
+    add_flags(p.add_argument_group("model and prompt"), ModelSpec, only=("model", "device", "dtype"))
 
 
 def _catalogue_args(p) -> None:
@@ -137,6 +134,11 @@ def _catalogue_args(p) -> None:
 
 def add_command(sub, model_args=None) -> None:
     """Register fit-item-encoder and embed-items as subcommands of `sub` (the `prefixscore` command)."""
+    _fit_command(sub)
+    _embed_command(sub)
+
+
+def _fit_command(sub) -> None:
     p = sub.add_parser("fit-item-encoder", help="fit the map from an item's text to its soft token "
                        "(distilled from the text scorer)",
                        description="Fit an item encoder: the frozen model reads an item's text, a "
@@ -159,7 +161,21 @@ def add_command(sub, model_args=None) -> None:
                    help="share of the catalogue never trained on, reported apart (default 0.2)")
     g.add_argument("--eval-fraction", type=float, default=0.2,
                    help="share of --queries held out when no --eval-queries (default 0.2)")
-    g = p.add_argument_group("the map and its training")
+    _fit_options_args(p.add_argument_group("the map and its training"))
+    g = p.add_argument_group("model and prompt")
+    add_flags(g, ModelSpec, only=("model", "chat", "device"))
+    g.add_argument("--template", default=None, help="the scorer's template with {query} and {item} "
+                   "(default: the Scorer's yes/no relevance prompt)")
+    g.add_argument("--template-file", default=None)
+    g.add_argument("--labels", default=None, help="comma-separated single-token labels, the relevant "
+                   "one first (default: yes,no)")
+    g.add_argument("--labels-file", default=None)
+    common_args(p)
+    p.set_defaults(func=cmd_fit_item_encoder)
+
+
+def _fit_options_args(g) -> None:
+    """FitOptions' flags (the map and its training), their defaults its fields'."""
     d = FitOptions()
     g.add_argument("--pooling", default=d.pooling, choices=POOLINGS,
                    help="the hidden state read: prompt (default), the read-out row of the scorer's "
@@ -178,20 +194,9 @@ def add_command(sub, model_args=None) -> None:
     g.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help="training queries kept aside to pick the best epoch")
     g.add_argument("--seed", type=int, default=d.seed)
-    g = p.add_argument_group("model and prompt")
-    g.add_argument("--model", default=None, help="HF folder, .gguf file or hub name (default: bundled)")
-    g.add_argument("--template", default=None, help="the scorer's template with {query} and {item} "
-                   "(default: the Scorer's yes/no relevance prompt)")
-    g.add_argument("--template-file", default=None)
-    g.add_argument("--labels", default=None, help="comma-separated single-token labels, the relevant "
-                   "one first (default: yes,no)")
-    g.add_argument("--labels-file", default=None)
-    g.add_argument("--chat", default=None, action=argparse.BooleanOptionalAction,
-                   help="wrap the template in the model's chat template (default: if it has one)")
-    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    common_args(p)
-    p.set_defaults(func=cmd_fit_item_encoder)
 
+
+def _embed_command(sub) -> None:
     e = sub.add_parser("embed-items", help="precompute a catalogue's item-embedding table with an "
                        "item encoder", description="Embed every item of a catalogue with an item "
                        "encoder (fit-item-encoder): an id -> soft-token table, .parquet or "

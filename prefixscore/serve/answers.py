@@ -45,3 +45,22 @@ def is_unicode(text: str) -> bool:
         return True
     except UnicodeEncodeError:
         return False
+
+
+def merge_rows(encoded, hits, job, labels, first: int = 0):
+    """Per query (text, label, scores, cached) from the cache's hits and the engine's rows (the
+    misses' in order, from row `first`), and fresh: {query index: (label index, scores)} of the
+    engine's, to store."""
+    # rows are as wide as the engine's most labels; a classifier's fill the first columns
+    scores = None if job is None else job.scores if job.scores.shape[1] == len(labels) else \
+        job.scores[:, :len(labels)]
+    rows = iter(range(first, first + len(encoded)))
+    results, fresh = [], {}
+    for i, (e, h) in enumerate(zip(encoded, hits)):
+        if h is None:
+            r = next(rows)
+            h = fresh[i] = (job.best[r], scores[r].tolist())
+            results.append((e.values["query"], labels[h[0]], h[1], False))
+        else:
+            results.append((e.values["query"], labels[h[0]], h[1], True))
+    return results, fresh

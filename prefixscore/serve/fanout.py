@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 
-from .answers import Answer, label_probs
+from .answers import Answer, label_probs, merge_rows
 from .api_error import ApiError
 from .cache import CLASSIFY_IDS, lookup, store
 from .client import EngineDead
@@ -40,7 +40,7 @@ class ClassifyMany:
         ks = self.catalog.resolve_many(model, classifiers)
         encs = [self._encode(queries, k, field) for k in ks]
         t1 = time.perf_counter()
-        todo, rows, hits_all, costs = [], [], [], []
+        todo, rows, looked = [], [], []
         for k, encoded in zip(ks, encs):
             hits, keys = [None] * len(encoded), None
             if cache is not None:  # keyed as Frontend.classify keys it
@@ -49,45 +49,25 @@ class ClassifyMany:
             missed = [e for e, h in zip(encoded, hits) if h is None]
             todo += missed
             rows += [k] * len(missed)
-            hits_all.append((hits, keys))
-            costs.append(sum(len(e.ids) - e.start for e in missed))
+            looked.append((hits, keys, missed))
         job = None
         if todo:
-            job = await self._engine(todo, sum(costs), rows if any(rows) else None, priority)
-            for k, cost in zip(ks, costs):
-                if cost:
-                    self.metrics.classifier_tokens(self.classifiers[k].name).inc(cost)
-        r, out = 0, []
-        for k, encoded, (hits, keys) in zip(ks, encs, hits_all):
-            labels, results = self.classifiers[k].labels, []
-            # rows are as wide as the engine's most labels; a classifier's fill the first columns
-            scores = job.scores[:, :len(labels)] if job else None
-            fresh = {}  # key index -> (label index, scores), to store
-            for i, (e, h) in enumerate(zip(encoded, hits)):
-                if h is None:
-                    h = fresh[i] = (job.best[r], scores[r].tolist())
-                    r += 1
-                    results.append((e.values["query"], labels[h[0]], h[1], False))
-                else:
-                    results.append((e.values["query"], labels[h[0]], h[1], True))
-            out.append(results)
+            job = await self._engine(todo, sum(len(e.ids) - e.start for e in todo),
+                                     rows if any(rows) else None, priority)
+            for k, (_, _, missed) in zip(ks, looked):
+                if missed:
+                    self.metrics.classifier_tokens(self.classifiers[k].name).inc(
+                        sum(len(e.ids) - e.start for e in missed))
+        r, answers = 0, []
+        for k, encoded, (hits, keys, missed) in zip(ks, encs, looked):
+            info = self.classifiers[k]
+            results, fresh = merge_rows(encoded, hits, job, info.labels, r)
+            r += len(fresh)
             if cache is not None:
                 store(cache, [keys[i] for i in fresh], list(fresh.values()), CLASSIFY_IDS)
+            answers.append(self._classified(results, info, encoded, missed, job, t0, t1))
         if cache is not None:
             self.metrics.cache_held(cache)
-        t2 = time.perf_counter()
-        forward = job.forward_s if job else 0.0
-        answers = []
-        for k, encoded, results, cost in zip(ks, encs, out, costs):
-            info, prompt_tokens = self.classifiers[k], sum(len(e.ids) for e in encoded)
-            ans = Answer(results, info.labels, info.name, prompt_tokens, prompt_tokens - cost,
-                         job.batch_size if job else 0, max(0.0, t2 - t1 - forward) if job else 0.0,
-                         t1 - t0, forward, t2 - t0)
-            st = self.metrics.stages(info.name)
-            for stage, v in (("queue", ans.queue_s), ("tokenize", ans.tokenize_s),
-                             ("forward", ans.forward_s), ("total", ans.total_s)):
-                st[stage].observe(v)
-            answers.append(ans)
         return answers
 
     async def _engine(self, todo: list, cost: int, classifiers: list[int] | None,

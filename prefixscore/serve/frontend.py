@@ -22,7 +22,7 @@ from contextvars import ContextVar
 
 from ..errors import InputError
 from . import protocol as P
-from .answers import Answer, is_unicode, label_probs, query_name  # noqa: F401
+from .answers import Answer, is_unicode, label_probs, merge_rows, query_name  # noqa: F401
 from .admission import Admission
 from .api_error import ApiError, check_priority
 from .cache import CLASSIFY_IDS, classifier_ids, lookup, new_cache, scorer_id, store
@@ -234,7 +234,7 @@ class Frontend(ClassifyMany, ScoreRoute):
                 self.admission.release(ticket, job is not None)
             self.metrics.classifier_tokens(info.name).inc(cost)
             self._check_status(job, deadline)
-        results, fresh = _merge(encoded, hits, job, info.labels)
+        results, fresh = merge_rows(encoded, hits, job, info.labels)
         if cache is not None:
             store(cache, [keys[i] for i in fresh], list(fresh.values()), CLASSIFY_IDS)
             self.metrics.cache_held(cache)
@@ -384,20 +384,3 @@ def _set_late(fut) -> None:
         fut.set_exception(Late())
 
 
-
-def _merge(encoded, hits, job, labels):
-    """Per query (text, label, scores, cached) from the cache's hits and the engine's rows (in the
-    misses' order), and fresh: {query index: (label index, scores)} of the engine's, to store."""
-    # rows are as wide as the engine's most labels; a classifier's fill the first columns
-    scores = None if job is None else job.scores if job.scores.shape[1] == len(labels) else \
-        job.scores[:, :len(labels)]
-    rows = iter(range(len(encoded)))
-    results, fresh = [], {}
-    for i, (e, h) in enumerate(zip(encoded, hits)):
-        if h is None:
-            r = next(rows)
-            h = fresh[i] = (job.best[r], scores[r].tolist())
-            results.append((e.values["query"], labels[h[0]], h[1], False))
-        else:
-            results.append((e.values["query"], labels[h[0]], h[1], True))
-    return results, fresh
