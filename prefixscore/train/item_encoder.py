@@ -198,17 +198,7 @@ def item_features(loaded, texts: list[str], pooling: str = "mean", max_tokens: i
     for k, seq in enumerate(ids):
         out[k, :H] = emb[torch.tensor(seq, device=emb.device)].float().mean(0).cpu()
     if pooling == "prompt":
-        if prompt is None:
-            raise ConfigError("pooling 'prompt' reads the item in the scorer's prompt: give the prompt")
-        cut = [t if len(tok(t, add_special_tokens=False)["input_ids"]) <= max_tokens else
-               tok.decode(x) for t, x in zip(texts, ids)]
-        P = list(prompt.prefix_ids)
-        seqs, starts = [], []
-        for full in prompt.encode_ids([{"query": "", "item": t} for t in cut]):
-            cached = full[:len(P)] == P and len(full) > len(P)  # else computed whole, no cache
-            seqs.append(full[len(P):] if cached else full)
-            starts.append(len(P) if cached else 0)
-        kv = {len(P): engine.prefill(P), 0: engine.no_prefix}
+        seqs, starts, kv = _in_prompt(engine, tok, prompt, texts, ids, max_tokens)
     else:
         seqs, starts, kv = ids, [0] * len(ids), {0: engine.no_prefix}
     for start in sorted(set(starts)):
@@ -234,3 +224,20 @@ def item_features(loaded, texts: list[str], pooling: str = "mean", max_tokens: i
                 progress(j - i)
             i = j
     return out
+
+
+def _in_prompt(engine, tok, prompt, texts: list[str], ids: list[list[int]], max_tokens: int):
+    """item_features' sequences for pooling "prompt": each text (cut as `ids` cut it) in the item
+    slot of the scorer's prompt with an empty query, past the pinned prefix where it agrees with
+    it -> (sequences, their starts, {start: K/V})."""
+    if prompt is None:
+        raise ConfigError("pooling 'prompt' reads the item in the scorer's prompt: give the prompt")
+    cut = [t if len(tok(t, add_special_tokens=False)["input_ids"]) <= max_tokens else
+           tok.decode(x) for t, x in zip(texts, ids)]
+    P = list(prompt.prefix_ids)
+    seqs, starts = [], []
+    for full in prompt.encode_ids([{"query": "", "item": t} for t in cut]):
+        cached = full[:len(P)] == P and len(full) > len(P)  # else computed whole, no cache
+        seqs.append(full[len(P):] if cached else full)
+        starts.append(len(P) if cached else 0)
+    return seqs, starts, {len(P): engine.prefill(P), 0: engine.no_prefix}

@@ -251,15 +251,8 @@ def fit_item_encoder(cat: ranking.Catalogue, queries: list[str], *, eval_queries
     t_all = time.perf_counter()
     scorer = scorer or Scorer(model, template, labels, chat=chat, device=device)
     label_columns(scorer)
-    item_keep, item_held = ranking.split(len(cat.ids), heldout_items, opts.seed)
-
-    def lists(qs, labels, pool, seed):
-        return qs, ranking.candidates(qs, cat, pool, candidates, query_labels=labels, seed=opts.seed + seed)
-
-    sets = {"train": lists(queries, query_labels, item_keep, 1),
-            "heldout_queries": lists(eval_queries, eval_labels, item_keep, 2)}
-    if len(item_held) >= candidates:
-        sets["heldout_queries_new_items"] = lists(eval_queries, eval_labels, item_held, 3)
+    sets, item_held = _ranking_sets(cat, queries, query_labels, eval_queries, eval_labels,
+                                    candidates, heldout_items, opts.seed)
     pairs = sum(len(q) for q, _ in sets.values()) * candidates
     log(f"teacher: scoring {pairs} (query, item text) pairs with {scorer.loaded.name}")
     t0 = time.perf_counter()
@@ -288,6 +281,23 @@ def fit_item_encoder(cat: ranking.Catalogue, queries: list[str], *, eval_queries
             "template": scorer.template, "chat": scorer.prompt.chat, "labels": list(scorer.labels),
             "training": info}
     return ItemEncoder(m.eval(), opts.pooling, meta=meta), info
+
+
+def _ranking_sets(cat, queries, query_labels, eval_queries, eval_labels, candidates: int,
+                  heldout_items: float, seed: int):
+    """fit_item_encoder's ranking sets {name: (queries, candidate lists)}: training queries over
+    the catalogue less the held-out items, held-out queries over the same items and (if enough)
+    over the held-out items alone -> (sets, the held-out items)."""
+    item_keep, item_held = ranking.split(len(cat.ids), heldout_items, seed)
+
+    def lists(qs, labels, pool, k):
+        return qs, ranking.candidates(qs, cat, pool, candidates, query_labels=labels, seed=seed + k)
+
+    sets = {"train": lists(queries, query_labels, item_keep, 1),
+            "heldout_queries": lists(eval_queries, eval_labels, item_keep, 2)}
+    if len(item_held) >= candidates:
+        sets["heldout_queries_new_items"] = lists(eval_queries, eval_labels, item_held, 3)
+    return sets, item_held
 
 
 def evaluate(scorer, maps: dict, feats, queries, cands, teacher) -> dict:
