@@ -40,19 +40,11 @@ from .prompt import Prompt, check_prefix_fits, check_template, sentinel
 from .score_run import ScoreRun
 from .score_input import SLOTS, Prepared, ScoreCall, ScoreInput, SoftItem, label_key
 from .spans import Span, SpanLayout, plan_items, request_spans
-from .values import ItemResult, ModelSpec
+from .values import LAYOUTS, SCORE_MODES as MODES, ItemResult, ModelSpec  # noqa: F401 (scorer.LAYOUTS)
 
 DEFAULT_TEMPLATE = ("Decide whether the item is relevant to the query. Answer yes or no.\n"
                     "Query: {query}\nItem: {item}")
 DEFAULT_LABELS = ["yes", "no"]
-# logprobs:    log-probability of each label under label-constrained decoding (as Classifier)
-# softmax:     exp(logprobs): probabilities over the labels (= SGLang apply_softmax=true)
-# logits:      raw first-token logits (labels must start with distinct tokens)
-# vocab_probs: each label token's probability under the full next-token distribution
-#              (= SGLang apply_softmax=false); single-token labels; reads the vocab head, but
-#              only at the read-out rows
-MODES = ("logprobs", "softmax", "logits", "vocab_probs")
-LAYOUTS = ("auto", "packed", "alone")
 # Label sets named by requests (labels / label_token_ids) keep their head rows in an LRU of this
 # many: a client that varies them per request must not grow memory without bound.
 REQUEST_HEADS = 8

@@ -17,6 +17,20 @@ from dataclasses import asdict, dataclass
 from .errors import ConfigError
 from .options import option
 
+# A Scorer's modes (scorer.py), here so the command line lists them without importing torch:
+# logprobs:    log-probability of each label under label-constrained decoding (as Classifier)
+# softmax:     exp(logprobs): probabilities over the labels (= SGLang apply_softmax=true)
+# logits:      raw first-token logits (labels must start with distinct tokens)
+# vocab_probs: each label token's probability under the full next-token distribution
+#              (= SGLang apply_softmax=false); single-token labels; reads the vocab head, but
+#              only at the read-out rows
+SCORE_MODES = ("logprobs", "softmax", "logits", "vocab_probs")
+LAYOUTS = ("auto", "packed", "alone")
+
+# What a trained head (weights/heads.py) and an adapter's objective (weights/adapter.py) may be.
+HEAD_KINDS = ("linear", "mlp")
+ADAPTER_OBJECTIVES = ("label", "head")
+
 # A pass's new tokens at most (max_batch_tokens) by device. A CPU pass of 16,384 tokens of the
 # bundled model took 7.9 s (2 cores), which is how long a Ctrl-C waited. bench/stop.py, the bundled
 # model with the seed adapter on 2 cores: with passes of 1,024 tokens a SIGINT exited within 1.3 s

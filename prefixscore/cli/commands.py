@@ -14,7 +14,7 @@ from ..errors import InputError, PrefixScoreError
 from ..options import recorded, values
 from ..values import ModelSpec
 from .common import (
-    apply_sources, batch_tokens, classifier_kwargs, err, error, log, make_classifier, model_args,
+    COMMANDS, apply_sources, batch_tokens, classifier_kwargs, err, error, log, make_classifier, model_args,
     quiet, run_batches, seed_adapter_default, verbosity,
 )
 from ..rows.files import is_many
@@ -250,24 +250,53 @@ def _check_gold(rows, a, labels) -> None:
         raise InputError(f"{_data_name(a)}: gold labels not in the label set: {', '.join(map(repr, unknown))}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prefixscore", description=__doc__)
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, and a "did you mean" for a mistyped command or flag (as Python 3.14's
+    suggest_on_error)."""
+
+    def error(self, message):
+        import difflib
+        import re
+
+        m = re.search(r"(?:unrecognized arguments|invalid choice): '?(-{0,2}[\w-]+)", message)
+        if m:
+            word = m.group(1)
+            known = list(COMMANDS) if not word.startswith("-") else [
+                o for act in self._actions for o in act.option_strings if o.startswith("--")]
+            close = difflib.get_close_matches(word, known, n=1, cutoff=0.75)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        super().error(message)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `prefixscore` parser. argv: the words it will parse, so only their command's module is
+    imported and its parser built (the others are stubs that list it in --help): --version and
+    the option errors of classify, eval and serve answer before torch loads."""
+    p = Parser(prog="prefixscore", description=__doc__)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = p.add_subparsers(dest="command")
+    sub = p.add_subparsers(dest="command", parser_class=Parser)
+    words = [w for w in (argv or []) if not w.startswith("-")]
+    wanted = (COMMANDS[words[0]][0] if words and words[0] in COMMANDS else None) if argv is not None \
+        else "all"
     _classify_command(sub)
     _eval_command(sub)
     # score, serve and the training commands: each module of this package adds its own subcommand.
-    from . import items, score, serve, train
+    import importlib
 
-    for module in (score, serve, train, items):
-        module.add_command(sub, model_args)
+    for module in dict.fromkeys(m for m, _ in COMMANDS.values() if m):
+        if wanted in (module, "all"):
+            importlib.import_module(f".{module}", __package__).add_command(sub, model_args)
+    for name, (_, text) in COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=text)
     for command in sub.choices.values():  # main() parses a command's words again (apply_sources)
         command.set_defaults(command_parser=command)
     return p
 
 
 def _classify_command(sub) -> None:
-    c = sub.add_parser("classify", help="classify queries (arguments, a file, or stdin)")
+    c = sub.add_parser("classify", help=COMMANDS["classify"][1])
     c.add_argument("queries", nargs="*", help="queries to classify")
     c.add_argument("-i", "--input", help="file with queries (txt: one per line, csv, jsonl, parquet); - "
                         "for stdin; a glob ('logs/*.parquet') or a directory: one output per file in -o DIR")
@@ -310,7 +339,7 @@ def _classify_command(sub) -> None:
 
 
 def _eval_command(sub) -> None:
-    e = sub.add_parser("eval", help="accuracy and confusion matrix against a label column")
+    e = sub.add_parser("eval", help=COMMANDS["eval"][1])
     e.add_argument("data", help="CSV, JSONL or Parquet file with query and label columns; - for stdin "
                                 "(with --input-format csv or jsonl)")
     e.add_argument("--input-format", default="auto", choices=["auto", "csv", "jsonl", "parquet"],
@@ -329,9 +358,12 @@ def _eval_command(sub) -> None:
 
 
 def main(argv=None) -> int:
-    p = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    a = p.parse_args(argv)
+    p = build_parser(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra:  # said by the command's parser: its usage, and a flag it knows if one is close
+        (a.command_parser if "command_parser" in vars(a) else p).error(
+            f"unrecognized arguments: {' '.join(extra)}")
     a.argv = argv[1:]  # the command's own arguments (apply_sources parses them again)
     if "func" not in vars(a):  # no command
         p.print_help()

@@ -19,6 +19,23 @@ from ..options import add_flags, values
 from ..values import CPU_BATCH_TOKENS, GPU_BATCH_TOKENS, ModelSpec
 
 
+# Every subcommand: (the cli module that adds it, None for commands.py's own; its one-line help).
+# The command line builds only the parser of the command it runs (commands.build_parser), so
+# --version, --help and a light command's option errors answer before torch is imported.
+COMMANDS = {
+    "classify": (None, "classify queries (arguments, a file, or stdin)"),
+    "eval": (None, "accuracy and confusion matrix against a label column"),
+    "score": ("score", 'score many items per query (JSONL {"query", "items"} per line)'),
+    "serve": ("serve", "HTTP service: POST /v1/classify, /v1/score; GET /healthz, /metrics, /docs"),
+    "finetune": ("train", "fine-tune a LoRA adapter (peft) on labeled queries"),
+    "fit-head": ("train", "train an N-way head on the model's read-out hidden state"),
+    "eval-modes": ("train", "prompt zero/few-shot vs trained heads with and without the instruction, "
+                            "k-fold on one labeled file"),
+    "fit-item-encoder": ("items", "fit the map from an item's text to its soft token (distilled from "
+                                  "the text scorer)"),
+    "embed-items": ("items", "precompute a catalogue's item-embedding table with an item encoder"),
+}
+
 def model_args(p: argparse.ArgumentParser) -> None:
     """The model and prompt flags: ModelSpec's options (values.py), the template and labels (each
     also from a file) and --no-adapter."""

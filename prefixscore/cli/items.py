@@ -8,16 +8,13 @@ import hashlib
 import json
 import os
 
-import torch
-
-from .common import common_args, err, quiet
+from .common import COMMANDS, common_args, err, quiet
 from ..errors import ConfigError
 from ..options import add_flags
-from ..train.item_encoder import KINDS, POOLINGS
-from ..train.item_fit import FitOptions
+from ..train.options import MAP_KINDS as KINDS, POOLINGS, ItemFitOptions as FitOptions
 from ..values import ModelSpec
 
-SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+SAVE_DTYPES = ("float32", "float16", "bfloat16")  # a .safetensors table's vectors (torch's names)
 
 
 def cmd_fit_item_encoder(a) -> int:
@@ -86,6 +83,8 @@ def _sha256(path: str) -> str:
 
 
 def cmd_embed_items(a) -> int:
+    import torch
+
     from ..rows.progress import Bar
     from ..rows.table_job import TableJob
     from ..train import ranking
@@ -110,7 +109,7 @@ def cmd_embed_items(a) -> int:
     try:
         with bar:
             table = job.run(lambda texts, progress: enc.embed(loaded, texts, progress), meta,
-                            SAVE_DTYPES[a.save_dtype], bar.update)
+                            getattr(torch, a.save_dtype), bar.update)
     except KeyboardInterrupt:
         err(f"interrupted: {job.rows_done} of {len(cat.ids)} items are in {job.output}.partial; "
             f"the same command with --resume continues")
@@ -139,8 +138,7 @@ def add_command(sub, model_args=None) -> None:
 
 
 def _fit_command(sub) -> None:
-    p = sub.add_parser("fit-item-encoder", help="fit the map from an item's text to its soft token "
-                       "(distilled from the text scorer)",
+    p = sub.add_parser("fit-item-encoder", help=COMMANDS["fit-item-encoder"][1],
                        description="Fit an item encoder: the frozen model reads an item's text, a "
                                    "trained map turns it into one soft token, distilled from the text "
                                    "scorer's scores so that soft tokens rank candidates as the text does.")
@@ -197,8 +195,7 @@ def _fit_options_args(g) -> None:
 
 
 def _embed_command(sub) -> None:
-    e = sub.add_parser("embed-items", help="precompute a catalogue's item-embedding table with an "
-                       "item encoder", description="Embed every item of a catalogue with an item "
+    e = sub.add_parser("embed-items", help=COMMANDS["embed-items"][1], description="Embed every item of a catalogue with an item "
                        "encoder (fit-item-encoder): an id -> soft-token table, .parquet or "
                        ".safetensors, for Scorer(item_table=...) and serve --item-table.")
     _catalogue_args(e)

@@ -8,10 +8,9 @@ import json
 import sys
 import time
 
-from .common import err, model_spec, quiet
+from .common import COMMANDS, err, model_spec, quiet
 from ..errors import ConfigError, InputError, error_at
-from ..overlap import run_ahead
-from ..scorer import LAYOUTS, MODES, Scorer
+from ..values import LAYOUTS, SCORE_MODES
 
 # score_request's keys that the command does not take per line: refused rather than ignored
 REQUEST_ONLY_KEYS = ("labels", "label_token_ids", "apply_softmax", "item_first")
@@ -57,6 +56,9 @@ def cmd_score(a) -> int:
         raise InputError("no requests: pass --input FILE (JSONL) or pipe JSONL on stdin")
     rows = _read_requests(src)
     t0 = time.perf_counter()
+    from ..overlap import run_ahead
+    from ..scorer import Scorer
+
     sc = Scorer(spec=model_spec(a, warn=False), layout=a.layout, max_items=a.max_items, item_table=a.item_table)
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {sc.loaded.name} on {sc.engine.device} "
          f"({str(sc.engine.dtype).removeprefix('torch.')}), prefix {sc.prefix_len} tokens cached, "
@@ -94,7 +96,7 @@ def cmd_score(a) -> int:
 
 def add_command(sub, model_args) -> None:
     p = sub.add_parser("score", conflict_handler="resolve",
-                       help="score many items per query (JSONL {\"query\", \"items\"} per line)",
+                       help=COMMANDS["score"][1],
                        description="Score candidate items against a query: label scores per item, "
                                    "as if each item were scored alone with the whole prompt.")
     p.add_argument("-i", "--input", help="JSONL file, one {\"query\": ..., \"items\": [...]} per line "
@@ -106,7 +108,7 @@ def add_command(sub, model_args) -> None:
     g.add_argument("--template", default=None, help="template with {query} and {item} slots "
                    "(default: a yes/no relevance prompt)")
     g.add_argument("--labels", default=None, help="comma-separated labels (default: yes,no)")
-    g.add_argument("--mode", default="logprobs", choices=MODES,
+    g.add_argument("--mode", default="logprobs", choices=SCORE_MODES,
                    help="logprobs (default), softmax (probabilities over the labels), logits, "
                         "vocab_probs (probability under the full vocabulary; single-token labels)")
     g.add_argument("--layout", default="auto", choices=LAYOUTS,

@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import sys
 
+from .common import COMMANDS
 from ..serve.classifiers import parse_tables
 from ..options import add_flags, values
 from ..serve.config import EngineConfig, FrontendConfig, ScheduleOptions, api_key_from, default_workers
@@ -13,7 +14,7 @@ from ..serve.config import EngineConfig, FrontendConfig, ScheduleOptions, api_ke
 
 def add_command(subparsers, model_args) -> None:
     p = subparsers.add_parser(
-        "serve", help="HTTP service: POST /v1/classify, /v1/score; GET /healthz, /metrics, /docs",
+        "serve", help=COMMANDS["serve"][1],
         description="Serve classifiers over HTTP: front-end processes (HTTP, tokenization) and one "
                     "engine process (the model, which several classifiers may share: --classifier). "
                     "Options can also come from a TOML file (--config) and PREFIXSCORE_* "

@@ -8,20 +8,16 @@ import json
 import time
 from collections import Counter
 
-import torch
-
-from .common import batch_tokens, err, make_classifier, run_batches
+from .common import COMMANDS, batch_tokens, err, make_classifier, run_batches
 from ..errors import ConfigError, InputError
-from ..weights.heads import KINDS, save_head
-from ..weights.adapter import ADAPTER_OBJECTIVES
 from ..rows.report import format_confusion
-from ..train.fit_heads import (
-    FitOptions, check_compare_options, compare_modes, few_shot_template, fit_head, format_modes,
-)
-from ..train.lora import DEFAULTS
+from ..train.options import LORA_DEFAULTS as DEFAULTS, HeadFitOptions as FitOptions
+from ..values import ADAPTER_OBJECTIVES, HEAD_KINDS as KINDS
 
 
 def cmd_finetune(a) -> int:
+    import torch
+
     from ..rows.io import labels_option, read_text, template_option
     from ..rows.writer import check_output
     from ..train.lora import finetune
@@ -57,7 +53,7 @@ def add_command(sub, model_args) -> None:
 
 
 def add_finetune_command(sub, model_args) -> None:
-    p = sub.add_parser("finetune", help="fine-tune a LoRA adapter (peft) on labeled queries",
+    p = sub.add_parser("finetune", help=COMMANDS["finetune"][1],
                        description="LoRA on the attention and MLP projections; the adapter file is "
                                    "merged into the weights at load, so inference runs at base speed.")
     p.add_argument("data", help="CSV or JSONL with query and label columns")
@@ -120,8 +116,12 @@ def _labeled(path, fmt, column, label_column, labels) -> tuple[list[str], list[s
 
 
 def cmd_fit_head(a) -> int:
+    import torch
+
     from ..rows.io import labels_option, template_option
     from ..classifier import Classifier
+    from ..train.fit_heads import few_shot_template, fit_head
+    from ..weights.heads import save_head
     from ..rows.io import read_rows
     from ..rows.writer import check_output
     from ..prompt import SEED_LABELS, SEED_TEMPLATE
@@ -174,6 +174,7 @@ def cmd_fit_head(a) -> int:
 
 def cmd_eval_modes(a) -> int:
     from ..rows.io import labels_option, template_option
+    from ..train.fit_heads import check_compare_options, compare_modes
     from ..rows.writer import Output, check_output
     from ..weights.loading import obtain
     from ..prompt import SEED_LABELS, SEED_TEMPLATE
@@ -197,6 +198,8 @@ def cmd_eval_modes(a) -> int:
 
 
 def format_confusion_all(rep: dict) -> str:
+    from ..train.fit_heads import format_modes
+
     out = [f"{rep['rows']} rows, {rep['folds']}-fold cross-validation (seed {rep['seed']})",
            format_modes(rep)]
     for m in rep["modes"]:
@@ -220,7 +223,7 @@ def _fit_args(p) -> None:
 
 
 def add_head_commands(sub, model_args) -> None:
-    p = sub.add_parser("fit-head", help="train an N-way head on the model's read-out hidden state")
+    p = sub.add_parser("fit-head", help=COMMANDS["fit-head"][1])
     p.add_argument("data", help="CSV or JSONL with a query column and (unless --teacher) a label column")
     p.add_argument("-o", "--output", required=True, help="head file to write (.safetensors)")
     p.add_argument("--input-format", default="auto", choices=["auto", "csv", "jsonl"])
@@ -239,8 +242,7 @@ def add_head_commands(sub, model_args) -> None:
     model_args(p)
     p.set_defaults(func=cmd_fit_head)
 
-    e = sub.add_parser("eval-modes", help="prompt zero/few-shot vs trained heads with and without "
-                                          "the instruction, k-fold on one labeled file")
+    e = sub.add_parser("eval-modes", help=COMMANDS["eval-modes"][1])
     e.add_argument("data", help="CSV or JSONL with query and label columns")
     e.add_argument("--input-format", default="auto", choices=["auto", "csv", "jsonl"])
     e.add_argument("--column", default="query")

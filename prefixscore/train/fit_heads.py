@@ -11,38 +11,15 @@ import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError, InputError
-from ..weights.heads import KINDS, HeadWeights, classify_with_head, head_scores
-
-
-@dataclass
-class FitOptions:
-    kind: str = "linear"
-    hidden: int = 256  # MLP width
-    epochs: int = 200
-    patience: int = 20  # epochs without a better validation loss before stopping
-    lr: float = 1e-3
-    weight_decay: float = 1.0  # AdamW's decoupled decay: strong, there are few rows per feature
-    batch_size: int = 32
-    val_frac: float = 0.2
-    dropout: float = 0.1  # MLP only
-    refit: bool = True  # after early stopping, train again on train + validation rows
-    seed: int = 0
-
-    def check(self) -> "FitOptions":
-        if self.kind not in KINDS:
-            raise ConfigError(f"unknown head kind {self.kind!r}: use {' or '.join(KINDS)}")
-        if not 0 <= self.val_frac < 1:
-            raise ConfigError("val_frac must be in [0, 1)")
-        if min(self.epochs, self.batch_size, self.hidden) < 1 or self.patience < 1 or self.lr <= 0:
-            raise ConfigError("epochs, patience, batch_size, hidden and lr must be positive")
-        return self
+from ..weights.heads import HeadWeights, classify_with_head, head_scores
+from .options import HeadFitOptions as FitOptions
 
 
 def split_indices(strata: list[int], frac: float, seed: int) -> tuple[list[int], list[int]]:

@@ -26,11 +26,10 @@ import os
 import torch
 
 from ..errors import ConfigError
+from .options import MAP_KINDS as KINDS, POOLINGS
 
 FORMAT = "prefixscore.item_encoder"
 META_KEY = "prefixscore_item_encoder"
-POOLINGS = ("prompt", "mean", "last")
-KINDS = ("linear", "mlp")
 MAX_ITEM_TOKENS = 128  # an item's text is read up to this many tokens (titles, short descriptions)
 BATCH_TOKENS = 4096  # tokens a feature pass holds
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,31 +25,8 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from . import ranking
+from .options import ItemFitOptions as FitOptions
 from .item_encoder import ItemEncoder, ItemMap, embedding_norm, item_features
-
-
-@dataclass(frozen=True)
-class FitOptions:
-    pooling: str = "prompt"
-    kind: str = "linear"
-    width: int = 512
-    rank: int = 0  # the linear part's rank (0: full)
-    epochs: int = 4
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    tau: float = 1.0  # listwise temperature, in units of the teacher's mean within-query std
-    listwise: float = 0.0  # weight of the listwise KL
-    pointwise: float = 1.0  # weight of the squared error, in units of that std squared
-    val_fraction: float = 0.1
-    seed: int = 0
-
-    def check(self) -> "FitOptions":
-        if min(self.epochs, self.width) < 1 or min(self.lr, self.tau) <= 0 or \
-                min(self.pointwise, self.listwise, self.rank) < 0:
-            raise ConfigError("epochs, lr, tau and width must be positive; pointwise, listwise, rank >= 0")
-        if not 0 <= self.val_fraction < 1 or self.weight_decay < 0:
-            raise ConfigError("val_fraction must be in [0, 1) and weight_decay >= 0")
-        return self
 
 
 def label_columns(scorer) -> list[int]:

@@ -25,11 +25,9 @@ import torch.nn.functional as F
 from ..errors import ConfigError, InputError, ModelLoadError
 from ..weights.adapter import ADAPTER_OBJECTIVES, Adapter
 from .data import read_data
+from .options import LORA_DEFAULTS as DEFAULTS
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# Measured on one fold of intent_dev (SmolLM2-135M, "{query}" no chat): lr 2e-3 peaked at epoch 4
-DEFAULTS = dict(lr=2e-3, epochs=6, patience=2, batch_size=16, dropout=0.0, label_smoothing=0.0,
-                weight_decay=0.0, refit=False)
 
 
 def hf_folder(model) -> Path:

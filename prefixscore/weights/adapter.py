@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, ModelLoadError
+from ..values import ADAPTER_OBJECTIVES  # noqa: F401 (weights.adapter.ADAPTER_OBJECTIVES)
 from .tagged import read_tagged
 from .loading import LoadedModel
 
@@ -18,7 +19,6 @@ ADAPTER_FORMAT = "prefixscore-adapter"
 # says how it was made); `adapter="seed"` / `--adapter seed` name it.
 SEED_ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "seed.safetensors"
 ADAPTER_VERSION = "1"
-ADAPTER_OBJECTIVES = ("label", "head")
 # HF projection name -> (module, the fused runtime weight it lives in, its row block in that weight)
 _PROJ = {"q_proj": ("self_attn", "wqkv", 0), "k_proj": ("self_attn", "wqkv", 1),
          "v_proj": ("self_attn", "wqkv", 2), "o_proj": ("self_attn", "o_proj", 0),

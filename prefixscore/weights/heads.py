@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError, ModelLoadError
+from ..values import HEAD_KINDS
 
 FORMAT = "prefixscore-head"
 VERSION = "1"
-KINDS = ("linear", "mlp")
+KINDS = HEAD_KINDS  # (values.py, so the command line lists them without torch)
 
 
 # ---------------------------------------------------------------- the head and its file

@@ -271,3 +271,36 @@ def test_closed_pipe_is_quiet(model, tmp_path):
     p.stdout.close()
     err = p.stderr.read()
     assert p.wait(timeout=600) in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err
+
+
+def test_first_touch_needs_no_torch():
+    """--version, --help and every command's option errors answer before torch (about a second to
+    import on a CPU host) is imported; a close flag or command is named."""
+    code = """
+import contextlib, io, sys
+from prefixscore.cli.commands import main
+said = {}
+for argv in (["--version"], ["--help"], ["classify", "--top-l", "3"], ["clasify", "x"],
+             ["eval", "--bad-flag"], ["score", "--bad-flag"], ["serve", "--prot", "1"],
+             ["finetune", "--bad-flag"], ["fit-head", "--bad-flag"], ["eval-modes", "--bad-flag"],
+             ["fit-item-encoder", "--bad-flag"], ["embed-items", "--bad-flag"]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit as e:
+            said[argv[0]] = (e.code, err.getvalue())
+print("torch" in sys.modules)
+print(said["classify"][1].splitlines()[-1])
+print(said["clasify"][1].splitlines()[-1])
+print(said["serve"][1].splitlines()[-1])
+print(said["--version"][0], sorted({code for code, _ in said.values()}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0] == "False", out
+    assert lines[1].endswith("unrecognized arguments: --top-l (did you mean --top-k?)"), out
+    assert lines[1].startswith("prefixscore classify: error:"), out  # the command's own usage
+    assert lines[2].endswith("(did you mean classify?)"), out
+    assert lines[3].endswith("(did you mean --port?)"), out
+    assert lines[4] == "0 [0, 2]", out
