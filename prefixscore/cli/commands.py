@@ -158,9 +158,8 @@ def cmd_eval(a) -> int:
     probe = argparse.Namespace(**(vars(a) | {"head": None}))  # a head is compared, not a new task
     seed_adapter_default(probe)
     adapter = probe.adapter
-    labels = labels_option(a) or (None if head or adapter else SEED_LABELS)
-    if labels is not None:  # fail before loading the model when we can
-        _check_gold(rows, a, labels)
+    labels = labels_option(a) or _file_labels(head, adapter) or SEED_LABELS
+    _check_gold(rows, a, labels)  # before the model loads
     queries, gold = [r[a.column] for r in rows], [r[a.label_column] for r in rows]
     modes = [("zero-shot", {"head": None, "adapter": None})] if head or adapter else []
     modes += [(f"head {head}", {"head": head, "adapter": None})] if head else []
@@ -247,7 +246,21 @@ def _write_predictions(path: str, queries, gold, results, labels) -> None:
 def _check_gold(rows, a, labels) -> None:
     unknown = sorted({r[a.label_column] for r in rows} - set(labels))
     if unknown:  # repr: a trailing space or a case difference must show
-        raise InputError(f"{_data_name(a)}: gold labels not in the label set: {', '.join(map(repr, unknown))}")
+        raise InputError(f"{_data_name(a)}: gold labels not in the label set: {', '.join(map(repr, unknown))} "
+                         f"(the labels: {', '.join(map(repr, labels))})")
+
+
+def _file_labels(head, adapter) -> list[str] | None:
+    """The labels a --head or --adapter file was trained on (its metadata: no model loads), those
+    of the head, whose rule eval reports last; None if neither names them."""
+    from ..weights.adapter import read_adapter
+    from ..weights.heads import read_head
+
+    if head is not None:
+        return list(read_head(head).labels)
+    if adapter is not None:
+        return list(read_adapter(adapter).meta.get("labels") or []) or None
+    return None
 
 
 class Parser(argparse.ArgumentParser):

@@ -199,8 +199,13 @@ def test_misleading_messages(tmp_path, capsys):
                                                                *NO_MODEL)
     d = tmp_path / "d.csv"
     d.write_text("query,label\nlevis 501,Jeans \n")
-    assert "gold labels not in the label set: 'Jeans '" in fails(
+    assert "gold labels not in the label set: 'Jeans ' (the labels: 'Dress', 'Jeans')" in fails(
         capsys, "eval", str(d), "--labels", "Dress,Jeans", *NO_MODEL)
+    # an adapter's labels, read from its file before any model loads (one that does not exist is
+    # never reached)
+    d.write_text("query,label\nred dress,Gown\n")
+    said = fails(capsys, "eval", str(d), "--adapter", "seed", *NO_MODEL)
+    assert "gold labels not in the label set: 'Gown' (the labels: 'Dress', 'Jeans'" in said, said
     assert "at least two labels" in fails(capsys, "classify", "x", "--labels", "Dress", *NO_MODEL)
     d.write_text("query,label\nlevis 501,Jeans\n")
     assert "at least two labels" in fails(capsys, "eval", str(d), "--labels", "Jeans", *NO_MODEL)
