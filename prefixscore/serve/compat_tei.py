@@ -131,11 +131,14 @@ def info(fe: Frontend) -> dict:
     from .. import __version__
 
     i, c = fe.info, fe.classifiers[0]
-    return {"model_id": i.model, "model_sha": None, "model_dtype": "",  # not in the engine's Ready
+    # a request's tokens: the query's past the cached prefix (--max-tokens), within the prompt's
+    # limit (/v1/models' max_model_len: the model's context less the longest label)
+    max_input = min(fe.cfg.max_tokens, c.context_limit - len(c.prefix_ids))
+    return {"model_id": i.model, "model_sha": None, "model_dtype": i.dtype,
             "served_model_name": i.model,
             "model_type": {"classifier": {"id2label": {str(k): v for k, v in enumerate(c.labels)},
                                           "label2id": {v: k for k, v in enumerate(c.labels)}}},
-            "max_concurrent_requests": fe.cfg.max_queue, "max_input_length": fe.cfg.max_tokens,
+            "max_concurrent_requests": fe.cfg.max_queue, "max_input_length": max_input,
             "max_batch_tokens": i.max_batch_tokens, "max_batch_requests": None,
             "max_client_batch_size": fe.cfg.max_queries, "auto_truncate": bool(c.truncate),
             "tokenization_workers": fe.cfg.workers, "version": __version__, "sha": None,

@@ -138,7 +138,8 @@ class EngineLoop:
             model=model, tokenizer_path=tokenizer_path,
             classifiers=[P.classifier_info(name, c) for name, c in zip(self.names or [model], self.clfs)],
             max_batch_tokens=clf.max_batch_tokens, scorer=P.scorer_info(self.scorer),
-            device=str(clf.engine.device), pid=os.getpid())
+            device=str(clf.engine.device), pid=os.getpid(),
+            dtype=str(clf.engine.dtype).removeprefix("torch."))
 
     def warmup(self) -> None:
         """One real batch per classifier proves the path (each built its prefix and graphs); then

@@ -137,6 +137,7 @@ class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
     scorer: ScorerInfo | None  # None: no /v1/score on this engine
     device: str
     pid: int
+    dtype: str = ""  # the weights' (bfloat16, float32, float8_e4m3fn: TEI's /info model_dtype)
 
 
 class ClassifyOut(msgspec.Struct, tag=True, array_like=True):

@@ -119,6 +119,11 @@ def test_tei_root_route_and_info(server, clf):
     assert info["model_id"] == "intent-v1" and info["max_client_batch_size"] == LIMITS["max_queries"]
     assert info["model_type"] == {"classifier": {"id2label": {str(i): l for i, l in enumerate(clf.labels)},
                                                  "label2id": {l: i for i, l in enumerate(clf.labels)}}}
+    # the same truth as /v1/models: the weights' dtype, and an input's tokens within both the
+    # server's --max-tokens and the prompt's limit past the cached prefix
+    assert info["model_dtype"] == str(clf.engine.dtype).removeprefix("torch.")
+    card = next(m for m in httpx.get(server + "/v1/models").json()["data"] if m["id"] == "intent-v1")
+    assert info["max_input_length"] == min(LIMITS.get("max_tokens", 512), card["max_model_len"] - clf.prefix_len)
 
 
 def test_inference_api_parameters(server, clf):
