@@ -32,18 +32,13 @@ def cmd_finetune(a) -> int:
         teacher = Classifier(a.teacher, tt, labels, device=a.device, chat=a.teacher_chat,
                              truncate=a.truncate)
         err(f"teacher: {teacher.loaded.name}, prompt mode, prefix {teacher.prefix_len} tokens")
-    adapter = finetune(a.data, model=a.model, template=template_option(a), labels=labels, chat=a.chat,
-                       teacher=teacher,
-                       objective=a.objective, rank=a.rank, alpha=a.alpha, lr=a.lr, epochs=a.epochs,
-                       seed=a.seed, val_fraction=a.val_fraction, patience=a.patience,
-                       batch_size=a.batch_size, progress=a.verbosity != "quiet", output=a.output, refit=a.refit,
-                       save_dtype=getattr(torch, a.save_dtype), device=a.device, dtype=a.dtype,
-                       query_column=a.column, label_column=a.label_column, input_format=a.input_format)
-    t = adapter.meta["training"]
-    val = f", val accuracy {t['val_acc']:.3f} (epoch {t['best_epoch']})" if "val_acc" in t else ""
-    print(f"saved {a.output}: {a.objective} adapter, rank {a.rank}, {len(adapter.meta['labels'])} labels, "
-          f"{t['train_rows']} training rows, {t['seconds']:.0f} s{val}")
-    return 0
+    finetune(a.data, model=a.model, template=template_option(a), labels=labels, chat=a.chat,
+             teacher=teacher, objective=a.objective, rank=a.rank, alpha=a.alpha, lr=a.lr,
+             epochs=a.epochs, seed=a.seed, val_fraction=a.val_fraction, patience=a.patience,
+             batch_size=a.batch_size, progress=a.verbosity != "quiet", output=a.output, refit=a.refit,
+             save_dtype=getattr(torch, a.save_dtype), device=a.device, dtype=a.dtype,
+             query_column=a.column, label_column=a.label_column, input_format=a.input_format)
+    return 0  # (finetune said where it saved the adapter, as it does for a Python caller)
 
 
 def add_command(sub, model_args) -> None:

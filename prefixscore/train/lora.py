@@ -282,6 +282,9 @@ def finetune(data, *, model=None, template=None, labels=None, chat=None, objecti
     adapter = from_peft(net, meta, hd)
     if output is not None:
         save_adapter(output, adapter, save_dtype)
+        val = f", val accuracy {best[0]:.3f} (epoch {best_epoch})" if va else ""
+        say(f"saved {output}: {objective} adapter, rank {rank}, {len(labels)} labels, "
+            f"{training['train_rows']} training rows, {training['seconds']:.0f} s{val}")
     return adapter
 
 

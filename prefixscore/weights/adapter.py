@@ -38,6 +38,12 @@ class Adapter:
     def scale(self) -> float:
         return self.meta["alpha"] / self.meta["rank"]
 
+    def __repr__(self) -> str:  # one line, not the tensors
+        m, t = self.meta, self.meta.get("training") or {}
+        acc = f", val_acc {t['val_acc']:.3f}" if isinstance(t.get("val_acc"), float) else ""
+        return (f"Adapter({m.get('objective')!r}, rank {m.get('rank')}, {len(self.lora)} matrices, "
+                f"{len(m.get('labels') or [])} labels, base {m.get('base_model')!r}{acc})")
+
     def head_weights(self):
         """The trained head as heads.HeadWeights (linear; objective "head" only)."""
         from .heads import HeadWeights

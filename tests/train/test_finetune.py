@@ -225,9 +225,11 @@ def test_command_line(llama, tmp_path, capsys):
     args = ["finetune", data, "-o", str(out), "--model", str(llama), "--template", TEMPLATE,
             "--no-chat", "--labels", ",".join(LABELS), "--epochs", "1", "--quiet"]
     assert train_main(args) == 0
-    assert "saved" in capsys.readouterr().out
-    m = read_adapter(out).meta
+    assert f"saved {out}: label adapter, rank 8, {len(LABELS)} labels" in capsys.readouterr().err
+    adapter = read_adapter(out)
+    m = adapter.meta
     assert (m["template"], m["chat"], m["labels"], m["objective"], m["rank"]) == (TEMPLATE, False, LABELS, "label", 8)
+    assert repr(adapter).startswith("Adapter('label', rank 8,") and "\n" not in repr(adapter)  # no tensors
     bad = _csv(tmp_path / "bad.csv", [("x", "Dress")])
     assert train_main(["finetune", bad, "-o", str(out), "--model", str(llama), "--template", TEMPLATE,
                        "--no-chat", "--labels", ",".join(LABELS), "--quiet"]) == 2
