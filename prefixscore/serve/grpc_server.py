@@ -14,7 +14,8 @@ status it would have had (499: the client cancelled or its deadline passed; the 
 call is cancelled with it, which drops queued engine work). A message over --max-body-bytes is
 refused by gRPC itself (RESOURCE_EXHAUSTED), before any handler: not counted.
 
-Also /grpc.health.v1.Health/Check (no API key, as /healthz): SERVING once the engine is ready.
+Also /grpc.health.v1.Health/Check (no API key, as /healthz): SERVING once the engine is ready;
+and server reflection (grpcurl list / describe).
 """
 from __future__ import annotations
 
@@ -237,6 +238,17 @@ def check_port(host: str, port: int) -> None:
                               f"(--host/--grpc-port)") from None
 
 
+def _reflection(server) -> None:
+    """Server reflection (grpcio-reflection, in the grpc extra), so grpcurl-style tools list and
+    call the service without the .proto; without the package, none (said once in the log)."""
+    try:
+        from grpc_reflection.v1alpha import reflection
+    except ImportError:
+        log.info("no gRPC server reflection: pip install grpcio-reflection (prefixscore[grpc])")
+        return
+    reflection.enable_server_reflection((SERVICE, reflection.SERVICE_NAME), server)
+
+
 async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Server:
     """A grpc.aio server on the running event loop (uvicorn's; uvloop works), started and
     listening on host:port with SO_REUSEPORT, so several front-end processes share the port.
@@ -257,6 +269,7 @@ async def start_grpc(frontend: Frontend, host: str, port: int) -> grpc.aio.Serve
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, table),))
         if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.63: a faster lookup
             server.add_registered_method_handlers(service, table)
+    _reflection(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)

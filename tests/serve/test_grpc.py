@@ -358,6 +358,24 @@ def test_health_and_drain(clf):
     run(go())
 
 
+def test_server_reflection_lists_and_describes_the_service(clf):
+    """What grpcurl's `list` and `describe` ask: the service's name, and its file descriptor."""
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb, reflection_pb2_grpc as rgrpc
+
+    async def go():
+        async with serving(clf) as s:
+            stub = rgrpc.ServerReflectionStub(s.channel)
+            asks = [rpb.ServerReflectionRequest(list_services=""),
+                    rpb.ServerReflectionRequest(file_containing_symbol="prefixscore.v1.PrefixScore")]
+            answers = [a async for a in stub.ServerReflectionInfo(iter(asks))]
+            names = {x.name for x in answers[0].list_services_response.service}
+            assert "prefixscore.v1.PrefixScore" in names, names
+            files = answers[1].file_descriptor_response.file_descriptor_proto
+            assert files and b"ClassifyRequest" in files[0]
+
+    run(go())
+
+
 # ---------------------------------------------------------------- queue, cancellation
 
 def test_queue_full_is_resource_exhausted(clf):
