@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import sys
 
 from .common import COMMANDS
 from ..serve.classifiers import parse_tables
@@ -205,15 +204,17 @@ def _log_level(a) -> str:
 
 
 def cmd_serve(a) -> int:
+    from .common import line_format, warn
     from ..serve.launch import serve
+    from ..serve.logs import JsonLines
 
-    front, engine = configs(a)
-    try:
-        loopback = ipaddress.ip_address(front.host).is_loopback
-    except ValueError:
-        loopback = front.host == "localhost"
-    if not loopback and not front.api_key:
-        print(f"prefixscore: warning: listening on {front.host} without an API key: anyone who can "
-              f"reach this port can use the model (set --api-key or PREFIXSCORE_API_KEY)",
-              file=sys.stderr)
-    return serve(front, engine)
+    with line_format(JsonLines("launcher") if a.log_format == "json" else None):
+        front, engine = configs(a)
+        try:
+            loopback = ipaddress.ip_address(front.host).is_loopback
+        except ValueError:
+            loopback = front.host == "localhost"
+        if not loopback and not front.api_key:
+            warn(f"listening on {front.host} without an API key: anyone who can reach this port can "
+                 f"use the model (set --api-key or PREFIXSCORE_API_KEY)")
+        return serve(front, engine)

@@ -101,8 +101,9 @@ class Replica:
         from ..serve.frontend import Frontend
         from ..serve.http import create_app
         from ..serve.metrics import Metrics
+        from ..serve import logs
 
-        logging.basicConfig(level=fcfg.log_level.upper())
+        logs.setup(fcfg.log_level, fcfg.log_format, "replica")
         classifiers, scorer = build(ecfg)
         clf = first(classifiers)
         model = ecfg.served_model_name or os.path.basename(str(clf.loaded.name))

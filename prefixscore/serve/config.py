@@ -199,6 +199,10 @@ class FrontendConfig:
         "info", "the server's log (default info; --verbose: debug, --quiet: warning)",
         choices=["debug", "info", "warning", "error"], proxy=True)
     access_log: bool = option(False, "log every request (costs throughput)", proxy=True)
+    log_format: str = option(
+        "text", "text, or json: one object a line (time, level, logger, process, pid, message), "
+                "uvicorn's lines too, for log collectors (default text)",
+        choices=["text", "json"], proxy=True)
     # This front end logs the "ready" lines (the launcher's first worker; one process: itself).
     announce: bool = True
 

@@ -300,7 +300,9 @@ def uvicorn_server(app, fcfg, frontend):
     # No limit_concurrency: the protocol holds --max-connections (Connections). No WebSocket
     # (nothing here serves one): an upgraded connection would leave the protocol's registry
     # uncounted, busy forever.
-    config = uvicorn.Config(app, http=protocol_class(fcfg, frontend), ws="none",
+    # JSON lines: uvicorn's loggers keep no handlers of their own, so theirs reach the root's (logs.py)
+    log_config = None if fcfg.log_format == "json" else uvicorn.config.LOGGING_CONFIG
+    config = uvicorn.Config(app, http=protocol_class(fcfg, frontend), ws="none", log_config=log_config,
                             log_level=fcfg.log_level, access_log=fcfg.access_log, timeout_keep_alive=5,
                             timeout_graceful_shutdown=fcfg.shutdown_timeout)
     return DrainingServer(config)

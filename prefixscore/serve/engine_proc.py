@@ -125,11 +125,12 @@ def save_tokenizer(tokenizer, run_dir: str) -> str:
 
 
 def main(cfg: EngineConfig, address: str, run_dir: str, log_level: str = "info",
-         ready_event=None, index: int = 0, engines: int = 1) -> None:
+         ready_event=None, index: int = 0, engines: int = 1, log_format: str = "text") -> None:
     """index of engines (--data-parallel): its metrics carry it when there are several; cfg
     already names its own device (engine_config)."""
-    name = "engine" if engines == 1 else f"engine {index}"
-    logging.basicConfig(level=log_level.upper(), format=f"%(levelname)s:     {name}: %(message)s")
+    from . import logs
+
+    logs.setup(log_level, log_format, "engine" if engines == 1 else f"engine {index}")
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     source = EngineSocket(address)

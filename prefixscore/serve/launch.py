@@ -41,6 +41,7 @@ import tempfile
 import time
 
 from ..errors import ConfigError
+from . import logs
 from .config import EngineConfig, FrontendConfig
 from .connections import EXIT_GRACE, uvicorn_server  # uvicorn_server: the tests' import, as before
 # engine_cpu: beside the engine process that pins itself with it (and importable from here, as
@@ -81,7 +82,7 @@ def single_process(fcfg: FrontendConfig, ecfg: EngineConfig, sock=None) -> None:
     from .http import create_app
     from .metrics import Metrics
 
-    logging.basicConfig(level=fcfg.log_level.upper(), format="%(levelname)s:     %(message)s")
+    logs.setup(fcfg.log_level, fcfg.log_format)
     sock = sock or bind(fcfg.host, fcfg.port)
     fcfg = dataclasses.replace(fcfg, port=sock.getsockname()[1])  # --port 0: the "ready" line's
     classifiers, scorer = build(ecfg)
@@ -140,7 +141,7 @@ def worker_main(fcfg: FrontendConfig, index: int, addresses: list[str], sock, av
     if avoid_cpu is not None:  # the engine process's CPU (--engine-cpu)
         os.sched_setaffinity(0, os.sched_getaffinity(0) - {avoid_cpu})
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards SIGTERM
-    logging.basicConfig(level=fcfg.log_level.upper(), format=f"%(levelname)s:     worker {index}: %(message)s")
+    logs.setup(fcfg.log_level, fcfg.log_format, f"worker {index}")
     from .wire import SocketClient
     from .frontend import Frontend
     from .http import create_app
@@ -212,7 +213,7 @@ class Launcher:
         self.engines[i] = self.ctx.Process(
             target=_engine_entry, name="prefixscore-engine" + (f"-{i}" if n > 1 else ""),
             daemon=False, args=(engine_config(self.ecfg, i, n), self.addresses[i], self.run_dir,
-                                self.fcfg.log_level, self.engine_ready[i], i, n))
+                                self.fcfg.log_level, self.engine_ready[i], i, n, self.fcfg.log_format))
         self.engines[i].start()
 
     def start_worker(self, i: int):
@@ -225,7 +226,7 @@ class Launcher:
         return p
 
     def run(self) -> int:
-        logging.basicConfig(level=self.fcfg.log_level.upper(), format="%(levelname)s:     %(message)s")
+        logs.setup(self.fcfg.log_level, self.fcfg.log_format, "launcher")
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._signal)
         try:

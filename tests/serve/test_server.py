@@ -682,3 +682,27 @@ def test_tokenizer_exception_is_the_requests_fault(clf):
         assert good.status_code == 200
         check(good.json()["results"], clf.classify_batch(["fine"]))
         assert httpx.get(base + "/healthz").status_code == 200
+
+
+def test_json_log_lines(capsys):
+    """--log-format json: each record one JSON object (time, level, logger, process, pid, message,
+    an exception's text), what log collectors read without a parser."""
+    import json
+    import logging
+
+    from prefixscore.serve.logs import JsonLines
+
+    fmt = JsonLines("worker 3")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        rec = logging.LogRecord("prefixscore.frontend", logging.ERROR, __file__, 1, "a %s line", ("bad",),
+                                sys.exc_info())
+    line = fmt.format(rec)
+    assert "\n" not in line
+    out = json.loads(line)
+    assert (out["level"], out["logger"], out["process"], out["message"]) == (
+        "error", "prefixscore.frontend", "worker 3", "a bad line")
+    assert out["time"].endswith("Z") and "ValueError: boom" in out["exception"] and out["pid"] > 0
