@@ -34,6 +34,7 @@ COMMANDS = {
     "fit-item-encoder": ("items", "fit the map from an item's text to its soft token (distilled from "
                                   "the text scorer)"),
     "embed-items": ("items", "precompute a catalogue's item-embedding table with an item encoder"),
+    "completion": ("completion", "print a shell completion script: source <(prefixscore completion bash)"),
 }
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -155,6 +156,19 @@ log.setLevel(logging.INFO)
 _handler = _Stderr()
 _handler.setFormatter(_Format("%(message)s"))
 log.addHandler(_handler)
+
+
+@contextlib.contextmanager
+def line_format(formatter: logging.Formatter | None):
+    """The command's own lines (err, warn) in another form while it runs (serve --log-format
+    json: as the server's); None: as they are."""
+    saved = _handler.formatter
+    if formatter is not None:
+        _handler.setFormatter(formatter)
+    try:
+        yield
+    finally:
+        _handler.setFormatter(saved)
 
 
 def err(msg: str) -> None:

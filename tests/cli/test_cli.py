@@ -309,3 +309,24 @@ print(said["--version"][0], sorted({code for code, _ in said.values()}))
     assert lines[2].endswith("(did you mean classify?)"), out
     assert lines[3].endswith("(did you mean --port?)"), out
     assert lines[4] == "0 [0, 2]", out
+
+
+def test_bash_completion_from_the_parsers():
+    """`prefixscore completion bash`: commands, each command's flags and a flag's choices (its own
+    command's), as bash completes them."""
+    import shutil
+
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    script = subprocess.run([sys.executable, "-m", "prefixscore.cli", "completion", "bash"],
+                            capture_output=True, text=True, check=True).stdout
+    probe = script + """
+ask() { COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); COMPREPLY=(); _prefixscore; echo "${COMPREPLY[*]}"; }
+ask prefixscore cla
+ask prefixscore classify --to
+ask prefixscore classify --mode l
+ask prefixscore score --mode s
+ask prefixscore serve --log-f
+"""
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["classify", "--top-k", "logprobs logits", "softmax", "--log-format"], out
