@@ -352,7 +352,8 @@ def test_allow_special_tokens(model, monkeypatch, tmp_path):
     # The command line: the flag reaches Classifier (make_classifier) and Scorer (score).
     import argparse
 
-    from prefixscore.cli import commands as cli, score as scorer_mod
+    from prefixscore import scorer as scorer_mod  # (cli/score imports it when the command runs)
+    from prefixscore.cli import commands as cli
 
     seen = []
 
