@@ -243,10 +243,17 @@ def _offline_hint() -> str:
 
 @contextlib.contextmanager
 def quiet_downloads(quiet: bool = True):
-    """huggingface_hub's download bars off while the block runs (--quiet), then as they were."""
+    """huggingface_hub's download bars off while the block runs (--quiet, or stderr not a terminal:
+    in a log a bar is one long line of carriage returns), then as they were."""
+    import sys
+
     from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
-    if not quiet or are_progress_bars_disabled():
+    try:
+        terminal = sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        terminal = False
+    if not (quiet or not terminal) or are_progress_bars_disabled():
         yield
         return
     disable_progress_bars()

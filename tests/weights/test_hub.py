@@ -224,3 +224,26 @@ def test_cli_hub_name(tiny, tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "HF_HUB_OFFLINE" in lines[0] and str(home / "hub") in lines[0], p.stderr
+
+
+def test_download_bars_only_on_a_terminal(monkeypatch):
+    """huggingface_hub's bars are off under --quiet and whenever stderr is not a terminal (a log
+    would get one long line of carriage returns), and back as they were after."""
+    import io
+    import sys
+
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    from prefixscore.weights.hub import quiet_downloads
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    if are_progress_bars_disabled():  # (HF_HUB_DISABLE_PROGRESS_BARS in this environment)
+        pytest.skip("huggingface_hub's bars are off here already")
+    for stderr, quiet, off in ((io.StringIO(), False, True), (Terminal(), False, False), (Terminal(), True, True)):
+        monkeypatch.setattr(sys, "stderr", stderr)
+        with quiet_downloads(quiet):
+            assert are_progress_bars_disabled() == off, (quiet, off)
+        assert not are_progress_bars_disabled()
