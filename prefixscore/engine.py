@@ -362,9 +362,10 @@ class QueryKV:
     """One request's K/V past what every request shares: per layer (k, v), rows [lo, lo +
     capacity) of `bufs` (a region of the engine's KVBank, freed with this object, or a buffer of
     its own: lo 0), its first rows the base (pinned prefix) K/V, then the tokens Engine.extend
-    computed (`filled` rows in all); close() gives the region back. view(n) is the first n rows as the per-layer list a Context
-    takes, one list object per n, so spans over the same rows share a pass; range(n) the same
-    rows as bank indices (spans.cached_spans: a bank's passes replay graphs)."""
+    computed (`filled` rows in all); close() gives the region back. view(n) is the first n rows
+    as the per-layer list a Context takes, one list object per n, so spans over the same rows
+    share a pass; range(n) the same rows as bank indices (spans.cached_spans: a bank's passes
+    replay graphs)."""
 
     def __init__(self, base, capacity: int, config, device, dtype, region=None):
         """region: (bank, first row) of a region allocated for it; None: a buffer of its own."""
@@ -385,11 +386,9 @@ class QueryKV:
         self._views: dict[int, list] = {}
 
     def view(self, n: int) -> list:
-        if n > self.filled:
-            raise ValueError(f"{n} rows asked of a K/V with {self.filled} filled")
         if n not in self._views:
-            lo = self.lo
-            self._views[n] = [(k[lo:lo + n], v[lo:lo + n]) for k, v in self.bufs]
+            lo, hi = self.range(n)
+            self._views[n] = [(k[lo:hi], v[lo:hi]) for k, v in self.bufs]
         return self._views[n]
 
     def range(self, n: int) -> tuple[int, int]:

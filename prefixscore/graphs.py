@@ -68,6 +68,8 @@ class GraphRunner:
         names = ROWS + ["prefix_start", "prefix_end"] * ranges + ["kv_dst"] * (write_kv is not None)
         self.row = {n: i for i, n in enumerate(names + ["soft_src"] * soft)}
         self.rows_in = len(self.row)
+        # the rows a plan gives token by token, under the same names (_fill)
+        self.plan_rows = [(self.row[n], n) for n in names if n != "rows"]
         self.buckets = [b for b in BUCKETS if b < max_tokens] + [next(b for b in BUCKETS if b >= max_tokens)]
         self.max_tokens = Tmax = self.buckets[-1]
         self.N = vocab or labels or (1 if weight is None else weight.shape[0])
@@ -88,6 +90,7 @@ class GraphRunner:
             self.dev_weight = torch.zeros(labels, engine.config.hidden_size, dtype=engine.dtype, device=dev)
         self.pad = np.arange(Tmax, dtype=np.int32)
         self.bucket_of = [next(b for b in self.buckets if b >= T) for T in range(Tmax + 1)]
+        self.idle = {T: self._idle(T) for T in self.buckets}  # each bucket's padding input
         self.images: dict[tuple, np.ndarray] = {}  # one-request layout -> its filled input (run)
         # per slot: bucket -> numpy views of its pinned buffers (ints, allowed, columns, best, scores)
         self.views = [{} for _ in range(SLOTS)]
@@ -134,14 +137,14 @@ class GraphRunner:
         all_allowed = not self.vocab  # (vocab: token 0 in every column)
         for T in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
             ints, allowed, cols = self._split_in(self.dev_in, T)
-            ints.copy_(torch.from_numpy(self._idle(T)))  # valid visibility everywhere, all allowed
+            ints.copy_(torch.from_numpy(self.idle[T]))  # valid visibility everywhere, all allowed
             if allowed is not None:
                 allowed.fill_(all_allowed)
             if cols is not None:
                 cols.zero_()
             for views in self.views:  # the same in the host buffers, which an inline copy reads
                 h, a, c = views[T][:3]
-                h[:] = self._idle(T)
+                h[:] = self.idle[T]
                 if a is not None:
                     a[:] = all_allowed
                 if c is not None:
@@ -205,17 +208,13 @@ class GraphRunner:
     def _fill(self, plan: Plan, h, a, c, tokens, T: int, Tb: int, R: int) -> None:
         """A plan into a slot's numpy views of bucket Tb: ints h, allowed a, label columns c."""
         row = self.row
-        names = ROWS[:5] + ["prefix_start", "prefix_end"] * self.ranges + ["kv_dst"] * (self.write_kv is not None)
-        for name in names:
-            h[row[name], :T] = getattr(plan, name).numpy()
-        h[:, T:Tb] = 0
-        h[row["own_start"], T:Tb] = self.pad[T:Tb]
-        if self.write_kv is not None:
-            h[row["kv_dst"], T:Tb] = self.write_kv
+        for i, name in self.plan_rows:
+            h[i, :T] = getattr(plan, name).numpy()
+        h[:, T:Tb] = self.idle[Tb][:, T:]  # padding tokens (_idle)
         h[row["rows"], :R] = plan.rows.numpy()
-        h[row["rows"], R:Tb] = 0  # padding rows read token 0 (stale indices could point past this bucket)
+        h[row["rows"], R:T] = 0  # padding rows read token 0 (stale indices could point past this bucket)
         if self.soft:
-            h[row["soft_src"], :Tb] = -1
+            h[row["soft_src"], :T] = -1
             if plan.soft is not None:
                 h[row["soft_src"], plan.soft_rows.numpy()] = np.arange(plan.soft.shape[0])
         if c is not None:

@@ -253,7 +253,8 @@ class Transformer(nn.Module):
     def forward(self, tokens, positions, ctx: Context, soft=None, rows=None):
         """tokens, positions [T] -> hidden states [T, hidden] before the final norm. soft: (src [T]
         int, table [E, hidden]): row t's input is table[src[t]], not its token's embedding, where
-        src[t] >= 0 (as transformers' inputs_embeds; static shapes, so a graph takes it). rows (int [R], on the model's device): -> [R, hidden], the
+        src[t] >= 0 (as transformers' inputs_embeds; static shapes, so a graph takes it). rows
+        (int [R], on the model's device): -> [R, hidden], the
         hidden states of those rows only. The last layer then computes its K/V for every row (those
         rows attend to them) and its attention, O and MLP for those rows only: a pass reads one row
         per query or item, so W3 (100 items of 150 tokens) skips ~96% of one layer in 24."""

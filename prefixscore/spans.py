@@ -113,12 +113,12 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
     positions = np.arange(t, dtype=np.int64) + expand(seg[:, 1] - first)
     n_items = sum(len(g.tails) for g in groups)
     tokens = np.fromiter(itertools.chain.from_iterable(toks), np.int64, t)
-    ranges = None
+    prefix_start = prefix_end = None
     if groups[0].kv_range is not None:  # the bank rows each span's tokens see (a pass's spans
         # share one K/V: SpanLayout.passes)
         lo, hi, n = (np.array(x, np.int64) for x in zip(*(
             (*g.kv_range, e - b) for g, b, e in zip(groups, offs, offs[1:]))))
-        ranges = (_i32(np.repeat(lo, n)), _i32(np.repeat(hi, n)))
+        prefix_start, prefix_end = _i32(np.repeat(lo, n)), _i32(np.repeat(hi, n))
     soft = [v for g in groups if g.soft for v in g.soft if v is not None]  # in flat order
     soft_rows = None
     if soft:  # each embedding item's tail holds one SOFT: the rows that skip the embedding lookup
@@ -136,8 +136,7 @@ def plan_items(groups: list[Span], trie: LabelTrie, branches: list[tuple]) -> Pl
         batch=n_items,
         soft_rows=None if soft_rows is None else torch.from_numpy(soft_rows),
         soft=None if soft_rows is None else torch.stack(soft),
-        prefix_start=None if ranges is None else ranges[0],
-        prefix_end=None if ranges is None else ranges[1],
+        prefix_start=prefix_start, prefix_end=prefix_end,
     )
 
 

@@ -289,9 +289,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = Parser(prog="prefixscore", description=__doc__)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", parser_class=Parser)
-    words = [w for w in (argv or []) if not w.startswith("-")]
-    wanted = (COMMANDS[words[0]][0] if words and words[0] in COMMANDS else None) if argv is not None \
-        else "all"
+    wanted = "all"  # the module whose command is run (None: commands.py's own, or none)
+    if argv is not None:
+        first = next((w for w in argv if not w.startswith("-")), None)
+        wanted = COMMANDS[first][0] if first in COMMANDS else None
     _classify_command(sub)
     _eval_command(sub)
     # score, serve and the training commands: each module of this package adds its own subcommand.

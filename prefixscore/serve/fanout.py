@@ -49,17 +49,16 @@ class ClassifyMany:
             missed = [e for e, h in zip(encoded, hits) if h is None]
             todo += missed
             rows += [k] * len(missed)
-            looked.append((hits, keys, missed))
+            looked.append((hits, keys, missed, sum(len(e.ids) - e.start for e in missed)))
         job = None
         if todo:
-            job = await self._engine(todo, sum(len(e.ids) - e.start for e in todo),
-                                     rows if any(rows) else None, priority)
-            for k, (_, _, missed) in zip(ks, looked):
-                if missed:
-                    self.metrics.classifier_tokens(self.classifiers[k].name).inc(
-                        sum(len(e.ids) - e.start for e in missed))
+            job = await self._engine(todo, sum(x[3] for x in looked), rows if any(rows) else None,
+                                     priority)
+            for k, (_, _, _, cost) in zip(ks, looked):
+                if cost:
+                    self.metrics.classifier_tokens(self.classifiers[k].name).inc(cost)
         r, answers = 0, []
-        for k, encoded, (hits, keys, missed) in zip(ks, encs, looked):
+        for k, encoded, (hits, keys, missed, _) in zip(ks, encs, looked):
             info = self.classifiers[k]
             results, fresh = merge_rows(encoded, hits, job, info.labels, r)
             r += len(fresh)

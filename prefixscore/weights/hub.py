@@ -253,7 +253,7 @@ def quiet_downloads(quiet: bool = True):
         terminal = sys.stderr.isatty()
     except (AttributeError, ValueError):  # replaced or closed
         terminal = False
-    if not (quiet or not terminal) or are_progress_bars_disabled():
+    if (terminal and not quiet) or are_progress_bars_disabled():
         yield
         return
     disable_progress_bars()
