@@ -349,8 +349,7 @@ def run_batches(clf, queries: list[str]):
 
 
 # Flags that describe another task than the seed one: with any of them the raw model runs as asked.
-_OWN_TASK = ("model", "template", "template_file", "labels", "labels_file", "head", "chat",
-             "score_template")
+_OWN_TASK = ("model", "template", "template_file", "labels", "labels_file", "head", "chat")
 
 
 def seed_adapter_default(a) -> None:
@@ -364,11 +363,9 @@ def seed_adapter_default(a) -> None:
         if a.adapter is not None:
             raise ConfigError("--adapter and --no-adapter: pass one")
         return
-    own = [k for k in _OWN_TASK if vars(a).get(k) is not None]  # (score_template: serve's)
-    if own == ["score_template"] and a.adapter is None:  # the seed task, but the weights are shared
-        err("note: --score-template: classify and /v1/score run the raw model (an adapter is merged "
-            "into the weights both share, so the seed adapter would change /v1/score's scores too); "
-            "--adapter seed keeps it for both")
+    # (serve's --score-template leaves the seed task as it is: /v1/score then runs a copy of the
+    # base weights of its own, serve/engine_proc.build)
+    own = [k for k in _OWN_TASK if vars(a).get(k) is not None]
     if a.adapter is not None or own:
         return
     if not SEED_ADAPTER.is_file():

@@ -137,7 +137,7 @@ class EngineLoop:
         return P.ReadyOut(
             model=model, tokenizer_path=tokenizer_path,
             classifiers=[P.classifier_info(name, c) for name, c in zip(self.names or [model], self.clfs)],
-            max_batch_tokens=clf.max_batch_tokens, scorer=P.scorer_info(self.scorer),
+            max_batch_tokens=clf.max_batch_tokens, scorer=P.scorer_info(self.scorer, clf),
             device=str(clf.engine.device), pid=os.getpid(),
             dtype=str(clf.engine.dtype).removeprefix("torch."))
 

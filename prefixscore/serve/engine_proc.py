@@ -58,11 +58,19 @@ def build(cfg: EngineConfig):
     if cfg.score_template:
         from ..scorer import Scorer
 
-        # the server's options but the classifier's own prompt, head and mode, on its weights
-        scorer = Scorer(spec=spec.replace(model=first(clf).loaded, template=cfg.score_template,
+        # The server's options but not the classifier's prompt, head and mode. Its weights: the
+        # classifier's, unless an adapter is merged into them (the seed one by default): then a
+        # copy of the base weights of its own, since /v1/score's template was written for the base
+        # model and the adapter would change its scores (and dropping the adapter would cost
+        # classify its accuracy). The copy's bytes are in /healthz (score_weights).
+        model = first(clf).loaded if spec.adapter is None else spec.model
+        scorer = Scorer(spec=spec.replace(model=model, template=cfg.score_template,
                                           labels=cfg.score_labels, mode=None, head=None,
-                                          adapter=None, truncate=False, device=None, dtype=None),
+                                          adapter=None, truncate=False),
                         item_table=cfg.item_table)
+        if spec.adapter is not None:
+            log.info("/v1/score runs the base weights, a copy of its own (%.0f MB); classify's carry "
+                     "the %s adapter", scorer.engine.weight_bytes() / 1e6, spec.adapter)
     return clf, scorer
 
 

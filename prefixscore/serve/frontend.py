@@ -146,7 +146,16 @@ class Frontend(ClassifyMany, ScoreRoute):
                      "oldest_queued_ms": round(oldest, 3), "engine_busy_ms": round(silent, 3),
                      "running": c.running_cards(),
                      "engine": {"pid": i.pid, "device": i.device},
-                     "classifiers": self.catalog.health_cards(), **c.health()}
+                     "classifiers": self.catalog.health_cards(), **self._score_weights(), **c.health()}
+
+    def _score_weights(self) -> dict:
+        """Which weights /v1/score runs: the classifiers' (base, no adapter merged), or a copy of
+        the base weights of its own where the classifiers' carry an adapter."""
+        s = self.info.scorer
+        if s is None:
+            return {}
+        own = s.own_weight_bytes
+        return {"score_weights": {"weights": "base", "own_copy": bool(own), "bytes": own}}
 
     def _state(self, oldest_ms: float, silent_ms: float) -> str:
         """/healthz's status: "degraded" when the engine has said nothing for longer than the

@@ -124,6 +124,9 @@ class ScorerInfo(msgspec.Struct, array_like=True, kw_only=True):
     max_items: int
     hidden_size: int = 0  # an embedding item's size
     item_table: str | None = None  # the item table's path: each front end maps it (items by id)
+    # The base weights' bytes when the scorer has a copy of its own (the classifiers' carry a
+    # merged adapter: engine_proc.build); 0: it runs the classifiers' weights
+    own_weight_bytes: int = 0
 
 
 class ReadyOut(msgspec.Struct, tag=True, array_like=True, kw_only=True):
@@ -274,11 +277,13 @@ def _adapter_name(adapter) -> str | None:
     return None if adapter is None else adapter if adapter == "seed" else os.path.basename(str(adapter))
 
 
-def scorer_info(sc) -> ScorerInfo | None:
+def scorer_info(sc, clf=None) -> ScorerInfo | None:
     """What a front end needs of the Scorer to check and tokenize score requests itself
-    (score_input.ScoreInput over its Prompt rebuilt from the template)."""
+    (score_input.ScoreInput over its Prompt rebuilt from the template); clf: the default
+    classifier, whose weights the scorer shares or not."""
     if sc is None:
         return None
+    own = clf is not None and sc.engine is not clf.engine
     prompt, inp = sc.prompt, sc.input
     return ScorerInfo(
         template=None if prompt is None else prompt.template,
@@ -286,4 +291,5 @@ def scorer_info(sc) -> ScorerInfo | None:
         labels=list(sc.labels), item_first=sc.item_first, prefix_ids=list(sc.prefix_ids),
         vocab_size=inp.vocab_size, context_limit=inp.context_limit, max_items=inp.max_items,
         hidden_size=inp.hidden_size or 0,
-        item_table=None if getattr(sc, "item_table", None) is None else sc.item_table.path)
+        item_table=None if getattr(sc, "item_table", None) is None else sc.item_table.path,
+        own_weight_bytes=sc.engine.weight_bytes() if own else 0)

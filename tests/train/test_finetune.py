@@ -358,13 +358,11 @@ def test_seed_adapter_is_the_default_task_only(tmp_path, monkeypatch, capsys):
         return a.adapter
 
     assert choose() == "seed" and "shipped seed adapter" in capsys.readouterr().err
-    for flag in ("model", "template", "labels", "head", "score_template"):
+    for flag in ("model", "template", "labels", "head"):
         assert choose(**{flag: "x"}) is None, flag
-    capsys.readouterr()
-    choose(score_template="x")  # the seed task but a scorer on the shared weights: said, not silent
-    assert "--score-template: classify and /v1/score run the raw model" in capsys.readouterr().err
-    choose(score_template="x", labels="a,b")  # another task anyway: nothing to say
-    assert "raw model" not in capsys.readouterr().err
+    # serve's --score-template keeps the seed task (/v1/score gets base weights of its own)
+    assert choose(score_template="x") == "seed"
+    assert choose(score_template="x", labels="a,b") is None
     assert choose(chat=False) is None and choose(no_adapter=True) is None
     assert choose(adapter="mine.safetensors") == "mine.safetensors"
     with pytest.raises(ConfigError, match="--no-adapter"):
