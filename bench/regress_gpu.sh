@@ -6,6 +6,7 @@
 #
 #   mkdir -p .base && git archive <commit> | tar -x -C .base      # here; .base is git-ignored
 #   bash bench/regress_gpu.sh .base                                # there; carry .base .whl .carry
+#   PARTS=gpu bash bench/regress_gpu.sh .base                      # W1 and W2 only (PARTS=http: HTTP)
 #
 # $OUT/base/ and $OUT/head/ get each tree's gpu.json and http.json; the table at the end sets the
 # pairs side by side.
@@ -26,7 +27,7 @@ in_tree() {  # tree, name, python args...
   rm -f "$OUT/$name"/*.png
 }
 
-for part in gpu http; do
+for part in ${PARTS:-gpu http}; do
   for name in base head; do
     tree=$HEAD_DIR; [ $name = base ] && tree=$BASE_DIR
     echo "== $part, $name ($tree)"
