@@ -226,9 +226,12 @@ class Classifier:
 
     def _in_order(self, batches, progress):
         """Run each batch of (index, Encoded) pairs; yield the results each completes, in order
-        (on a GPU the next pass queued behind the one collected: overlap.passes_in_order)."""
+        (on a GPU the next pass queued behind the one collected: overlap.passes_in_order). A
+        negative index is a request answered before (classify_lists' skip): it runs, for its
+        pass's sake, and its result is dropped."""
         def answer(batch, decided):
-            return zip((i for i, _ in batch), self._results([e for _, e in batch], *decided))
+            pairs = zip((i for i, _ in batch), self._results([e for _, e in batch], *decided))
+            return pairs if batch[0][0] >= 0 else [(i, r) for i, r in pairs if i >= 0]  # (indices ascend)
 
         return passes_in_order(batches, lambda batch: self._launch([e for _, e in batch]), answer,
                                self.engine.queues, progress)
@@ -280,22 +283,39 @@ class Classifier:
 
     def classify_iter(self, encoded: list[Encoded], progress=None):
         """classify_encoded batch by batch, for streaming: yields the results that each flat batch
-        completes, in input order. Requests with the cached prefix run before those without it (rare:
-        a query that merges into the prefix), so one of those holds back the results after it."""
+        completes, in input order. Requests without the cached prefix (rare: a query that merges into
+        the prefix) run in passes of their own, each when the passes reach its first request."""
         yield from self.classify_lists([encoded], progress)
 
-    def classify_lists(self, lists, progress=None):
+    def classify_lists(self, lists, progress=None, skip: int = 0, stop=None):
         """classify_iter over a stream of lists of Encoded (the CLI's chunks), each as if it were
         its own call: a list's flat batches are cut from it alone (a resumed job cuts a file in the
-        same chunks, and a row's last bits depend on its batch). What one call adds: on a GPU the
+        same chunks, and a row's last bits depend on its batch), and run in the order of their
+        first request, so results come out as early as they can (the CLI writes them as they do:
+        a pass without the cached prefix runs where its first request is, not after every pass
+        with it, which held back all results behind that request). What one call adds: on a GPU the
         next list's first pass is queued before the last pass of the one before is collected.
-        Yields the results each pass completes, in order across the lists."""
+        Yields the results each pass completes, in order across the lists.
+
+        skip: the first list's first `skip` requests were answered before (a resume of a chunk a
+        stop cut short): its passes are cut as ever, those holding only such requests do not run,
+        and the others' results for them are dropped (the same pass, so the same bits).
+        stop(): asked before each pass and list; once true, none more starts and the stream ends
+        (a pass whose results wait for a later one's yields nothing, so a caller could not stop
+        between those)."""
+        stop = stop or (lambda: False)
+
         def batches():
-            base = 0
+            base = -skip  # the first list's answered requests have negative indices
             for encoded in lists:
-                for chunk in self._chunks(encoded):
-                    yield [(base + i, encoded[i]) for i in chunk]
+                for chunk in sorted(self._chunks(encoded)):  # (by first index: they are disjoint)
+                    if stop():
+                        return
+                    if base + chunk[-1] >= 0:  # (a pass's indices ascend)
+                        yield [(base + i, encoded[i]) for i in chunk]
                 base += len(encoded)
+                if stop():  # before the next list is taken (and the one after it read)
+                    return
 
         return self._in_order(batches(), progress)
 

@@ -31,6 +31,7 @@ class ParquetResultWriter:
 
     def __init__(self, path: str, form: RowFormat, reader):
         self.path, self.form, self.writer, self.schema = path, form, None, None
+        self.held = []  # tables of the chunk being written
         self.input_schema = reader.f.schema if reader.fmt == "parquet" else None
 
     def _input_type(self, name: str):
@@ -55,7 +56,9 @@ class ParquetResultWriter:
         """An input value as its column holds it: as read (Parquet in), else CSV's text."""
         return v if self.input_schema is not None else (None if v is None else _cell(v))
 
-    def write_rows(self, rows, results) -> None:
+    def write_rows(self, rows, results, digest=None, ends_chunk: bool = True) -> int:
+        """Rows as they come (stream.py: a pass's worth), held until their chunk's last (or the
+        close: a stop) so that a chunk is one row group."""
         pa, form = _pyarrow(), self.form
         if form.set_names(rows) or self.writer is None:
             self._open()
@@ -64,9 +67,17 @@ class ParquetResultWriter:
         columns += [[self._value(k.get(name)) for k in kept] for name in form.names]
         columns += [list(c) for c in zip(*(form.result_values(r, row) for row, r in zip(rows, results)))]
         arrays = [pa.array(c, type=f.type) for c, f in zip(columns, self.schema)]
+        self.held.append(pa.Table.from_arrays(arrays, schema=self.schema))
+        if ends_chunk:
+            self._write_held()
+        return 0
+
+    def _write_held(self) -> None:
+        if not self.held:
+            return
+        table, self.held = _pyarrow().concat_tables(self.held), []
         try:
-            self.writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema),
-                                    row_group_size=len(rows))
+            self.writer.write_table(table, row_group_size=table.num_rows)
         except OSError as e:
             raise cannot_write(self.path, e) from None
 
@@ -74,6 +85,7 @@ class ParquetResultWriter:
         if self.writer is None:  # no rows: still a Parquet file, with the columns
             self.form.set_names([])
             self._open()
+        self._write_held()
         try:
             self.writer.close()
         except OSError as e:

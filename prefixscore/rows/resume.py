@@ -1,12 +1,14 @@
 """Resuming a classify run (stream.ClassifyJob): the chunk grid a run writes in, so an interrupted
-output ends on a chunk boundary and is redone from there as an uninterrupted run would have done it;
-the sidecar that records the options a run was written with; the scan that checks a partial output
-against its input row by row."""
+output is continued from its last chunk's first row as an uninterrupted run would have done it (a
+stop records how far into that chunk it got, a crash's torn chunk is redone whole); the sidecar
+that records the options a run was written with and what it wrote; the scan that checks a partial
+output against its input row by row."""
 from __future__ import annotations
 
 import csv
 import json
 import os
+from dataclasses import dataclass, field
 
 from ..errors import InputError
 from .writer import RowFormat, json_text
@@ -79,12 +81,13 @@ def check_meta(output: str, options: dict) -> list:
 
 
 def verified(output: str, chunks: list) -> int | None:
-    """The last row of the chunks of `output` whose bytes are what the sidecar recorded; an edited
-    one is refused, naming its rows. None: nothing recorded (a record from before digests), and
-    the row check alone stands."""
+    """The last row of the chunks of `output` whose bytes are what the sidecar recorded (the last
+    record may be of a chunk a stop cut short: its rows written); an edited one is refused, naming
+    its rows. None: nothing recorded (a record from before digests), and the row check alone
+    stands."""
     if not chunks:
         return None
-    from .writer import chunk_digest
+    from .writer import chunk_digest, digest_text
 
     last_row, start = 0, 0
     with open(output, "rb") as f:
@@ -92,7 +95,7 @@ def verified(output: str, chunks: list) -> int | None:
             raw = f.read(end - start)
             if len(raw) < end - start:  # the file ends inside it: torn, redone
                 break
-            if chunk_digest(raw) != digest:
+            if digest_text(chunk_digest(raw)) != digest:
                 raise InputError(f"--resume: rows {last_row + 1}-{end_row} of {output} are not what "
                                  f"was written there (edited since?): drop --resume to write it "
                                  f"again, or restore them")
@@ -115,14 +118,25 @@ def _short(v) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str, upto: int | None = None):
+@dataclass
+class Kept:
+    """What a resume keeps of an output (scan_output): its first `rows` rows, `end` bytes."""
+    rows: int = 0
+    end: int = 0
+    pos: int = 0  # input bytes up to the last row kept (Row.end: where progress starts)
+    start: int = 0  # the chunk grid's last row at or before `rows`: the first chunk redone starts after it
+    redo: list = field(default_factory=list)  # the input rows read after `start`
+    answered: int = 0  # rows kept after `start` that have a result (not an error row)
+
+
+def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str,
+                upto: int | None = None) -> Kept:
     """Check what an interrupted run wrote against the input, row by row by the `row` column and the
-    input columns: -> (rows kept, output bytes kept, input rows read past them, input bytes up to
-    the last row kept: Row.end, where progress starts). Only whole chunks are kept, up to row `upto`
-    (those whose bytes were verified): a chunk a crash tore is redone from its first row, so its
-    flat batches, and its bytes, are those of an uninterrupted run."""
-    rows, keep_rows, keep_bytes, redo, keep_end = iter(rows), 0, 0, [], 0
-    ends = chunk_ends(chunk_rows)
+    input columns. Rows are kept up to a chunk's end, or up to `upto` (the last row whose bytes the
+    sidecar verified), which may be inside a chunk a stop cut short: that chunk is redone from its
+    first row, as the uninterrupted run cut it, and its rows kept are not written again. A chunk a
+    crash tore is redone whole: its flat batches, and its bytes, are those of an uninterrupted run."""
+    rows, kept, since, ends = iter(rows), Kept(), [], chunk_ends(chunk_rows)
     end_row = next(ends)
     with open(output, "rb") as f:
         for n, (end, got) in enumerate(_records(f, output, form), 1):
@@ -130,20 +144,34 @@ def scan_output(output: str, form: RowFormat, rows, chunk_rows: int, where=str, 
             if row is None:
                 raise InputError(f"--resume: {output} has more rows than the input ({n - 1}): it was "
                                  f"written from another input")
-            want = form.input_part(row)
-            if form.fmt == "jsonl":  # as written: a Parquet timestamp is its ISO text there
-                want = json.loads(json_text(want))
-            same = got[:len(want)] == want if form.fmt == "csv" else \
-                all(got.get(k, ...) == v for k, v in want.items())
-            if not same:
-                raise InputError(f"--resume: row {n} of {output} is not input row {n} "
-                                 f"({where(row)}): written {_short(_head(got, want))}, "
-                                 f"the input gives {_short(want)}; resume with the input it was "
-                                 f"written from")
-            redo.append(row)
-            if n == end_row and (upto is None or n <= upto):
-                keep_rows, keep_bytes, redo, end_row, keep_end = n, end, [], next(ends), row.end
-    return keep_rows, keep_bytes, redo, keep_end
+            _check_row(output, form, n, row, got, where)
+            since.append((row, _answered(form, got)))
+            if upto is not None and n > upto:
+                continue
+            if n == end_row:  # a whole chunk
+                kept = Kept(n, end, row.end, n)
+                since, end_row = [], next(ends)
+            elif n == upto:  # the rows written of a chunk a stop cut short
+                kept = Kept(n, end, row.end, kept.start, answered=sum(ok for _, ok in since))
+    kept.redo = [row for row, _ in since]
+    return kept
+
+
+def _check_row(output: str, form: RowFormat, n: int, row, got, where) -> None:
+    want = form.input_part(row)
+    if form.fmt == "jsonl":  # as written: a Parquet timestamp is its ISO text there
+        want = json.loads(json_text(want))
+    same = got[:len(want)] == want if form.fmt == "csv" else \
+        all(got.get(k, ...) == v for k, v in want.items())
+    if not same:
+        raise InputError(f"--resume: row {n} of {output} is not input row {n} ({where(row)}): "
+                         f"written {_short(_head(got, want))}, the input gives {_short(want)}; "
+                         f"resume with the input it was written from")
+
+
+def _answered(form: RowFormat, got) -> bool:
+    """Whether a written row has a result (else its error says why not)."""
+    return got[-1] == "" if form.fmt == "csv" else got.get("error") is None
 
 
 def _head(got, want):

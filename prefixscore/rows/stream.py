@@ -1,13 +1,14 @@
 """`prefixscore classify` over inputs of any size (issue 21). Rows are read lazily and classified a
 chunk at a time; while the engine runs chunk k, a worker thread reads and tokenizes chunk k+1
-(overlap.run_ahead); each chunk's rows are written and flushed as it finishes, on a writer
-thread while the engine runs chunk k+1, so memory is flat in the input's length. SIGINT/SIGTERM
-stop at the engine's next pass (the chunk in flight is dropped, a second signal ends the process
-at once); --resume continues the output file.
+(overlap.run_ahead); rows are written and flushed as the engine's passes complete them, on a
+writer thread while the engine runs the next pass, so memory is flat in the input's length.
+SIGINT/SIGTERM stop at the engine's next pass (the rows done are written and recorded, a second
+signal ends the process at once); --resume continues the output file.
 
-Where chunks end (resume.chunk_ends) is a function of the row number alone, never of timing: the
-engine rounds a row's scores by the flat batch it runs in, so a resumed run must cut the input
-exactly where the first run did to write the same bytes."""
+Where chunks end (resume.chunk_ends) is a function of the row number alone, never of timing, and
+a chunk's passes are a function of its rows: the engine rounds a row's scores by the flat batch it
+runs in, so a resumed run must cut the input exactly where the first run did to write the same
+bytes. A chunk a stop cut short is read again from its first row and cut into the same passes."""
 from __future__ import annotations
 
 import contextlib
@@ -23,21 +24,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import InputError
-from .io import Row, RowReader
-from .progress import EVERY, Pace, duration
-from .writer import check_output, output_format
 from ..overlap import run_ahead
-from .resume import CHUNK_ROWS, check_meta, chunk_ends, scan_output, verified, write_meta
-from .writer import ResultWriter, RowFormat
+from .io import Row, RowReader
+from .progress import EVERY, Shown, duration
+from .resume import CHUNK_ROWS, Kept, check_meta, chunk_ends, scan_output, verified, write_meta
+from .writer import ResultWriter, RowFormat, check_output, chunk_digest, digest_text, output_format
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class Chunk:
+    """Rows read and tokenized together: the engine's passes over them are cut from them alone."""
     rows: list[Row]
     encoded: list  # Encoded of the rows without an error, in order
-    pos: int  # input bytes up to its last row's end
+    at: list[int]  # where each of those is in rows
+    sent: int = 0  # rows handed to the writer (a resume's first chunk: those written before)
+    answered: int = 0  # encoded rows with a result, handed to the writer or written before
+    digest: object = None  # of its bytes so far (writer.chunk_digest), for the sidecar
 
 
 def encode_rows(clf, rows: list[Row], strict: bool, where) -> list:
@@ -83,7 +87,10 @@ def tokenized_chunks(clf, rows, reader: RowReader, chunk_rows: int, strict: bool
 
     def next_chunk(size):  # on the worker; run_ahead calls it in order, one at a time
         batch = list(itertools.islice(rows, size))
-        return Chunk(batch, encode_rows(clf, batch, strict, reader.where), batch[-1].end) if batch else None
+        if not batch:
+            return None
+        encoded = encode_rows(clf, batch, strict, reader.where)
+        return Chunk(batch, encoded, [i for i, r in enumerate(batch) if r.error is None])
 
     ends = (end for end in chunk_ends(chunk_rows) if end > start)
     sizes = ((b - a,) for a, b in itertools.pairwise(itertools.chain([start], ends)))
@@ -94,29 +101,23 @@ def tokenized_chunks(clf, rows, reader: RowReader, chunk_rows: int, strict: bool
             yield chunk
 
 
-class Progress:
-    """Rows done, on stderr, after each engine pass (per chunk, lines came 11-48 s apart on a CPU):
-    a tqdm bar on a terminal, else a line every `every` seconds (rows, rows/s, and the share done
-    with an ETA when the input's size or row count is known: the bytes of the rows done over a
-    file's size). Never backwards: a chunk's write is confirmed after the next chunk's passes
-    reported."""
+class Progress(Shown):
+    """Rows written, on stderr (rows/progress.py: a bar on a terminal, else a line every `every`
+    seconds from a timer): rows, errors, rows/s, and the share done with an ETA when the input's
+    size or row count is known (the bytes of the rows done over a file's size). It counts a row
+    once its write returned, so the output holds every row a line counted, whenever a stop comes;
+    never backwards."""
 
-    def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float = EVERY,
+    def __init__(self, reader: RowReader, start: int = 0, stream=None, every: float | None = EVERY,
                  clock=time.monotonic, quiet: bool = False, pos: int | None = None):
         """start: rows done before this run (a resume's kept rows), pos: their input bytes (the
         reader has read past them)."""
-        self.reader, self.start, self.every, self.clock = reader, start, every, clock
-        self.stream = sys.stderr if stream is None else stream
-        self.t0 = self.last = clock()
-        # the share done when this run started, which the ETA's rate leaves out
-        self.f0 = 0.0 if start == 0 else self._fraction(start, reader.pos if pos is None else pos)
-        self.rows, self.pos = start, 0  # the most reported: never backwards
-        self.pace = Pace(self.t0, self.f0)
-        self.bar, self.quiet = None, quiet
-        if self.stream.isatty() and not quiet:
-            from tqdm import tqdm
-
-            self.bar = tqdm(initial=start, unit="row", file=self.stream, desc="classify", delay=1.0)
+        self.reader = reader
+        self.now = (start, 0, reader.pos if pos is None else pos)  # rows, errors, bytes: set whole
+        self.shown = self.now
+        f0 = self._fraction(start, self.now[2]) if start else 0.0
+        super().__init__("classify", "row", start=start, f0=f0 or 0.0, disable=quiet, stream=stream,
+                         every=every, clock=clock)
 
     def _fraction(self, rows: int, pos: int):
         if self.reader.size:
@@ -124,34 +125,27 @@ class Progress:
         return rows / self.reader.total if self.reader.total else None
 
     def update(self, rows: int, errors: int, pos: int) -> None:
-        self.rows, self.pos = rows, pos = max(rows, self.rows), max(pos, self.pos)
-        f, now = self._fraction(rows, pos), self.clock()
-        if self.bar is not None:
-            if f:
-                self.bar.total = max(rows, round(rows / f))  # an estimate where the input is a file
-            self.bar.update(rows - self.bar.n)
-            return
-        if self.quiet or now - self.last < self.every:
-            return
-        self.last, secs = now, now - self.t0
-        rate = (rows - self.start) / secs if secs > 0 else 0.0
-        line = f"classify: {rows} rows ({errors} errors), {rate:.0f} rows/s"
-        if f is not None and f > self.f0:
-            line += f", {100 * f:.0f}%, ETA {duration(self.pace.eta(now, f))}"
-        print(line, file=self.stream, flush=True)
+        old = self.now
+        self.now = (max(rows, old[0]), errors, max(pos, old[2]))
 
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    def state(self) -> tuple[int, float | None]:
+        self.shown = rows, _, pos = self.now  # (the timer's thread: one read of the three)
+        return rows, self._fraction(rows, pos)
+
+    def line(self, n: int, share: float | None, rate: float, left: float | None) -> str:
+        line = f"classify: {n} rows ({self.shown[1]} errors), {rate:.0f} rows/s"
+        if share is not None:
+            line += f", {100 * share:.0f}%" + (f", ETA {duration(left)}" if left is not None else "")
+        return line
 
 
 class StopSignals:
     """While rows stream, the first SIGINT or SIGTERM asks to stop (`signum`) at the engine's next
-    pass boundary: the chunk in flight is dropped unless that pass completed it, what was written
-    is closed, and --resume redoes the chunk (a 4,096-row chunk made the first Ctrl-C wait 15-94 s
-    on a CPU). A second ends the process at once (a second SIGINT unwound through the chunk's
-    passes for another 40 s): --resume redoes what it tears. Handlers can only be set on the main
-    thread; elsewhere the defaults stay."""
+    pass boundary: the rows that pass completed are written, the sidecar records how far the chunk
+    in flight got, the output is closed, and --resume goes on from the next row (a stop that
+    dropped the chunk in flight lost up to 4,096 rows). A second ends the process at once (a
+    second SIGINT unwound through the chunk's passes for another 40 s): --resume redoes the chunk
+    it tears. Handlers can only be set on the main thread; elsewhere the defaults stay."""
 
     def __init__(self):
         self.signum, self.saved = None, {}
@@ -235,16 +229,16 @@ class ClassifyJob:
         self.options |= model | {"labels": clf.labels}
         form = RowFormat(self.fmt, clf.labels, self.reader.column, self.keep, self.reader.columns,
                          self.options.get("probs", False), self.options.get("top_k"))
-        done, keep_bytes, chunks, read = 0, 0, [], 0
+        kept, chunks = Kept(), []
         if self.resuming:
             chunks = check_meta(self.output, self.options)
-            done, keep_bytes, redo, read = scan_output(self.output, form, self.rows, self.chunk_rows,
-                                                       self.reader.where, verified(self.output, chunks))
+            kept = scan_output(self.output, form, self.rows, self.chunk_rows, self.reader.where,
+                               verified(self.output, chunks))
             # a record from before digests, or past the rows kept: only those of the rows kept
-            chunks = [c for c in chunks if c[0] <= done] if chunks or not done else None
-            os.truncate(self.output, keep_bytes)  # a torn chunk goes, and a torn last line with it
-            self.rows = itertools.chain(redo, self.rows)
-            if keep_bytes == 0:
+            chunks = [c for c in chunks if c[0] <= kept.rows] if chunks or not kept.rows else None
+            os.truncate(self.output, kept.end)  # a torn chunk goes, and a torn last line with it
+            self.rows = itertools.chain(kept.redo, self.rows)
+            if kept.end == 0:
                 form.names = None  # the file starts over: its header is written again
         elif self.resumable:
             write_meta(self.output, self.options)
@@ -254,82 +248,51 @@ class ClassifyJob:
 
             writer = ParquetResultWriter(self.output, form, self.reader)
         else:
-            writer = ResultWriter(self.output, form, append=keep_bytes > 0)
-        return self._stream(clf, writer, done, err, warn or err, keep_bytes, chunks, read)
+            writer = ResultWriter(self.output, form, append=kept.end > 0)
+        digest = self._partial_digest(kept, chunks) if kept.rows > kept.start else None
+        commits = Commits(self, writer, kept, chunks if self.resumable else None)
+        return self._stream(clf, commits, kept, digest, err, warn or err)
 
-    def _stream(self, clf, writer, done: int, err, warn, end: int = 0, digests: list | None = None,
-                read: int | None = None) -> int:
-        """The main thread runs the engine; a chunk's rows are formatted and written on a writer
-        thread while the engine runs the next chunk (JSON and CSV formatting are Python, a few us a
-        row: in the engine's thread they were its rate's loss). One chunk's write at a time, in
-        order; the rows count as done, and the progress moves, once their write returned. read:
-        the input bytes of the rows done before (a resume's)."""
-        t0, start, counts, errors = time.perf_counter(), done, Counter(), 0
-        progress = Progress(self.reader, done, quiet=self.quiet, pos=read)
-        pending = None  # (the write in flight, its chunk, its results)
+    def _partial_digest(self, kept: Kept, chunks: list):
+        """The digest of the bytes written of a chunk a stop cut short, which its rest extends."""
+        start = next((c[1] for c in reversed(chunks) if c[0] <= kept.start), 0)
+        with open(self.output, "rb") as f:
+            f.seek(start)
+            return chunk_digest(f.read(kept.end - start))
 
-        def written():
-            nonlocal pending, done, errors, end
-            (write, chunk, out), pending = pending, None
-            wrote = write.result()  # its error (a full disk, a closed pipe) is raised here, as it was
-            if self.resumable and digests is not None:  # the chunk's bytes (a resume verifies them)
-                end += wrote[0]
-                digests.append([chunk.rows[-1].n, end, wrote[1]])
-                write_meta(self.output, self.options, chunks=digests)
-            log.debug("rows %d-%d written, %.2f s in", chunk.rows[0].n, chunk.rows[-1].n,
-                      time.perf_counter() - t0)
-            done = chunk.rows[-1].n
-            counts.update(r.label for r in out if r is not None)
-            errors += sum(r is None for r in out)
-            progress.update(done, errors, chunk.pos)
-
-        def finished(chunk, got):  # all its rows classified: its write goes to the writer thread
-            nonlocal pending
-            results = iter(got)
-            out = [None if row.error else next(results) for row in chunk.rows]
-            if pending is not None:
-                written()
-            pending = pool.submit(writer.write_rows, chunk.rows, out), chunk, out
-
-        last_pos = read or 0  # input bytes up to the chunk in flight (progress: its rows share the rest)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-write")
+    def _stream(self, clf, commits: "Commits", kept: Kept, digest, err, warn) -> int:
+        """The main thread runs the engine; as each pass completes, the rows it completed go to the
+        writer thread (Commits). A resume starts at the chunk grid's row kept.start: a chunk a stop
+        cut short is read, tokenized and cut into passes again as it was, and its passes that
+        answer only rows already written do not run (Classifier.classify_lists' skip)."""
+        t0, start = time.perf_counter(), kept.rows
         handed = deque()  # chunks the engine has been given and not finished, in order
-        with writer, StopSignals() as stop, contextlib.closing(tokenized_chunks(
-                clf, self.rows, self.reader, self.chunk_rows, self.strict, done)) as chunks:
+        with commits, StopSignals() as stop, contextlib.closing(tokenized_chunks(
+                clf, self.rows, self.reader, self.chunk_rows, self.strict, kept.start)) as chunks:
 
             def encoded():
                 for chunk in chunks:
+                    if chunk.rows[0].n <= kept.rows:  # a chunk a stop cut short
+                        self._resume_chunk(chunk, kept, digest)
                     handed.append(chunk)
                     yield chunk.encoded
 
-            try:
-                got = []  # results of handed[0] so far
-                # One stream of passes over every chunk: a chunk's batches are its own, but the
-                # next chunk's first pass queues behind the last of this one (Classifier.classify_lists).
-                with contextlib.closing(clf.classify_lists(encoded())) as passes:
-                    for batch in passes:  # a stop lands between the engine's passes
-                        got += batch
-                        while handed and len(got) >= len(handed[0].encoded):
-                            chunk = handed.popleft()
-                            finished(chunk, got[:len(chunk.encoded)])
-                            got, last_pos = got[len(chunk.encoded):], chunk.pos
-                        if stop.signum is not None:  # the chunk in flight is not written
-                            break
-                        if handed:
-                            chunk = handed[0]
-                            share = len(got) / max(1, len(chunk.encoded))  # of the chunk's bytes
-                            progress.update(chunk.rows[0].n - 1 + round(share * len(chunk.rows)),
-                                            errors, last_pos + round(share * (chunk.pos - last_pos)))
-                    else:  # chunks of error rows alone, at the end
-                        while handed:
-                            finished(handed.popleft(), [])
-                if pending is not None:
-                    written()
-            finally:
-                pool.shutdown(wait=True)  # what was handed over is written before the file closes
-                progress.close()
-        secs, n = time.perf_counter() - t0, done - start
-        self.done = done  # the last row written (files.py records it when the output is complete)
+            def stopped():  # asked before each pass: a stop lands between the engine's passes
+                return stop.signum is not None
+
+            # One stream of passes over every chunk: a chunk's batches are its own, but the
+            # next chunk's first pass queues behind the last of this one (Classifier.classify_lists).
+            with contextlib.closing(clf.classify_lists(encoded(), skip=kept.answered,
+                                                       stop=stopped)) as passes:
+                for batch in passes:
+                    commits.answered(handed, batch)
+            if not stopped():  # chunks of error rows alone, at the end
+                commits.answered(handed, [])
+            commits.confirm()
+            if stop.signum is not None and handed:
+                commits.record(handed[0])  # the rows of the chunk in flight written so far
+        self.done = done = commits.done  # the last row written (files.py records it when complete)
+        secs, n, errors = time.perf_counter() - t0, done - start, commits.errors
         if stop.signum is not None:
             where = f"in {self.output}" if self.output not in (None, "-") else "on stdout"
             again = ("; the same command with --resume continues from there" if self.resumable else
@@ -341,7 +304,96 @@ class ClassifyJob:
         ok = n - errors
         err((f"classified {ok} queries in {secs:.2f} s ({1e3 * secs / ok:.1f} ms/query)" if ok else
              "classified no queries")
-            + "".join(f"; {l}: {c}" for l, c in counts.most_common())
+            + "".join(f"; {l}: {c}" for l, c in commits.counts.most_common())
             + (f"; rows not classified: {errors} (see their error column)" if errors else "")
             + (f"; resumed after row {start}" if self.resuming else ""))
         return 0
+
+    def _resume_chunk(self, chunk: Chunk, kept: Kept, digest) -> None:
+        """The first chunk of a resume, when a stop cut it short: its rows up to kept.rows are
+        written, kept.answered of them with a result, which its tokenizing must agree with."""
+        chunk.sent = kept.rows - chunk.rows[0].n + 1
+        chunk.answered, chunk.digest = kept.answered, digest
+        if sum(r.error is None for r in chunk.rows[:chunk.sent]) != kept.answered:
+            raise InputError(f"--resume: rows {chunk.rows[0].n}-{kept.rows} of {self.output} hold "
+                             f"other error rows than the input gives now (another tokenizer?): "
+                             f"drop --resume to write it again")
+
+
+class Commits:
+    """Rows into the output as their passes complete. A chunk's rows are ready up to its first row
+    without a result (its passes run in the order of their first row); they go to the writer
+    thread, one write in flight, and count as done, with the progress, once their write returned
+    (the next pass has run by then). The sidecar records each chunk as its last rows are written
+    ([last row, end byte, digest]: a resume keeps only rows as they were written), and on a stop
+    how far the chunk in flight got (record)."""
+
+    def __init__(self, job: ClassifyJob, writer, kept: Kept, digests: list | None):
+        self.job, self.writer, self.digests = job, writer, digests
+        self.done, self.end, self.errors, self.counts = kept.rows, kept.end, 0, Counter()
+        self.progress = Progress(job.reader, kept.rows, quiet=job.quiet, pos=kept.pos)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-write")
+        self.pending = None  # (the write in flight, its chunk, its rows, their results)
+        self.t0 = time.perf_counter()
+
+    def answered(self, handed: deque, results: list) -> None:
+        """A pass's results, in order: those of the chunks in flight, the first first."""
+        while handed:
+            chunk = handed[0]
+            n = min(len(results), len(chunk.encoded) - chunk.answered)
+            self.take(chunk, results[:n])
+            results = results[n:]
+            if chunk.sent < len(chunk.rows):
+                return
+            handed.popleft()
+
+    def take(self, chunk: Chunk, results: list) -> None:
+        """The results of a chunk's next rows: the rows now ready go to the writer."""
+        chunk.answered += len(results)
+        upto = len(chunk.rows) if chunk.answered == len(chunk.encoded) else chunk.at[chunk.answered]
+        rows = chunk.rows[chunk.sent:upto]
+        if not rows:
+            return
+        got = iter(results)
+        out = [None if row.error else next(got) for row in rows]
+        if chunk.digest is None and self.digests is not None:
+            chunk.digest = chunk_digest()
+        self.confirm()
+        chunk.sent = upto
+        write = self.pool.submit(self.writer.write_rows, rows, out, chunk.digest, upto == len(chunk.rows))
+        self.pending = write, chunk, rows, out
+
+    def confirm(self) -> None:
+        """Wait for the write in flight; its rows are done."""
+        if self.pending is None:
+            return
+        (write, chunk, rows, out), self.pending = self.pending, None
+        self.end += write.result()  # its error (a full disk, a closed pipe) is raised here
+        log.debug("rows %d-%d written, %.2f s in", rows[0].n, rows[-1].n, time.perf_counter() - self.t0)
+        self.done = rows[-1].n
+        self.errors += sum(r is None for r in out)
+        self.counts.update(r.label for r in out if r is not None)
+        if rows[-1] is chunk.rows[-1]:
+            self.record(chunk)
+        self.progress.update(self.done, self.errors, rows[-1].end)
+
+    def record(self, chunk: Chunk) -> None:
+        """The sidecar's record of a chunk's rows written: the whole chunk, or those a stop left
+        (a record inside the grid's chunk; the next record of the chunk replaces it)."""
+        if self.digests is None or chunk.sent == 0:
+            return
+        if self.digests and self.digests[-1][0] >= chunk.rows[0].n:
+            self.digests.pop()
+        self.digests.append([chunk.rows[chunk.sent - 1].n, self.end, digest_text(chunk.digest)])
+        write_meta(self.job.output, self.job.options, chunks=self.digests)
+
+    def __enter__(self) -> "Commits":
+        self.writer.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.pool.shutdown(wait=True)  # what was handed over is written before the file closes
+            self.progress.close()
+        finally:
+            self.writer.__exit__(*exc)

@@ -211,23 +211,32 @@ def output_format(path: str | None, fmt: str) -> str:
 
 
 class ResultWriter(Output):
-    """Output in a RowFormat, a chunk of rows per flushed write; `append` continues a file (whose
-    CSV header the format's `names` then already hold)."""
+    """Output in a RowFormat, rows written and flushed as they come (stream.py: a pass's worth);
+    `append` continues a file (whose CSV header the format's `names` then already hold)."""
 
     def __init__(self, path: str | None, form: RowFormat, append: bool = False):
         self.form = form
         super().__init__(path, "a" if append else "w")
 
-    def write_rows(self, rows: list[Row], results) -> tuple[int, str]:
-        """-> the bytes written and their digest (a resume checks the rows it keeps by it)."""
+    def write_rows(self, rows: list[Row], results, digest=None, ends_chunk: bool = True) -> int:
+        """-> the bytes written. digest: a hashlib object of the chunk's bytes so far, which they
+        extend (a resume checks the rows it keeps by it: chunk_digest)."""
         data = self.form.lines(rows, results)
         self.write(data)
         raw = data.encode("utf-8")
-        return len(raw), chunk_digest(raw)
+        if digest is not None:
+            digest.update(raw)
+        return len(raw)
 
 
-def chunk_digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()[:32]
+def chunk_digest(raw: bytes = b""):
+    """The digest of a chunk's bytes, as the sidecar records it (hexdigest()[:32]), extended by
+    update() as the chunk is written."""
+    return hashlib.sha256(raw)
+
+
+def digest_text(digest) -> str:
+    return digest.hexdigest()[:32]
 
 
 def _result(r, row: Row, labels) -> dict:

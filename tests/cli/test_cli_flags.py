@@ -375,7 +375,8 @@ def test_quiet_and_verbose_lines(run, capsys):
     assert capsys.readouterr().err == "said\n"
 
 
-def test_progress_is_quiet():
+def test_progress_is_quiet(monkeypatch):
+    from prefixscore.rows import progress
     from prefixscore.rows.io import RowReader
     from prefixscore.rows.stream import Progress
 
@@ -383,14 +384,17 @@ def test_progress_is_quiet():
         def isatty(self):
             return True
 
+    monkeypatch.setattr(progress, "terminal_columns", lambda stream: 80)
     reader = RowReader(queries=["a"])
     tty = Terminal()
     assert Progress(reader, stream=tty, quiet=True).bar is None
-    assert Progress(reader, stream=Terminal()).bar is not None
-    lines, clock = io.StringIO(), iter(range(100)).__next__
-    p = Progress(reader, stream=lines, every=0.0, clock=lambda: float(clock()), quiet=True)
+    shown = Progress(reader, stream=Terminal())
+    assert shown.bar is not None
+    shown.close()
+    lines = io.StringIO()
+    p = Progress(reader, stream=lines, every=0.001, quiet=True)
     p.update(10, 0, 0)
-    assert lines.getvalue() == ""
+    assert p.ticker is None and lines.getvalue() == ""
 
 
 def test_serve_takes_quiet_and_verbose_as_its_log_level(monkeypatch):
@@ -608,13 +612,13 @@ def test_parquet_stop_leaves_a_complete_file(run, clfs, tmp_path, monkeypatch):
     holds the rows written (the first chunk, one pass, completed); it cannot be resumed, and says
     so."""
     clf = clfs["logprobs"]
-    real = clf.classify_lists
+    real = clf._launch
 
-    def interrupted(chunks):  # the signal arrives before the first pass
+    def interrupted(batch):  # the signal arrives during the first pass (16 rows)
         os.kill(os.getpid(), signal.SIGINT)
-        return real(chunks)
+        return real(batch)
 
-    monkeypatch.setattr(clf, "classify_lists", interrupted)
+    monkeypatch.setattr(clf, "_launch", interrupted)
     src = tmp_path / "q.txt"
     src.write_text("\n".join(QUERIES * 20) + "\n")
     out = tmp_path / "o.parquet"

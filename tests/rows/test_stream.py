@@ -165,45 +165,116 @@ def test_interrupt_then_resume_is_byte_identical(model, logs, tmp_path, sig):
         (clean.parent / "clean.jsonl.meta.json").read_text().replace(str(clean), "")
 
 
-def test_a_stop_lands_between_passes_and_drops_the_chunk(main, clf, tmp_path, monkeypatch):
-    """The first SIGINT stops at the engine's next pass boundary, not the chunk's end: the chunk in
-    flight is not written (no later pass of it runs), the chunks before it are, and --resume
-    redoes it to the same bytes as an uninterrupted run."""
-    src = tmp_path / "q.txt"
-    src.write_text("\n".join(random_queries(96, 5)) + "\n", encoding="utf-8")
-    flags = ("--chunk-rows", 32)
-    monkeypatch.setattr(clf, "max_batch_tokens", 64)  # several passes a chunk (the shared classifier)
-    real, sizes, stop_at = type(clf)._launch, [], [None]
+def passes_of(clf, monkeypatch, stop_at=None):
+    """Record each engine pass's queries (its composition: the same pass, the same bits); on the
+    pass numbered stop_at[0] of a run, a SIGINT (on a CPU that pass completes, and the stop lands
+    after it). -> the list of passes, which a test clears between runs."""
+    real, passes = type(clf)._launch, []
 
-    def counted(self, batch):  # each engine pass (on a CPU it has run when this returns)
-        sizes.append(len(batch))
-        if len(sizes) == stop_at[0]:
+    def counted(self, batch):
+        passes.append(tuple(e.values["query"] for e in batch))
+        if stop_at and len(passes) == stop_at[0]:
             os.kill(os.getpid(), signal.SIGINT)
         return real(self, batch)
 
     monkeypatch.setattr(type(clf), "_launch", counted)
+    return passes
+
+
+def some_without_the_prefix(clf, monkeypatch, queries):
+    """As if these queries merged into the cached prefix: their requests are computed whole, in
+    passes of their own after the chunk's cached passes (Classifier._chunks)."""
+    encode_many = type(clf).encode_many
+
+    def encode(self, qs):
+        out = encode_many(self, qs)
+        for e in out:
+            if e.values["query"] in queries:
+                e.start = 0
+        return out
+
+    monkeypatch.setattr(type(clf), "encode_many", encode)
+
+
+def rows_shown(monkeypatch):
+    """Every progress line forced after each confirmed write (the timer's lines come every 5 s),
+    each checked against the output as it is then: -> [(rows the line counted, rows in the
+    output)]."""
+    from prefixscore.rows import stream
+
+    seen, state = [], stream.Progress.state
+
+    def shown(self):
+        rows, share = state(self)
+        out = getattr(self, "out", None)
+        seen.append((rows, out.read_bytes().count(b"\n") if out and out.exists() else 0))
+        return rows, share
+
+    update = stream.Progress.update
+    monkeypatch.setattr(stream.Progress, "state", shown)
+    monkeypatch.setattr(stream.Progress, "update", lambda self, *a: (update(self, *a), self.tick()))
+    return seen
+
+
+def test_a_stop_keeps_the_passes_done_and_resume_runs_the_rest(main, clf, tmp_path, monkeypatch):
+    """A stop lands between passes and keeps every row a completed pass answered, the chunk in
+    flight's too: they are written, the sidecar records them (a record inside the chunk), and
+    progress never counted a row the output lacks. --resume reads the chunk again from its first
+    row, cuts it into the same passes, runs none whose rows are all written, and after two stops
+    writes an uninterrupted run's bytes and sidecar. Rows without the cached prefix (computed after
+    the chunk's cached passes, so they hold back the rows after them) and error rows mixed in."""
+    from prefixscore.rows import stream
+
+    queries = list(dict.fromkeys(random_queries(400, 5)))[:150]
+    lines = [q if i % 23 != 7 else "" for i, q in enumerate(queries)]  # some blank: error rows
+    src = tmp_path / "q.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    exact = {queries[i] for i in (40, 41, 75, 130)}
+    some_without_the_prefix(clf, monkeypatch, exact)
+    flags = ("--chunk-rows", 96)  # chunks of rows 1-32, 33-96, 97-150
+    monkeypatch.setattr(clf, "max_batch_tokens", 96)  # passes of a few rows
+    stop_at = [None]
+    passes = passes_of(clf, monkeypatch, stop_at)
     clean = tmp_path / "clean.jsonl"
     assert main("-i", src, "-o", clean, *flags)[0] == 0
-    ends = list(itertools.accumulate(sizes))  # rows done after each pass
-    first = ends.index(32) + 1  # the passes of the first chunk (a pass never spans two)
-    assert ends[-1] == 96 and 64 in ends and ends.index(64) + 1 - first >= 2, sizes
-    sizes.clear()
-    stop_at[0] = first + 1  # the first pass of the second chunk
+    full, whole = clean.read_bytes(), list(passes)
+    assert len(whole) > 12 and any(q in exact for p in whole for q in p)
     out = tmp_path / "out.jsonl"
-    rc, err = main("-i", src, "-o", out, *flags)
-    assert rc == 130 and "stopped by SIGINT: rows 1-32 are written" in err, err
-    assert len(sizes) == first + 1  # not one pass more
-    assert out.read_bytes() == clean.read_bytes()[:len(out.read_bytes())]
-    assert out.read_bytes().count(b"\n") == 32
-    stop_at[0] = None
-    assert main("-i", src, "-o", out, *flags, "--resume")[0] == 0
-    assert out.read_bytes() == clean.read_bytes()
+    seen = rows_shown(monkeypatch)
+    monkeypatch.setattr(stream.Progress, "out", out, raising=False)
+    done, ran = [], []
+    for k in (9, 4, None):  # two stops, then the end
+        passes.clear()
+        stop_at[0] = k
+        rc, err = main("-i", src, "-o", out, *flags, *(["--resume"] if done else []))
+        ran.append(list(passes))
+        written = out.read_bytes()
+        assert full.startswith(written)
+        if k is None:
+            assert rc == 0 and written == full, err
+            break
+        assert rc == 130 and len(passes) == k, err  # not one pass more
+        done.append(int(err.split("rows 1-")[1].split()[0]))
+        assert written.count(b"\n") == done[-1]
+        meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+        assert meta["chunks"][-1][:2] == [done[-1], len(written)]
+        assert seen and all(shown <= in_file for shown, in_file in seen) and seen[-1][0] == done[-1]
+    # Both stops fell inside the second chunk, each keeping more of it.
+    assert 32 < done[0] < done[1] < 96, done
+    # A resume ran only passes of the uninterrupted run, and none whose rows were all written.
+    for before, resumed in zip(done, ran[1:]):
+        assert set(resumed) <= set(whole)
+        rows_of = {q: i + 1 for i, q in enumerate(lines) if q}
+        assert all(max(rows_of[q] for q in p) > before for p in resumed)
+    assert sum(map(len, ran)) < len(whole) + 4  # at most the passes in flight done twice
+    assert (tmp_path / "out.jsonl.meta.json").read_text().replace(str(out), "") == \
+        (tmp_path / "clean.jsonl.meta.json").read_text().replace(str(clean), "")
 
 
 def test_passes_queue_across_chunks(main, clf, tmp_path, monkeypatch):
     """Where the engine queues (a GPU; forced here), the next chunk's first pass is launched before
-    the last pass of the chunk before it is collected: the same bytes as one pass at a time, and
-    a stop still writes only whole chunks (the pass queued behind it is dropped)."""
+    the last pass of the chunk before it is collected: the same bytes as one pass at a time; a
+    stop launches no pass more, and the one queued when it came is collected and written."""
     src = tmp_path / "q.txt"
     src.write_text("\n".join(random_queries(96, 5)) + "\n", encoding="utf-8")
     flags = ("--chunk-rows", 32)
@@ -233,8 +304,10 @@ def test_passes_queue_across_chunks(main, clf, tmp_path, monkeypatch):
     events.clear()
     stop_at[0] = first + 2  # the signal comes with the second chunk's first pass
     rc, err = main("-i", src, "-o", out, *flags)
-    assert rc == 130 and "stopped by SIGINT: rows 1-32 are written" in err, err
-    assert out.read_bytes().count(b"\n") == 32 and clean.read_bytes().startswith(out.read_bytes())
+    kept = 32 + launches[first + 1][2]
+    assert rc == 130 and f"stopped by SIGINT: rows 1-{kept} are written" in err, err
+    assert [e for e in events if e[0] == "launch"] == launches[:first + 2]
+    assert out.read_bytes().count(b"\n") == kept and clean.read_bytes().startswith(out.read_bytes())
 
 
 def test_a_second_signal_ends_the_process_at_once():
@@ -556,26 +629,140 @@ class Clock:
 
 
 def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
+    """A line per tick of the timer (tick() by hand here): rows, errors, the rate, and for a file
+    the share (the bytes of the rows done) and an ETA."""
     from prefixscore.rows.io import RowReader
     from prefixscore.rows.stream import Progress
 
     src = tmp_path / "q.txt"
     src.write_text("x\n" * 1000)
     reader, clock, out = RowReader(str(src)), Clock(), io.StringIO()
-    progress = Progress(reader, stream=out, clock=clock)
-    for i in range(1, 11):  # a chunk of 100 rows (200 bytes) per second
-        clock.t, reader.pos = float(i), 200 * i
-        progress.update(100 * i, 0, reader.pos)
+    progress = Progress(reader, stream=out, clock=clock, every=None)
+    for i in range(1, 11):  # 100 rows (200 bytes) written a second, a line every 5 s
+        clock.t = float(i)
+        progress.update(100 * i, 0, 200 * i)
+        if i % 5 == 0:
+            progress.tick()
     assert out.getvalue().splitlines() == [
         "classify: 500 rows (0 errors), 100 rows/s, 50%, ETA 0m05s",
         "classify: 1000 rows (0 errors), 100 rows/s, 100%, ETA 0m00s"]
     # Unknown size (a pipe): rows and the rate only. Resumed: the rate counts this run's rows.
     reader.size, out = None, io.StringIO()
     clock.t = 0.0
-    progress = Progress(reader, start=400, stream=out, clock=clock)
+    progress = Progress(reader, start=400, stream=out, clock=clock, every=None)
     clock.t = 6.0
     progress.update(1000, 3, 0)
+    progress.tick()
     assert out.getvalue() == "classify: 1000 rows (3 errors), 100 rows/s\n"
+    reader.close()
+
+
+def test_the_timer_draws_lines_while_the_work_waits():
+    """Lines come from a timer thread, not from the work's loop: they keep coming while the loop
+    sits in one long engine pass (here: no update at all), and stop with close()."""
+    from prefixscore.rows.progress import Bar
+
+    out, clock = io.StringIO(), Clock()
+    clock.t = 10.0
+    bar = Bar(1000, "item", "score", stream=out, every=0.01, clock=clock)
+    bar.update(250)
+    deadline = time.monotonic() + 30
+    while out.getvalue().count("\n") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 3 and set(lines) == {"score: 250/1000 items, 0.0 items/s, 25%"}
+    time.sleep(0.05)
+    assert out.getvalue().splitlines() == lines  # none after close
+
+
+def test_a_bar_on_a_terminal_of_known_width_else_lines(monkeypatch):
+    """A tqdm bar where stderr is a terminal of known width (tqdm follows its width, cutting its
+    line rather than wrapping it); a terminal of 0 columns, or one whose width cannot be read, gets
+    the lines (tqdm there showed a lone carriage return for 85 s)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    from prefixscore.rows import progress
+    from prefixscore.rows.progress import Bar, terminal_columns
+
+    leader, follower = pty.openpty()
+    with os.fdopen(follower, "w") as tty:
+        for cols in (0, 13, 120):
+            fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, cols, 0, 0))
+            assert terminal_columns(tty) == cols
+    os.close(leader)
+
+    class Tty(io.StringIO):  # says it is a terminal, and has no width to read
+        def isatty(self):
+            return True
+
+    assert terminal_columns(Tty()) == 0 and terminal_columns(io.StringIO()) == 0
+    out = Tty()
+    with Bar(10, "item", "score", stream=out, every=None, clock=Clock()) as b:
+        assert b.bar is None
+        b.update(5)
+        b.tick()
+    assert out.getvalue() == "score: 5/10 items, 0.0 items/s, 50%\n"
+    monkeypatch.setattr(progress, "terminal_columns", lambda stream: 40)
+    with Bar(10, "item", "score", stream=Tty(), every=None) as b:
+        assert b.bar is not None and b.bar.dynamic_ncols
+        b.update(10)
+    assert Bar(10, "item", "score", stream=Tty(), disable=True).bar is None
+
+
+def test_bar_is_lines_off_a_terminal(tmp_path):
+    """score, eval and fine-tuning: off a terminal a line per tick with the share, an ETA and the
+    postfix (fine-tuning's loss); disabled: nothing, and no timer."""
+    from prefixscore.rows.progress import Bar
+
+    clock, out = Clock(), io.StringIO()
+    bar = Bar(1000, "item", "score", stream=out, clock=clock, every=None)
+    for i in range(1, 11):  # 100 items a second
+        clock.t = float(i)
+        bar.update(100)
+        bar.set_postfix(loss="0.250", refresh=False)
+        if i % 5 == 0:
+            bar.tick()
+    assert out.getvalue().splitlines() == [
+        "score: 500/1000 items, 100.0 items/s, 50%, ETA 0m05s, loss 0.250",
+        "score: 1000/1000 items, 100.0 items/s, 100%, ETA 0m00s, loss 0.250"]
+    quiet = io.StringIO()
+    off = Bar(10, "item", "score", disable=True, stream=quiet, every=0.001)
+    off.update(5)
+    assert off.ticker is None and quiet.getvalue() == ""
+
+
+def test_eta_leaves_out_the_start_and_one_slow_minute(tmp_path):
+    """The ETA's rate is the run's, less its first fifth of time: a job that starts slowly (model
+    warm-up, the first small chunks: a quarter of its pace for a minute) and has one slow minute
+    just before three quarters (a busy host) is told at a quarter and at three quarters done the
+    time it then still took within 20%. (Here the run's whole pace says 1.21x and 1.24x of the
+    truth, the last minute's pace 0.89x and 1.78x; this one 1.06x and 1.14x.)"""
+    from prefixscore.rows.io import RowReader
+    from prefixscore.rows.stream import Progress
+
+    src = tmp_path / "q.txt"
+    src.write_text("x\n" * 20000)  # 40,000 bytes
+    reader, clock, out = RowReader(str(src)), Clock(), io.StringIO()
+    progress = Progress(reader, stream=out, clock=clock, every=None)
+    rows, seen = 0, {}
+    for t in range(1, 1000):  # rows/s: 10 for a minute, then 40, but 10 in 380-440 s
+        rows = min(20000, rows + (10 if t <= 60 or 380 < t <= 440 else 40))
+        clock.t = float(t)
+        progress.update(rows, 0, 2 * rows)
+        if t % 5 == 0:
+            progress.tick()
+            m, sec = map(int, out.getvalue().splitlines()[-1].split("ETA ")[1].rstrip("s").split("m"))
+            for share in (0.25, 0.75):
+                if rows >= share * 20000:
+                    seen.setdefault(share, (t, 60 * m + sec))
+        if rows == 20000:
+            break
+    for share, (at, told) in seen.items():
+        assert 0.8 <= told / (t - at) <= 1.2, (share, told, t - at)
     reader.close()
 
 
@@ -618,55 +805,3 @@ def test_each_row_knows_where_it_ends(tmp_path):
         assert [r.end for r in rows] == list(itertools.accumulate(len(x) for x in raw)), fmt
 
 
-def test_bar_is_lines_off_a_terminal(tmp_path):
-    """score, eval and fine-tuning: a tqdm bar on a terminal, else a line every 5 s with the share
-    and an ETA (tqdm wrote one growing line of carriage returns into a log); disabled: nothing."""
-    from prefixscore.rows.progress import Bar
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
-    clock, out = Clock(), io.StringIO()
-    bar = Bar(1000, "item", "score", stream=out, clock=clock)
-    for i in range(1, 11):  # 100 items a second
-        clock.t = float(i)
-        bar.update(100)
-        bar.set_postfix(loss="0.250", refresh=False)
-    assert out.getvalue().splitlines() == [
-        "score: 500/1000 items, 100.0 items/s, 50%, ETA 0m05s, loss 0.250",
-        "score: 1000/1000 items, 100.0 items/s, 100%, ETA 0m00s, loss 0.250"]
-    quiet = io.StringIO()
-    Bar(10, "item", "score", disable=True, stream=quiet, every=0.0).update(5)
-    assert quiet.getvalue() == ""
-    tty = Tty()
-    with Bar(10, "item", "score", stream=tty) as b:
-        assert b.bar is not None
-        b.update(10)
-    assert Bar(10, "item", "score", stream=Tty(), disable=True).bar is None
-
-
-def test_eta_follows_the_recent_pace(tmp_path):
-    """The ETA takes the pace of the last minute: a job that ran slowly for its first 100 s and
-    four times faster since is told the time its present pace needs, not the whole run's average;
-    a pass that makes no progress for over a minute falls back to the run's pace (no division by
-    zero)."""
-    from prefixscore.rows.io import RowReader
-    from prefixscore.rows.stream import Progress
-
-    src = tmp_path / "q.txt"
-    src.write_text("x\n" * 10000)  # 20,000 bytes
-    reader, clock, out = RowReader(str(src)), Clock(), io.StringIO()
-    progress = Progress(reader, stream=out, clock=clock)
-    rows = 0
-    for t in range(5, 305, 5):  # 10 rows/s for 100 s, then 40 rows/s
-        rows += 50 if t <= 100 else 200
-        clock.t = float(t)
-        progress.update(rows, 0, 2 * rows)
-    last = out.getvalue().splitlines()[-1]
-    # at 300 s: 9,000 rows done, 1,000 left at 40 rows/s = 25 s (the run's average, 30 rows/s: 33 s)
-    assert last == "classify: 9000 rows (0 errors), 30 rows/s, 90%, ETA 0m25s", last
-    clock.t = 400.0  # no rows for 100 s
-    progress.update(rows, 0, 2 * rows)
-    assert out.getvalue().splitlines()[-1].endswith("ETA 0m44s")  # 400 s * 0.1 / 0.9
-    reader.close()
