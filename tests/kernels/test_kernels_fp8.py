@@ -121,7 +121,7 @@ def residual_rows(T, H, gen):
     kernel's fp16 operands must be the normed rows, |x * rstd| <= sqrt(H), not x)."""
     x = torch.randn(T, H, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen)) * 4
     x[T // 2] *= 1e5
-    return x.to(DEVICE, BF), x.to(BF).float().pow(2).sum(1)[None, :].contiguous()  # ssq: one producer tile
+    return x.to(DEVICE, BF), x.to(BF).float().pow(2).sum(1)[None, :].contiguous().to(DEVICE)  # ssq: one producer tile
 
 
 def normed(x):
