@@ -3,15 +3,15 @@
     python -m bench.gluon_stream [--layers 24] [--tokens 16]     (CUDA, sm_90; writes $OUT/gluon_stream.json)
     python -m bench.gluon_stream --compile-only      (any machine: the sm_90 builds, the reference's check)
 
-The Triton persistent block (kernels/layer_triton.py) loses to the four kernels because a program
-can preload the next phase's weights only into registers, about 64 KB, so ~40% of each layer
-streams after its barriers (docs/DESIGN.md). The re-plan stages weights in shared memory instead:
-one CTA per SM, a producer warp TMA-copies the weight tiles of the CTA's coming units into a ring
-of STAGES buffers and never waits on activations, only on free buffers, so it runs ahead across
-phases and layers; the consumer warps wait on the grid barrier, load their activations and
-multiply from the ring. Before building the block on it, this measures the premise on the
-0.5B block's four weight matrices (QKV 1152 x 896, O 896 x 896, gate/up 9728 x 896, down 896 x 4864),
-24 layers, T tokens:
+Issue 35's Triton block in one launch (removed by issue 50; bench/README.md names a commit that
+has it) lost to the four kernels because a program could preload the next phase's weights only
+into registers, about 64 KB, so ~40% of each layer streamed after its barriers. The re-plan stages
+weights in shared memory instead: one CTA per SM, a producer warp TMA-copies the weight tiles of the
+CTA's coming units into a ring of STAGES buffers and never waits on activations, only on free
+buffers, so it runs ahead across phases and layers; the consumer warps wait on the grid barrier,
+load their activations and multiply from the ring. Before building the block on it, this measures
+the premise on the 0.5B block's four weight matrices (QKV 1152 x 896, O 896 x 896, gate/up 9728 x
+896, down 896 x 4864), 24 layers, T tokens:
 
   stream   no barriers: how fast the ring moves a layer's 29.8 MB (against a device copy's rate)
   barrier  a grid barrier after each phase, the activations loaded from memory after it and the
@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 HID, INTER, QKV_N = 896, 4864, 1152  # Qwen2.5-0.5B: 14 + 2 + 2 heads of 64
 SHAPES = ((QKV_N, HID), (HID, HID), (2 * INTER, HID), (HID, INTER))  # (N, K) of each phase
 BN, BK = 64, 64  # a weight tile: 8 KB of bf16, one 128-byte swizzled row per output column
-SPIN_LIMIT = gl.constexpr(1 << 22)  # polls before a barrier gives up and raises FLAG (kernels/triton_util.py)
+SPIN_LIMIT = gl.constexpr(1 << 22)  # polls before a barrier gives up and raises FLAG (never a hang)
 VARIANTS = ((0, 20), (1, 20), (1, 10), (1, 4))  # (barriers, ring stages): 20 stages = 160 KB an SM
 
 

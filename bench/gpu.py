@@ -204,41 +204,18 @@ def profile_kernels(ours, suffix):
             "top": top[:25]}
 
 
-# bucket_rows' engines: today's, the persistent block's default launch, and its launch with rotated
-# dealing, the next block triggered early and the unit counts that let adjacent phases share the
-# grid (bench.layer's SWEEP; the overrides also reach the four kernels of the read-out layer)
-PATHS = {"four kernels": {}, "persistent": {"persistent_layer": True},
-         "persistent, rotated": {"persistent_layer": True, "layer.rotate": 1, "layer.trigger": 1,
-                                 "attn_o.BLOCK_N": 128, "down.SPLIT": 4, "down.PRE": 8}}
-
-
 def bucket_rows(ours, floors) -> dict:
-    """One request of T suffix tokens per latency bucket (T = 1..16), through each path of PATHS
-    (today's four kernels a block, and the persistent block kernel: an engine each over the same
-    weights): the graph replay's GPU time and the weight bytes it streams per second, against the
-    copy rate (issue 35: W1 at 56% of it; buckets 2-16 no slower than today). Each bucket's scores
-    against the four kernels' (max_abs_diff). (The persistent kernel takes 0.5B-class blocks, Wo
-    <= 8 MB: at 7B both rows run the four kernels.)"""
+    """One request of T suffix tokens per latency bucket (T = 1..16): the graph replay's GPU time
+    and the weight bytes it streams per second, against the copy rate (issue 35: W1 at 56% of
+    it; buckets 2-16 no slower than today)."""
     ids = torch.randint(100, 30000, (16,), generator=torch.Generator().manual_seed(5)).tolist()
-    out, base = {}, {}
-    for path, switches in PATHS.items():
-        engine = ours.engine  # (captured for every bucket: the rows after these use its graphs)
-        if switches:
-            engine = ours.arm(**switches)
-            engine.capture(ours.prefix, ours.weight, True, 16)
-        rows = out[path] = {}
-        for T in (1, 2, 4, 8, 16):
-            plan = plan_classify([ids[:T]], [PREFIX], ours.trie)
-            scores = engine.run(plan, ours.prefix, ours.weight, True)[0].float()
-            s = stats(gpu_times(w1_graph(engine, ours.prefix, ours.weight, T).replay))
-            tbps = ours.nonemb_params * 2 / (s["p50_ms"] / 1e3) / 1e12
-            rows[T] = {**s, "weight_TBps": tbps, "of_copy_rate": tbps / floors["copy_TBps"]}
-            if T in base:
-                rows[T]["max_abs_diff"] = (scores - base[T]).abs().max().item()
-            else:  # the first path's (the four kernels'): what the others are compared with
-                base[T] = scores
-            print(f"bucket {T:>2} {path:20s} replay {s['p50_ms']:.4f} ms "
-                  f"({100 * rows[T]['of_copy_rate']:.0f}% of the copy rate)", flush=True)
+    out = {}
+    for T in (1, 2, 4, 8, 16):
+        s = stats(gpu_times(ours.replay_fn([ids[:T]])))
+        tbps = ours.nonemb_params * 2 / (s["p50_ms"] / 1e3) / 1e12
+        out[T] = {**s, "weight_TBps": tbps, "of_copy_rate": tbps / floors["copy_TBps"]}
+        print(f"bucket {T:>2} replay {s['p50_ms']:.4f} ms "
+              f"({100 * out[T]['of_copy_rate']:.0f}% of the copy rate)", flush=True)
     return out
 
 
@@ -523,10 +500,9 @@ def print_table(r):
         if "profile_w1" in s:
             print(f"kernels per forward: {s['profile_w1']['kernels_total']}, GPU µs (eager, profiled): "
                   f"{s['profile_w1']['gpu_us_total']:.0f}")
-        for path, rows in (s.get("w1_buckets") or {}).items():
-            for T, v in rows.items():
-                print(f"bucket {T:>2} tokens, {path}: replay {v['p50_ms']:.3f} ms, weights "
-                      f"{v['weight_TBps']:.2f} TB/s ({100 * v['of_copy_rate']:.0f}% of the copy rate)")
+        for T, v in (s.get("w1_buckets") or {}).items():
+            print(f"bucket {T:>2} tokens: replay {v['p50_ms']:.3f} ms, weights {v['weight_TBps']:.2f} TB/s "
+                  f"({100 * v['of_copy_rate']:.0f}% of the copy rate)")
         print(f"{'batch':>6s} {'gpu ms':>8s} {'call ms':>8s} {'req/s gpu':>10s} {'req/s call':>11s} {'floor ms':>9s}")
         for b, v in s["sweep"].items():
             print(f"{b:>6} {v['gpu_ms']:8.3f} {v['call_ms']:8.3f} {v['req_per_s_gpu']:10.0f} "

@@ -29,7 +29,6 @@ from .kernels.attention_cpu import group_layout
 from .kernels.fp8 import Fp8Weight, fp16_input_scale
 from .kernels.fused import embed_rope
 from .kernels.gemm import Normed, gate_up_silu, linear_residual, qkv_rope
-from .kernels import layer as persistent
 from .kernels.options import KernelOptions
 
 
@@ -130,26 +129,8 @@ class Block(nn.Module):
         (rows: for those rows only). The stream belongs to this forward: past the skinny kernels
         the O and down GEMMs add into it in place (gemm.linear_residual), each after the last read
         of the value it replaces."""
-        a, m = self.self_attn, self.mlp
-        eps = self.input_layernorm.eps
-        if (rows is None and ctx.kv_out is None and eps == self.post_attention_layernorm.eps  # (one
-                # eps for both norms in the persistent kernel: every supported config has one)
-                and persistent.fits(x, ssq, a.wqkv, a.o_proj.weight, a.o_proj.bias, a.c.head_dim,
-                                    ctx.options)):
-            return self.persistent(x, ssq, cos, sin, ctx, layer)
-        x, ssq = a(Normed(x, ssq, self.input_layernorm.eps), x, cos, sin, ctx, layer, rows)
-        return m(Normed(x, ssq, self.post_attention_layernorm.eps), x, ctx.options)
-
-    def persistent(self, x, ssq, cos, sin, ctx, layer):
-        """The same block as one persistent kernel (kernels/layer.py; few tokens on CUDA)."""
-        a, m, c = self.self_attn, self.mlp, self.self_attn.c
-        qn = (a.q_norm.weight, a.k_norm.weight) if c.qk_norm else (None, None)
-        pk, pv = ctx.prefix_kv[layer]
-        return persistent.block(x, ssq, a.wqkv, a.bqkv, cos, sin, *qn, c.rms_norm_eps, pk, pv,
-                                ctx.base_start, ctx.base_end, ctx.own_start, c.head_dim ** -0.5,
-                                a.o_proj.weight, m.wgu, m.bgu, m.down_proj.weight, m.down_proj.bias,
-                                self.input_layernorm.eps, c.num_heads, c.num_kv_heads,
-                                c.head_dim, ctx.prefix_range, options=ctx.options)
+        x, ssq = self.self_attn(Normed(x, ssq, self.input_layernorm.eps), x, cos, sin, ctx, layer, rows)
+        return self.mlp(Normed(x, ssq, self.post_attention_layernorm.eps), x, ctx.options)
 
     def fuse(self):
         self.self_attn.fuse(self.input_layernorm.weight)

@@ -129,11 +129,9 @@ def test_graph_runner_buffers_on_cpu(tiny_model, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("persistent", [False, True])
-def test_gpu_scores_do_not_depend_on_the_bucket(persistent):
+def test_gpu_scores_do_not_depend_on_the_bucket():
     """One request replayed in every bucket of up to 16 tokens that holds it: bitwise the same
-    scores, with the four kernels a block and with the persistent block kernel (one configuration
-    for every T <= 16 too). Padding tokens and the bucket's size must not reach a real row (up to 16 tokens the
+    scores. Padding tokens and the bucket's size must not reach a real row (up to 16 tokens the
     kernels' tiles and K splits are the same; Triton's T % 16 == 0 variant once summed a row's norm
     in another order). Past 16 the tiles change with T, and so may the last bits. Qwen2.5-0.5B
     widths, 6 layers of random weights, 48 requests: the difference showed from layer 8 of 24."""
@@ -155,7 +153,7 @@ def test_gpu_scores_do_not_depend_on_the_bucket(persistent):
             p.uniform_(0.8, 1.2) if "norm" in n else p.normal_(0, 0.02)
     loaded = from_tensors(ModelConfig.from_hf(cfg), hf.state_dict(), None, "random",
                           torch.device("cuda"), torch.bfloat16)
-    engine = Engine(loaded, KernelOptions.from_env(persistent_layer=persistent))
+    engine = Engine(loaded, KernelOptions.from_env())
     trie = LabelTrie([str(t) for t in range(100, 109)], [[t] for t in range(100, 109)], None)
     prefix = engine.prefill(list(range(200, 248)))
     weight = engine.label_weight(trie.columns)

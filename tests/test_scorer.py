@@ -583,34 +583,6 @@ def test_gpu_vocab_probs_from_graphs(tiny_model, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_persistent_block(tiny_model, monkeypatch):
-    """KernelOptions.persistent_layer: the latency buckets' blocks as one persistent kernel each
-    (kernels/layer_triton.py; Qwen3's tiny model: head_dim 32, per-head norms), against the four
-    kernels: within one bf16 step of each block's output compounded over two layers (0.02 of a
-    probability), decisions equal but near ties; and the path is taken."""
-    from prefixscore import engine
-    from prefixscore.kernels import layer
-
-    template, chat = TEMPLATES["query_first"]
-    requests = random_requests(24, seed=14)
-    calls = []
-    block = layer.block
-    monkeypatch.setattr(layer, "block", lambda *a, **k: calls.append(a[0].shape[0]) or block(*a, **k))
-    out = {}
-    for on in (False, True):
-        loaded = load(tiny_model("qwen3"), "cuda", torch.bfloat16)
-        engine.Engine.shared(loaded, persistent_layer=on)
-        sc = Scorer(loaded, template, [" yes", " no", " maybe"], chat=chat, mode="softmax")
-        out[on] = [torch.tensor([list(r.scores.values()) for r in res])
-                   for q, items in requests for res in sc.score_batch([(q, items[:1])])]
-    assert calls and max(calls) <= layer.MAX_T
-    for a, b in zip(out[True], out[False]):
-        assert (a - b).abs().max() <= 0.02
-        top2 = b.topk(2, dim=1).values
-        assert ((a.argmax(1) == b.argmax(1)) | (top2[:, 0] - top2[:, 1] < 0.04)).all()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_graph_copies_change_nothing(tiny_model, monkeypatch):
     """The small buckets' graphs copy their input in and their output out themselves
     (KernelOptions.graph_copies): scores are bitwise those of copies around the replay, for calls in a

@@ -26,7 +26,7 @@ from .fp8 import is_fp8
 from .gemm_config import tuned
 from .options import DEFAULTS, KernelOptions
 from .pdl import early, launch_kwargs, trigger, wait
-from .triton_util import _counters, _dot, _grid_sync, _num_sms
+from .triton_util import _counters, _dot, _num_sms
 
 
 @triton.jit
@@ -39,27 +39,8 @@ def _attn_o_kernel(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, IN_TILE: tl.constexpr,
     TRIG: tl.constexpr, GDC: tl.constexpr, RANGES: tl.constexpr, FP8: tl.constexpr,
 ):
-    _attn_o_unit(tl.program_id(0), tl.program_id(1), CNT, 0, False,
-                 Q, K, V, PK, PV, BS, BE, OS, PS, PE, WO, R, OUT, SSQ, WS, CNT, WSC,
-                 sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h, T, P, qk_scale,
-                 N, HQ, G, D, HPP, BLOCK_T, BLOCK_N, BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST, EARLY,
-                 IN_TILE, TRIG, RANGES, FP8, SYNC=1 if GDC else 0, XMOD="")
-
-
-@triton.jit
-def _attn_o_unit(
-    pid_n, grp, BAR, bar_target, do_sync,
-    Q, K, V, PK, PV, BS, BE, OS, PS, PE, WO, R, OUT, SSQ, WS, CNT, WSC,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, spk_t, spk_h, spv_t, spv_h,
-    T, P, qk_scale,
-    N: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr, HPP: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, IN_TILE: tl.constexpr,
-    TRIG: tl.constexpr, RANGES: tl.constexpr, FP8: tl.constexpr,
-    SYNC: tl.constexpr, XMOD: tl.constexpr,
-):
-    """One program's work: column tile pid_n, head group grp. SYNC and XMOD as
-    gemm_triton._skinny_unit's (1: PDL wait, 2: grid barrier; the activations' cache modifier)."""
+    pid_n = tl.program_id(0)
+    grp = tl.program_id(1)
     SPLIT: tl.constexpr = HQ // HPP
     d = tl.arange(0, D)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,11 +53,8 @@ def _attn_o_unit(
         wo0 = tl.load(wo_rows + grp * D)
     kt0, v0 = _prefix_tile(PK + (grp // G) * spk_h, PV + (grp // G) * spv_h, spk_t, spv_t, P * PRE, 0,
                            D, BLOCK_P)
-    if SYNC == 1:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    elif SYNC == 2:
-        if do_sync:
-            _grid_sync(BAR, bar_target)
     if TRIG == 2:  # the next kernel may launch now (pdl.trigger)
         tl.extra.cuda.gdc_launch_dependents()
     dt = Q.dtype.element_ty
@@ -88,7 +66,7 @@ def _attn_o_unit(
     ps, pe, p_lo, p_hi = _prefix_ranges(PS, PE, tok, P, RANGES)
     tc = t[:, None]
     m_out = t_ok[:, None] & c_ok[None, :]
-    r = tl.load(R + tc * N + cols[None, :], mask=m_out, other=0.0, cache_modifier=XMOD)  # the residual, for the epilogue
+    r = tl.load(R + tc * N + cols[None, :], mask=m_out, other=0.0)  # the residual, for the epilogue
     if FP8:  # e4m3 Wo: per-output-row scales, applied once to the sum over heads (kernels/fp8.py)
         sc = tl.load(WSC + cols, mask=c_ok, other=0.0)[None, :]
 
@@ -103,10 +81,10 @@ def _attn_o_unit(
         if FP8:
             wo = wo.to(dt)
         tok64 = tok.to(tl.int64)
-        q = tl.load(Q + tok64[:, None] * sq_t + head * sq_h + d[None, :], cache_modifier=XMOD)
+        q = tl.load(Q + tok64[:, None] * sq_t + head * sq_h + d[None, :])
         if IN_TILE:  # every in-batch key (the program holds the whole batch), with q
-            kin_t = tl.load(K + kvh * sk_h + tok64[None, :] * sk_t + d[:, None], cache_modifier=XMOD)
-            vin = tl.load(V + kvh * sv_h + tok64[:, None] * sv_t + d[None, :], cache_modifier=XMOD)
+            kin_t = tl.load(K + kvh * sk_h + tok64[None, :] * sk_t + d[:, None])
+            vin = tl.load(V + kvh * sv_h + tok64[:, None] * sv_t + d[None, :])
         else:
             kin_t, vin = q, q
         o, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h,

@@ -51,7 +51,7 @@ from .fp8 import is_fp8
 from .gemm_config import _finish_config, config_rows, gemm_config, tuned
 from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, trigger, wait
-from .triton_util import _counters, _grid_sync
+from .triton_util import _counters
 
 
 @triton.jit
@@ -75,45 +75,18 @@ def _skinny_kernel(
         pid_t = tl.program_id(2)
     else:
         pid_t = 0
-    _skinny_unit(tl.program_id(0), tl.program_id(1), pid_t, tl.num_programs(0), CNT, 0, False,
-                 X, W, B, OUT, WS, CNT, COS, SIN, QN, KN, QO, KO, VO, SSQ_IN, R, SSQ_OUT, WSC,
-                 T, TP, stride_xt, stride_ot, eps, norm_eps, N, K, EPI, HAS_BIAS, NORM, NT, RESID,
-                 BLOCK_T, BLOCK_N, BLOCK_K, SPLIT, ITERS, DOT, DOT_PREC, UPCAST, HQ, HKV, D, QK_NORM,
-                 PRE, TRIG, FP8, TGRID, SYNC=1 if GDC else 0, XMOD="", F16=F16, xs=xs)
-
-
-@triton.jit
-def _skinny_unit(
-    pid_n, pid_k, pid_t, n_tiles, BAR, bar_target, do_sync,
-    X, W, B, OUT, WS, CNT,
-    COS, SIN, QN, KN, QO, KO, VO,
-    SSQ_IN, R, SSQ_OUT, WSC,
-    T, TP, stride_xt, stride_ot, eps, norm_eps,
-    N: tl.constexpr, K: tl.constexpr,
-    EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
-    NORM: tl.constexpr, NT: tl.constexpr, RESID: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT: tl.constexpr, ITERS: tl.constexpr,
-    DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-    PRE: tl.constexpr, TRIG: tl.constexpr, FP8: tl.constexpr, TGRID: tl.constexpr,
-    SYNC: tl.constexpr, XMOD: tl.constexpr, F16: tl.constexpr = False, xs=1.0,
-):
-    """One program's work: column tile pid_n, K split pid_k, row tile pid_t (of n_tiles column
-    tiles). SYNC: where the weight preloads end, 1 waits for the kernel ahead (PDL), 2 for this
-    grid's other programs (triton_util._grid_sync to bar_target, when do_sync: a persistent
-    kernel's first unit of a phase, kernels/layer_triton.py). XMOD: the cache modifier of the loads
-    of activations (".cg" where other programs of the same grid wrote them: L1 is not coherent).
-    F16 (FP8 only): the dot in fp16 (KernelOptions.fp8_fp16), x scaled by rstd (NORM) or by xs (a
-    power of two under which x fits fp16: Fp8Weight.x_scale) before it."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n_tiles = tl.num_programs(0)  # column tiles
     TWO: tl.constexpr = EPI != 0
-    # F16: e4m3 weights multiplied in fp16, not bf16. e4m3 -> fp16 is one conversion
-    # per two values (cvt.rn.f16x2.e4m3x2) where bf16 takes a second, scalar one per value (sm_90
-    # build: cvt.bf16.f16), and the CUDA guide rates conversions at 16 a clock per SM: three per two
+    # F16 (FP8 only; KernelOptions.fp8_fp16): e4m3 weights multiplied in fp16, not bf16, x scaled by
+    # rstd (NORM) or by xs (Fp8Weight.x_scale) before the dot. e4m3 -> fp16 is one conversion per
+    # two values (cvt.rn.f16x2.e4m3x2) where bf16 takes a second, scalar one per value (sm_90 build:
+    # cvt.bf16.f16), and the CUDA guide rates conversions at 16 a clock per SM: three per two
     # weights would cap the weight stream near 2.8 TB/s on the H200, one per two lifts the cap past
-    # HBM (an estimate: KernelOptions.fp8_fp16 is off until bench.fp8_gpu times it). Normed rows
-    # fit fp16 (|x * rstd| <= sqrt(K)), so rstd scales x before the dot instead of the sum after
-    # it; down's rows fit once scaled by xs, a power of two from a bound on gate/up's weights
+    # HBM (an estimate: KernelOptions.fp8_fp16 is off until bench.fp8_gpu times it). Normed rows fit
+    # fp16 (|x * rstd| <= sqrt(K)), so rstd scales x before the dot instead of the sum after it;
+    # down's rows fit once scaled by xs, a power of two from a bound on gate/up's weights
     # (fp8.fp16_input_scale), undone exactly in the epilogue; O's input has no bound: bf16.
     tl.static_assert(not F16 or FP8)
     if TGRID:
@@ -163,11 +136,8 @@ def _skinny_unit(
             if TWO:
                 wpb = tl.load(wb_ptr + kp[None, :], mask=kp_ok[None, :], other=0.0,
                               eviction_policy="evict_first")
-    if SYNC == 1:  # PDL: wait for the kernel ahead (kernels/pdl.py)
+    if GDC:  # PDL: wait for the kernel ahead (kernels/pdl.py)
         wait()
-    elif SYNC == 2:
-        if do_sync:
-            _grid_sync(BAR, bar_target)
     if TRIG == 2:  # the next kernel may launch now (pdl.trigger)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -179,7 +149,7 @@ def _skinny_unit(
         # buckets 8 and 16 on the H200. NT independent loads, all in flight.
         ssq = tl.zeros([BLOCK_T], tl.float32)
         for tile in tl.static_range(NT):
-            ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0, cache_modifier=XMOD)
+            ssq += tl.load(SSQ_IN + tile * T + t, mask=t_ok, other=0.0)
         rstd = tl.rsqrt(ssq / K + norm_eps)[:, None]
     if F16:  # what scales x into fp16's range before the dot
         if NORM:
@@ -195,7 +165,7 @@ def _skinny_unit(
         if TWO:
             bias_b = tl.load(B + cols_b, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     if RESID:
-        r_in = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0, cache_modifier=XMOD)
+        r_in = tl.load(R + tc * stride_ot + cols_a[None, :], mask=m_out, other=0.0)
     if EPI == 2:  # RoPE's cos / sin rows (q and k heads only; masked off for v heads)
         m_rope = t_ok[:, None] & (pid_n < HQ + HKV)
         c1 = tl.load(COS + tc * D + jc, mask=m_rope, other=0.0)
@@ -206,7 +176,7 @@ def _skinny_unit(
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
-        xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0, cache_modifier=XMOD)
+        xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0)
         if F16:
             xp = (xp.to(tl.float32) * xmul).to(tl.float16)
             wpa = wpa.to(tl.float16)
@@ -227,11 +197,11 @@ def _skinny_unit(
     for i in range(PRE, ITERS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0, cache_modifier=XMOD)
+            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0)
             wa = tl.load(wa_ptr + k[None, :], eviction_policy="evict_first")
         else:
             k_ok = k < K
-            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=XMOD)
+            xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             wa = tl.load(wa_ptr + k[None, :], mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         if F16:
             xv = (xv.to(tl.float32) * xmul).to(tl.float16)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 # Roles of the launch-config overrides (tune): the skinny GEMM's qkv, gu (gate/up), down (the
 # residual GEMM), linear (plain), attn_o (attention + O), attn (attention alone, past the fused
-# kernel), layer (the persistent block's launch: per_sm, num_warps; kernels/layer_triton.py).
-TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear", "attn", "layer")
+# kernel).
+TUNE_ROLES = ("qkv", "gu", "down", "attn_o", "linear", "attn")
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,6 @@ class KernelOptions:
     # An eager pass runs its last layer for the read-out rows only (Engine.prune; False: for every
     # row, the A/B baseline in bench.multi_item --ab).
     prune_last_layer: bool = True
-    # At T <= 16 (the latency buckets) each block as one persistent kernel whose phases are the four
-    # kernels' units, separated by grid barriers (kernels/layer_triton.py). Off: it lost on the
-    # H200 (25.5 us a block against 18.3, bench.layer).
-    persistent_layer: bool = False
     # e4m3 weights multiplied in fp16 at T <= 64 (QKV and gate/up, x scaled by its rstd first; down,
     # x scaled by a power of two that a bound on gate/up's weights gives): one conversion per two
     # weights instead of three (gemm_triton.py, F16). Off until bench.fp8_gpu measures it against

@@ -323,8 +323,9 @@ class ClassifyJob:
 class Commits:
     """Rows into the output as their passes complete. A chunk's rows are ready up to its first row
     without a result (its passes run in the order of their first row); they go to the writer
-    thread, one write in flight, and count as done, with the progress, once their write returned
-    (the next pass has run by then). The sidecar records each chunk as its last rows are written
+    thread, one write in flight; the progress counts them once their write returned, the job
+    (done, the summary's counts) when it confirms that write (after the next pass has run, or
+    at the end or a stop). The sidecar records each chunk as its last rows are written
     ([last row, end byte, digest]: a resume keeps only rows as they were written), and on a stop
     how far the chunk in flight got (record)."""
 
@@ -362,6 +363,13 @@ class Commits:
         chunk.sent = upto
         write = self.pool.submit(self.writer.write_rows, rows, out, chunk.digest, upto == len(chunk.rows))
         self.pending = write, chunk, rows, out
+        shown = rows[-1].n, self.errors + sum(r is None for r in out), rows[-1].end
+
+        def landed(write):  # on the writer thread: the progress moves as the rows reach the file
+            if write.exception() is None:
+                self.progress.update(*shown)
+
+        write.add_done_callback(landed)
 
     def confirm(self) -> None:
         """Wait for the write in flight; its rows are done."""
@@ -375,7 +383,6 @@ class Commits:
         self.counts.update(r.label for r in out if r is not None)
         if rows[-1] is chunk.rows[-1]:
             self.record(chunk)
-        self.progress.update(self.done, self.errors, rows[-1].end)
 
     def record(self, chunk: Chunk) -> None:
         """The sidecar's record of a chunk's rows written: the whole chunk, or those a stop left

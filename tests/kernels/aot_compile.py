@@ -29,7 +29,6 @@ from prefixscore.kernels import fp8_triton as Q8  # noqa: E402
 from prefixscore.kernels import gemm_config as C  # noqa: E402
 from prefixscore.kernels import gemm_triton as G  # noqa: E402
 from prefixscore.kernels import label_head_triton as LH  # noqa: E402
-from prefixscore.kernels import layer_triton as LT  # noqa: E402
 from prefixscore.kernels.options import KernelOptions  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -189,23 +188,6 @@ def main():
                    | {"eps": "fp32"}, dict(HQ=14, HKV=2, D=64, NH=16, QK_NORM=False))
     compile_kernel("silu_mul", F._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16"},
                    dict(BLOCK=1024))
-    # the persistent block (KernelOptions.persistent_layer): all four phases, three grid barriers,
-    # at the grid of two programs per SM; Qwen3's per-head norm and a prefix bank in the second
-    lt_types = {p: "*bf16" for p in ("X", "WQKV", "BQKV", "COS", "SIN", "QN", "KN", "Q", "K", "V", "PK",
-                                     "PV", "WO", "X1", "WGU", "BGU", "H", "WD", "BD", "X2")}
-    lt_types.update({p: "*fp32" for p in ("SSQ0", "SSQ1", "SSQ2", "WS")},
-                    **{p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE", "CNT", "BAR")}, TIMES="*i64",
-                    qk_scale="fp32", eps="fp32", norm_eps="fp32")
-    for qk_norm, ranges, timed, rotate in ((False, False, False, False), (True, True, False, False),
-                                           (False, False, True, True)):  # (the last: layer.trigger too)
-        cfg = LT.layer_config(16, 896, 4864, 14, 2, 64, 28, BF16, CPU, 264, KernelOptions())
-        consts = dict(HID=896, INTER=4864, HQ=14, HKV=2, D=64, QK_NORM=qk_norm, QKV_BIAS=not qk_norm,
-                      MLP_BIAS=False, RANGES=ranges, BLOCK_T=16, DOT_PREC="tf32",
-                      UPCAST=False, FIRST=0, LAST=3, TIMED=timed, ROTATE=rotate, LAUNCH_NEXT=rotate,
-                      **{k: cfg[k] for k in ("C0", "C1", "C2", "C3")})
-        compile_kernel(f"layer 0.5B qk_norm={qk_norm} ranges={ranges} timed={timed} rotate={rotate} {consts}",
-                       LT._layer_kernel,
-                       lt_types, consts, LT.LAUNCH["num_warps"], 3)
     for mode, m in Q8.MODES.items():  # e4m3 activations for the FP8 x FP8 GEMMs
         compile_kernel(f"rows_q8 {mode}", Q8._rows_q8_kernel,
                        {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "eps": "fp32"},

@@ -196,54 +196,52 @@ def some_without_the_prefix(clf, monkeypatch, queries):
     monkeypatch.setattr(type(clf), "encode_many", encode)
 
 
-def rows_shown(monkeypatch):
-    """Every progress line forced after each confirmed write (the timer's lines come every 5 s),
-    each checked against the output as it is then: -> [(rows the line counted, rows in the
-    output)]."""
+def rows_shown(monkeypatch, out):
+    """Every progress line forced after each write lands (the timer's lines come every 5 s), each
+    checked against the output as it is then: -> [(rows the line counted, rows in the output)]."""
     from prefixscore.rows import stream
 
-    seen, state = [], stream.Progress.state
+    seen, state, update = [], stream.Progress.state, stream.Progress.update
 
     def shown(self):
         rows, share = state(self)
-        out = getattr(self, "out", None)
-        seen.append((rows, out.read_bytes().count(b"\n") if out and out.exists() else 0))
+        lines = out.read_bytes().count(b"\n") if out.exists() else 0
+        seen.append((rows, max(0, lines - (out.suffix == ".csv"))))  # (a CSV header)
         return rows, share
 
-    update = stream.Progress.update
     monkeypatch.setattr(stream.Progress, "state", shown)
     monkeypatch.setattr(stream.Progress, "update", lambda self, *a: (update(self, *a), self.tick()))
     return seen
 
 
-def test_a_stop_keeps_the_passes_done_and_resume_runs_the_rest(main, clf, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt,stops,first", [("jsonl", (9, 4), (32, 96)), ("csv", (2, 3), (0, 32))])
+def test_a_stop_keeps_the_passes_done_and_resume_runs_the_rest(main, clf, tmp_path, monkeypatch,
+                                                                fmt, stops, first):
     """A stop lands between passes and keeps every row a completed pass answered, the chunk in
     flight's too: they are written, the sidecar records them (a record inside the chunk), and
     progress never counted a row the output lacks. --resume reads the chunk again from its first
     row, cuts it into the same passes, runs none whose rows are all written, and after two stops
-    writes an uninterrupted run's bytes and sidecar. Rows without the cached prefix (computed after
-    the chunk's cached passes, so they hold back the rows after them) and error rows mixed in."""
-    from prefixscore.rows import stream
-
+    writes an uninterrupted run's bytes and sidecar. Rows without the cached prefix (passes of
+    their own) and error rows mixed in; the first stop inside the second chunk (JSONL) or inside
+    the first, whose bytes start with the header (CSV)."""
     queries = list(dict.fromkeys(random_queries(400, 5)))[:150]
     lines = [q if i % 23 != 7 else "" for i, q in enumerate(queries)]  # some blank: error rows
     src = tmp_path / "q.txt"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    exact = {queries[i] for i in (40, 41, 75, 130)}
+    exact = {queries[i] for i in (20, 40, 41, 75, 130)}
     some_without_the_prefix(clf, monkeypatch, exact)
     flags = ("--chunk-rows", 96)  # chunks of rows 1-32, 33-96, 97-150
     monkeypatch.setattr(clf, "max_batch_tokens", 96)  # passes of a few rows
     stop_at = [None]
     passes = passes_of(clf, monkeypatch, stop_at)
-    clean = tmp_path / "clean.jsonl"
+    clean = tmp_path / f"clean.{fmt}"
     assert main("-i", src, "-o", clean, *flags)[0] == 0
     full, whole = clean.read_bytes(), list(passes)
     assert len(whole) > 12 and any(q in exact for p in whole for q in p)
-    out = tmp_path / "out.jsonl"
-    seen = rows_shown(monkeypatch)
-    monkeypatch.setattr(stream.Progress, "out", out, raising=False)
+    out = tmp_path / f"out.{fmt}"
+    seen = rows_shown(monkeypatch, out)
     done, ran = [], []
-    for k in (9, 4, None):  # two stops, then the end
+    for k in (*stops, None):  # two stops, then the end
         passes.clear()
         stop_at[0] = k
         rc, err = main("-i", src, "-o", out, *flags, *(["--resume"] if done else []))
@@ -255,20 +253,21 @@ def test_a_stop_keeps_the_passes_done_and_resume_runs_the_rest(main, clf, tmp_pa
             break
         assert rc == 130 and len(passes) == k, err  # not one pass more
         done.append(int(err.split("rows 1-")[1].split()[0]))
-        assert written.count(b"\n") == done[-1]
-        meta = json.loads((tmp_path / "out.jsonl.meta.json").read_text())
+        assert written.count(b"\n") == done[-1] + (fmt == "csv")
+        meta = json.loads((tmp_path / f"out.{fmt}.meta.json").read_text())
         assert meta["chunks"][-1][:2] == [done[-1], len(written)]
         assert seen and all(shown <= in_file for shown, in_file in seen) and seen[-1][0] == done[-1]
-    # Both stops fell inside the second chunk, each keeping more of it.
-    assert 32 < done[0] < done[1] < 96, done
+    assert first[0] < done[0] < first[1] and done[0] < done[1], done  # inside a chunk, then on
     # A resume ran only passes of the uninterrupted run, and none whose rows were all written.
+    rows_of = {q: i + 1 for i, q in enumerate(lines) if q}
     for before, resumed in zip(done, ran[1:]):
         assert set(resumed) <= set(whole)
-        rows_of = {q: i + 1 for i, q in enumerate(lines) if q}
         assert all(max(rows_of[q] for q in p) > before for p in resumed)
+    if fmt == "jsonl":  # here a pass ran again for its rows after a written one (row 76 held them)
+        assert any(min(rows_of[q] for q in p) <= done[1] for p in ran[2])
     assert sum(map(len, ran)) < len(whole) + 4  # at most the passes in flight done twice
-    assert (tmp_path / "out.jsonl.meta.json").read_text().replace(str(out), "") == \
-        (tmp_path / "clean.jsonl.meta.json").read_text().replace(str(clean), "")
+    assert (tmp_path / f"out.{fmt}.meta.json").read_text().replace(str(out), "") == \
+        (tmp_path / f"clean.{fmt}.meta.json").read_text().replace(str(clean), "")
 
 
 def test_passes_queue_across_chunks(main, clf, tmp_path, monkeypatch):
