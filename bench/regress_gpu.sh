@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
 HEAD_DIR=$PWD BASE_DIR=$(cd "${1:?the baseline tree}" && pwd)
-SITE=${PYTHONPATH%%:*}  # the carried wheels (gpu_env.sh)
+SITE=/tmp/site  # the carried wheels (gpu_env.sh)
 ln -sfn "$HEAD_DIR/.carry" "$BASE_DIR/.carry"
 [ -e /tmp/q05/config.json ] || python3 -c 'from bench.gpu import real_form_model; real_form_model()'
 http_flags=(--configs auto --rates 1000 --duration 2 --refine 0 --at 0.5 --serial 1000

@@ -30,10 +30,15 @@ ARROW = {str: pa.string(), float: pa.float64()}
 
 
 def quiet_logs() -> None:
-    """Ray Data's info lines (its plan, where its logs are) and its note that its progress bars are
-    off, off stderr: a command shows its own progress and summary (Ray's warnings stay)."""
+    """For the CLI (`classify --ray`), which shows its own progress and summary: off stderr go Ray
+    Data's info lines (its plan, where its logs are), its note that its progress bars are off, and
+    the note on token authentication of the local cluster the command starts. (Ray's core worker
+    still prints one ERROR line per actor pool about constructor arguments in the object store,
+    ray-project/ray#57733; RAY_BACKEND_LOG_LEVEL would hide it only by adding a line to every
+    Ray process.)"""
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
 
 
 def connect() -> None:
