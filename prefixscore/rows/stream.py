@@ -112,7 +112,7 @@ class Progress(Shown):
                  clock=time.monotonic, quiet: bool = False, pos: int | None = None):
         """start: rows done before this run (a resume's kept rows), pos: their input bytes (the
         reader has read past them)."""
-        self.reader = reader
+        self.reader, self.start = reader, start
         self.now = (start, 0, reader.pos if pos is None else pos)  # rows, errors, bytes: set whole
         self.shown = self.now
         f0 = self._fraction(start, self.now[2]) if start else 0.0
@@ -133,6 +133,8 @@ class Progress(Shown):
         return rows, self._fraction(rows, pos)
 
     def line(self, n: int, share: float | None, rate: float, left: float | None) -> str:
+        if n == self.start:  # (on Ray: the actors start and load the model, tens of seconds)
+            return f"classify: waiting for the first rows, {duration(self.clock() - self.pace.t0)} so far"
         line = f"classify: {n} rows ({self.shown[1]} errors), {rate:.0f} rows/s"
         if share is not None:
             line += f", {100 * share:.0f}%" + (f", ETA {duration(left)}" if left is not None else "")

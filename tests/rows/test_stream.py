@@ -637,6 +637,12 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path):
     src.write_text("x\n" * 1000)
     reader, clock, out = RowReader(str(src)), Clock(), io.StringIO()
     progress = Progress(reader, stream=out, clock=clock, every=None)
+    clock.t = 65.0  # before the first rows (Ray's actors loading the model): how long it has waited
+    progress.tick()
+    assert out.getvalue() == "classify: waiting for the first rows, 1m05s so far\n"
+    reader.close()
+    reader, clock, out = RowReader(str(src)), Clock(), io.StringIO()
+    progress = Progress(reader, stream=out, clock=clock, every=None)
     for i in range(1, 11):  # 100 rows (200 bytes) written a second, a line every 5 s
         clock.t = float(i)
         progress.update(100 * i, 0, 200 * i)
