@@ -73,6 +73,8 @@ class InstantStub:
     prefix_len, labels, mode, truncate, max_batch_tokens = 0, ["a", "b"], "logprobs", False, 16384
 
     class engine:
+        dtype = "float32"  # (what /info reports)
+
         class device:
             type = "cpu"
 
