@@ -37,6 +37,19 @@ def query_log(rows: int, prefix: str) -> tuple[Path, Path]:
     return work, log
 
 
+def summary(lines: list[dict]) -> dict:
+    """At the first line with a quarter, a half, three quarters of the rows done: the ETA it showed
+    against the time the job then still took (ratio: shown / took)."""
+    at = {}
+    for share in (0.25, 0.5, 0.75):
+        r = next((r for r in lines if r["true_pct"] >= 100 * share and r["eta_s"] is not None), None)
+        if r is not None and r["left_s"] > 0:
+            at[f"{100 * share:.0f}%"] = {"t": round(r["t"], 1), "rows": r["rows"], "eta_s": r["eta_s"],
+                                         "left_s": round(r["left_s"], 1),
+                                         "ratio": round(r["eta_s"] / r["left_s"], 3)}
+    return at
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=20000)
@@ -69,7 +82,8 @@ def main():
     for r in lines:
         print(f"{r['t']:>7.0f} {r['rows']:>7} {str(r['pct']):>8} {r['true_pct']:>7.1f} "
               f"{str(r['eta_s']):>7} {r['left_s']:>7.0f}")
-    out = {"rows": a.rows, "flags": flags, "seconds": end, "lines": lines}
+    out = {"rows": a.rows, "flags": flags, "seconds": end, "at": summary(lines), "lines": lines}
+    print(json.dumps(out["at"]))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "eta.json").write_text(json.dumps(out, indent=1))
     print(f"wrote {OUT / 'eta.json'}")

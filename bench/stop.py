@@ -6,10 +6,13 @@ and does `--resume` alone finish the job byte for byte?
 
 For each --batch-tokens value: one uninterrupted run of a log of intent_dev queries (--rows text
 lines) to JSONL, its rows/s from the summary line; then --signals runs of the same command, each
-sent SIGINT --after seconds into its classifying (after its first progress line), timed from the
-signal to the "stopped by" line and to the process's exit; each is then continued with the same
-command and `--resume` alone, and its output compared with the uninterrupted one's bytes.
-Writes $OUT/stop.json.
+sent SIGINT --after seconds after its first progress line (which comes 5 s into its classifying),
+timed from the signal to the "stopped by" line and to the process's exit, its output's rows then
+counted against the last progress line's; each is then continued with the same command and
+`--resume` alone, and its output compared with the uninterrupted one's bytes. Writes
+$OUT/stop.json.
+
+    python -m bench.stop --rows 3000 --batch-tokens 1024 --after 25   # 30 s into a 3,000-row run
 """
 from __future__ import annotations
 
@@ -46,19 +49,21 @@ def full_run(cmd: list[str]) -> float:
     return int(n) / float(secs), time.monotonic() - t0
 
 
-def interrupted(cmd: list[str], after: float) -> dict:
-    """Start `cmd`, wait for its first progress line (the model loaded, rows flowing) and `after`
-    seconds more, send SIGINT; the seconds to its stop line and to its exit."""
+def interrupted(cmd: list[str], out: Path, after: float) -> dict:
+    """Start `cmd`, wait for its first progress line (the model loaded, rows flowing: it comes 5 s
+    in) and `after` seconds more, send SIGINT; the seconds to its stop line and to its exit, and
+    the rows then in the output against the last progress line's and the stop line's."""
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    first, stop_line, lines = threading.Event(), [], []
+    first, stop_line, lines, shown = threading.Event(), [], [], []
 
     def read():
         for line in p.stderr:
             lines.append(line)
             if line.startswith("classify: "):
+                shown.append(int(line.split()[1]))
                 first.set()
             if "stopped by SIGINT" in line:
-                stop_line.append(time.monotonic())
+                stop_line.append((time.monotonic(), int(line.split("rows 1-")[1].split()[0])))
         first.set()
 
     t = threading.Thread(target=read, daemon=True)
@@ -72,7 +77,9 @@ def interrupted(cmd: list[str], after: float) -> dict:
     t.join()
     if rc != 130 or not stop_line:
         raise SystemExit(f"the job did not stop as asked (exit {rc}): {''.join(lines)[-2000:]}")
-    return {"to_stop_line_s": stop_line[0] - sent, "to_exit_s": exited - sent}
+    return {"to_stop_line_s": stop_line[0][0] - sent, "to_exit_s": exited - sent,
+            "rows_last_progress_line": shown[-1], "rows_stop_line": stop_line[0][1],
+            "rows_in_output": out.read_bytes().count(b"\n")}
 
 
 def main():
@@ -94,7 +101,7 @@ def main():
         stops = []
         for i in range(a.signals):
             out = work / f"cut{bt}_{i}.jsonl"
-            s = interrupted(classify(log, out, f), a.after + i)  # a different point in a chunk each time
+            s = interrupted(classify(log, out, f), out, a.after + i)  # a different point each time
             subprocess.run(classify(log, out, ["--resume"]), check=True, capture_output=True)
             s["identical"] = out.read_bytes() == ref.read_bytes()
             stops.append(s)
@@ -102,6 +109,8 @@ def main():
              "to_stop_line_s": statistics.median(s["to_stop_line_s"] for s in stops),
              "to_exit_s": statistics.median(s["to_exit_s"] for s in stops),
              "to_exit_max_s": max(s["to_exit_s"] for s in stops),
+             "output_holds_last_line": all(s["rows_in_output"] >= s["rows_last_progress_line"]
+                                           for s in stops),
              "identical": all(s["identical"] for s in stops)}
         runs.append(r)
         print(f"{bt:>12} {rate:>7.1f} {r['to_stop_line_s']:>15.2f} {r['to_exit_s']:>10.2f} "
