@@ -164,32 +164,31 @@ def fit(scorer, feats: torch.Tensor, queries, cands, teacher, opts: FitOptions, 
         best_state = {k: v.clone() for k, v in m.state_dict().items()}
         hist.append(best)
         log(f"epoch 0 (untrained): val NDCG@10 {best['ndcg@10']:.3f}, Spearman {best['spearman']:.3f}")
-    bar = Bar(steps, "step", "fit-item-encoder", disable=not progress)
-    for epoch in range(1, opts.epochs + 1):
-        t0, total = time.perf_counter(), 0.0
-        for i in torch.tensor(tr)[torch.randperm(len(tr), generator=gen)].tolist():
-            t = torch.tensor(teacher[i], dtype=torch.float32)
-            s = student.margins(queries[i], soft(cands[i]))  # (on the CPU, as the map)
-            loss = opts.listwise * F.kl_div(F.log_softmax(s / tau, 0), F.log_softmax(t / tau, 0),
-                                            log_target=True, reduction="sum") \
-                + opts.pointwise * ((s - t) ** 2).mean() / spread ** 2
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            total += loss.item()
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-        rec = {"epoch": epoch, "train_loss": round(total / len(tr), 5),
-               "seconds": round(time.perf_counter() - t0, 1)}
-        if va:
-            rec |= validate()
-            if rec["ndcg@10"] + rec["spearman"] > best["ndcg@10"] + best["spearman"]:
-                best, best_state = rec, {k: v.clone() for k, v in m.state_dict().items()}
-            log(f"epoch {epoch}: loss {rec['train_loss']:.4f}, val NDCG@10 {rec['ndcg@10']:.3f}, "
-                f"Spearman {rec['spearman']:.3f} ({rec['seconds']:.0f} s)")
-        hist.append(rec)
-    bar.close()
+    with Bar(steps, "step", "fit-item-encoder", disable=not progress) as bar:
+        for epoch in range(1, opts.epochs + 1):
+            t0, total = time.perf_counter(), 0.0
+            for i in torch.tensor(tr)[torch.randperm(len(tr), generator=gen)].tolist():
+                t = torch.tensor(teacher[i], dtype=torch.float32)
+                s = student.margins(queries[i], soft(cands[i]))  # (on the CPU, as the map)
+                loss = opts.listwise * F.kl_div(F.log_softmax(s / tau, 0), F.log_softmax(t / tau, 0),
+                                                log_target=True, reduction="sum") \
+                    + opts.pointwise * ((s - t) ** 2).mean() / spread ** 2
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                sched.step()
+                total += loss.item()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+            rec = {"epoch": epoch, "train_loss": round(total / len(tr), 5),
+                   "seconds": round(time.perf_counter() - t0, 1)}
+            if va:
+                rec |= validate()
+                if rec["ndcg@10"] + rec["spearman"] > best["ndcg@10"] + best["spearman"]:
+                    best, best_state = rec, {k: v.clone() for k, v in m.state_dict().items()}
+                log(f"epoch {epoch}: loss {rec['train_loss']:.4f}, val NDCG@10 {rec['ndcg@10']:.3f}, "
+                    f"Spearman {rec['spearman']:.3f} ({rec['seconds']:.0f} s)")
+            hist.append(rec)
     if best_state is not None:
         m.load_state_dict(best_state)
     return m, {"history": hist, "best_epoch": best["epoch"] if best else opts.epochs,

@@ -355,40 +355,40 @@ def _fit(spec: _Spec, prompts, gold, trie, tr, va, epochs, patience, progress, s
 
         best = (-1.0, math.inf)
         best_state, best_head, best_epoch, stale, hist = None, None, 0, 0, []
-        bar = Bar(steps, "step", "fine-tune", disable=not progress)
-        for epoch in range(1, epochs + 1):
-            t_epoch = time.perf_counter()
-            net.train()
-            order = torch.tensor(tr)[torch.randperm(len(tr), generator=gen)]
-            total = 0.0
-            for b in order.split(spec.batch_size):
-                idx = b.tolist()
-                loss = _batch_loss(body, lm_head, head, [prompts[i] for i in idx],
-                                   [trie.paths[gold[i]] for i in idx], [gold[i] for i in idx],
-                                   spec.smoothing)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                sched.step()
-                total += loss.item() * len(idx)
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-            rec = {"epoch": epoch, "train_loss": round(total / len(tr), 5),
-                   "train_seconds": round(time.perf_counter() - t_epoch, 2)}
-            if va:
-                acc, vloss = evaluate()
-                rec |= {"val_acc": round(acc, 5), "val_loss": round(vloss, 5)}
-                bar.set_postfix(loss=f"{rec['train_loss']:.3f}", val_acc=f"{acc:.3f}")
-                if (acc, -vloss) > (best[0], -best[1]):
-                    best, best_state, best_epoch, stale = (acc, vloss), trainable(), epoch, 0
-                    best_head = copy.deepcopy(head.state_dict()) if head is not None else None
-                else:
-                    stale += 1
-            hist.append(rec)
-            if va and stale >= patience:
-                say(f"early stop after epoch {epoch}: no better validation accuracy for {patience} epochs")
-                break
-        bar.close()
+        with Bar(steps, "step", "fine-tune", disable=not progress) as bar:
+            for epoch in range(1, epochs + 1):
+                t_epoch = time.perf_counter()
+                net.train()
+                order = torch.tensor(tr)[torch.randperm(len(tr), generator=gen)]
+                total = 0.0
+                for b in order.split(spec.batch_size):
+                    idx = b.tolist()
+                    loss = _batch_loss(body, lm_head, head, [prompts[i] for i in idx],
+                                       [trie.paths[gold[i]] for i in idx], [gold[i] for i in idx],
+                                       spec.smoothing)
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    sched.step()
+                    total += loss.item() * len(idx)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+                rec = {"epoch": epoch, "train_loss": round(total / len(tr), 5),
+                       "train_seconds": round(time.perf_counter() - t_epoch, 2)}
+                if va:
+                    acc, vloss = evaluate()
+                    rec |= {"val_acc": round(acc, 5), "val_loss": round(vloss, 5)}
+                    bar.set_postfix(loss=f"{rec['train_loss']:.3f}", val_acc=f"{acc:.3f}")
+                    if (acc, -vloss) > (best[0], -best[1]):
+                        best, best_state, best_epoch, stale = (acc, vloss), trainable(), epoch, 0
+                        best_head = copy.deepcopy(head.state_dict()) if head is not None else None
+                    else:
+                        stale += 1
+                hist.append(rec)
+                if va and stale >= patience:
+                    say(f"early stop after epoch {epoch}: no better validation accuracy for "
+                        f"{patience} epochs")
+                    break
         if best_state is not None:  # keep the best epoch's weights
             net.load_state_dict(best_state, strict=False)
             if head is not None:
