@@ -50,8 +50,8 @@ def full_run(cmd: list[str]) -> float:
 
 
 def interrupted(cmd: list[str], out: Path, after: float) -> dict:
-    """Start `cmd`, wait for its first progress line (the model loaded, rows flowing: it comes 5 s
-    in) and `after` seconds more, send SIGINT; the seconds to its stop line and to its exit, and
+    """Start `cmd`, wait for its first progress line that counts rows (the model loaded, rows
+    flowing: lines come every 5 s) and `after` seconds more, send SIGINT; the seconds to its stop line and to its exit, and
     the rows then in the output against the last progress line's and the stop line's."""
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     first, stop_line, lines, shown = threading.Event(), [], [], []
@@ -59,8 +59,9 @@ def interrupted(cmd: list[str], out: Path, after: float) -> dict:
     def read():
         for line in p.stderr:
             lines.append(line)
-            if line.startswith("classify: "):
-                shown.append(int(line.split()[1]))
+            counted = re.match(r"classify: (\d+) rows", line)  # (not "waiting for the first rows")
+            if counted:
+                shown.append(int(counted.group(1)))
                 first.set()
             if "stopped by SIGINT" in line:
                 stop_line.append((time.monotonic(), int(line.split("rows 1-")[1].split()[0])))
