@@ -11,7 +11,7 @@ from prefixscore import Classifier, ConfigError, InputError, ModelLoadError
 from prefixscore.cli.commands import main
 from prefixscore.weights.heads import classify_with_head, head_scores, load_head, read_head, save_head
 from prefixscore.train.fit_heads import (
-    FitOptions, compare_modes, few_shot_template, fit_head, stratified_folds,
+    FitOptions, compare_modes, few_shot_template, fit_head, modes_rows, stratified_folds,
 )
 from prefixscore.weights.loading import load
 
@@ -258,8 +258,10 @@ def test_stratified_folds_balanced():
 
 def test_compare_modes(tiny):
     rows = synthetic(60, seed=9)
+    done = []  # eval-modes' progress: rows as passes complete, the whole work in the end
     rep = compare_modes(tiny[1], [q for q, _ in rows], [l for _, l in rows], LABELS, INSTR, chat=True,
-                        shots=(1,), folds=2, latency_queries=2, log=None)
+                        shots=(1,), folds=2, latency_queries=2, log=None, progress=done.append)
+    assert sum(done) == modes_rows(60, (1,)) == 4 * 60 and len(done) > 4
     names = [m["mode"] for m in rep["modes"]]
     assert names == ["prompt, zero-shot", "prompt, 1-shot", "head (linear), with instruction",
                      "head (linear), no instruction"]

@@ -8,7 +8,7 @@ import json
 import time
 from collections import Counter
 
-from .common import COMMANDS, batch_tokens, err, make_classifier, run_batches
+from .common import COMMANDS, batch_tokens, err, make_classifier, quiet, run_batches
 from ..errors import ConfigError, InputError
 from ..rows.report import format_confusion
 from ..train.options import LORA_DEFAULTS as DEFAULTS, HeadFitOptions as FitOptions
@@ -169,7 +169,8 @@ def cmd_fit_head(a) -> int:
 
 def cmd_eval_modes(a) -> int:
     from ..rows.io import labels_option, template_option
-    from ..train.fit_heads import check_compare_options, compare_modes
+    from ..rows.progress import Bar
+    from ..train.fit_heads import check_compare_options, compare_modes, modes_rows
     from ..rows.writer import Output, check_output
     from ..weights.loading import obtain
     from ..prompt import SEED_LABELS, SEED_TEMPLATE
@@ -180,11 +181,12 @@ def cmd_eval_modes(a) -> int:
     check_output(a.json)
     queries, gold = _labeled(a.data, a.input_format, a.column, a.label_column, labels)
     loaded = obtain(a.model, a.device, a.dtype)
-    rep = compare_modes(loaded, queries, gold, labels, template, chat=a.chat,
-                        head_template=a.head_template, head_chat=a.head_chat, shots=shots,
-                        folds=a.folds, seed=a.seed, opts=opts,
-                        latency_queries=a.latency_queries, log=err, truncate=a.truncate,
-                        max_batch_tokens=batch_tokens(a))
+    with Bar(modes_rows(len(queries), shots), "row", "eval-modes", disable=quiet()) as bar:
+        rep = compare_modes(loaded, queries, gold, labels, template, chat=a.chat,
+                            head_template=a.head_template, head_chat=a.head_chat, shots=shots,
+                            folds=a.folds, seed=a.seed, opts=opts,
+                            latency_queries=a.latency_queries, log=err, progress=bar.update,
+                            truncate=a.truncate, max_batch_tokens=batch_tokens(a))
     print(format_confusion_all(rep))
     if a.json:
         with Output(a.json) as f:

@@ -234,7 +234,7 @@ def _encode_rows(clf, queries: list[str], rows):
 def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str], template: str,
                   chat=None, head_template: str = "{query}", head_chat: bool = False,
                   shots=(1, 2, 4), folds: int = 5, seed: int = 0, opts: FitOptions | None = None,
-                  latency_queries: int = 32, log=print, **clf_opts) -> dict:
+                  latency_queries: int = 32, log=print, progress=None, **clf_opts) -> dict:
     """Side by side on one labeled set, k-fold cross-validated (stratified, seeded): every row is
     predicted by a mode that did not see it. Modes: prompt zero-shot; prompt few-shot with k
     examples per label drawn from the other folds; a head on the features of `template` (with the
@@ -243,7 +243,8 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
 
     Latency: 'batched' = the whole set's forward time / rows; 'batch-1 p50' = one query per call
     through Classifier.classify or the head path (head_scores), over `latency_queries` rows.
-    clf_opts go to every Classifier (truncate, max_batch_tokens)."""
+    clf_opts go to every Classifier (truncate, max_batch_tokens). progress(n): n more rows of the
+    whole work done (modes_rows(n, shots) in all), as each pass completes."""
     from ..classifier import Classifier
     from ..rows.report import confusion_report
 
@@ -276,7 +277,8 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
             if not modes:  # the process's first forward passes are slow (allocator, thread pools)
                 clf.classify_batch(queries[:8])
             t0 = time.perf_counter()
-            for i, r in zip(test, clf.classify_encoded(_encode_rows(clf, queries, test))):
+            passes = clf.classify_iter(_encode_rows(clf, queries, test), progress=progress)
+            for i, r in zip(test, (r for results in passes for r in results)):
                 pred[i] = r.label
             secs += time.perf_counter() - t0
         _encode_rows(clf, queries, range(len(lat_q)))  # the timed rows fit this fold's prefix too
@@ -290,6 +292,8 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
         t0 = time.perf_counter()
         x = clf.features(queries)
         secs = time.perf_counter() - t0
+        if progress is not None:
+            progress(n)
         pred, infos = [None] * n, []
         for f in range(folds):
             train = [i for i in range(n) if fold[i] != f]
@@ -308,6 +312,12 @@ def compare_modes(loaded, queries: list[str], gold: list[str], labels: list[str]
     return {"rows": n, "folds": folds, "seed": seed, "labels": labels, "template": template,
             "head_template": head_template, "head_chat": head_chat, "fit_options": asdict(opts),
             "modes": modes}
+
+
+def modes_rows(n: int, shots=(1, 2, 4)) -> int:
+    """The rows compare_modes runs through the model for n queries: once per prompt mode (each
+    few-shot mode over its folds), and once per head mode for its features."""
+    return n * (1 + sum(1 for s in shots if s > 0) + 2)
 
 
 def format_modes(rep: dict) -> str:
