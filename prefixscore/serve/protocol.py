@@ -277,13 +277,13 @@ def _adapter_name(adapter) -> str | None:
     return None if adapter is None else adapter if adapter == "seed" else os.path.basename(str(adapter))
 
 
-def scorer_info(sc, clf=None) -> ScorerInfo | None:
+def scorer_info(sc, clf) -> ScorerInfo | None:
     """What a front end needs of the Scorer to check and tokenize score requests itself
     (score_input.ScoreInput over its Prompt rebuilt from the template); clf: the default
     classifier, whose weights the scorer shares or not."""
     if sc is None:
         return None
-    own = clf is not None and sc.engine is not clf.engine
+    own = sc.engine is not clf.engine
     prompt, inp = sc.prompt, sc.input
     return ScorerInfo(
         template=None if prompt is None else prompt.template,
