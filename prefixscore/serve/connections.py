@@ -95,13 +95,14 @@ def protocol_class(cfg, frontend=None):
     busy_app = _busy_app(cfg.max_connections, metrics)
     shed_s = cfg.shed_lag_ms / 1e3 if cfg.shed_lag_ms and frontend is not None else None
     shed_app = _shed_app(cfg, metrics) if shed_s else None
+    shed = Shed(metrics)
 
     class BoundedProtocol(HttpToolsProtocol):
         connections_registry = conns
 
         def connection_made(self, transport):
             super().connection_made(transport)
-            self._header_bytes, self._rejected, self._open = 0, False, 0
+            self._header_bytes, self._rejected, self._open, self._shedding = 0, False, 0, False
             self._header_timer = self.loop.call_later(timeout, self._headers_late)
             conns.add(self)
 
@@ -126,13 +127,42 @@ def protocol_class(cfg, frontend=None):
             if shed_s is not None and self.parser.get_method() == b"POST" and not _probe(self.url):
                 lag = frontend.loop_lag
                 if lag is not None and lag.behind() > shed_s and not self._light():
-                    return self._answer_with(shed_app)  # it sat unread that long, or more
+                    # it sat unread that long, or more: answered without an ASGI cycle where
+                    # nothing is in progress before it on this connection (the answers keep order)
+                    if (self.cycle is None or self.cycle.response_complete) and not self.pipeline:
+                        self._shedding = True  # answered once its body is read
+                        self._header_timer = self.loop.call_later(cfg.body_timeout, self._body_late)
+                        return
+                    return self._answer_with(shed_app)
             if not conns.too_busy() or _probe(self.url):
                 return super().on_headers_complete()
             conns.say("busy", logging.WARNING, f"more than --max-connections ({conns.limit}) "
                                                f"connections have a request in progress: new "
                                                f"requests are answered 503")
             self._answer_with(busy_app)
+
+        def on_body(self, body):
+            if not self._shedding:
+                super().on_body(body)
+
+        def on_message_complete(self):
+            if not self._shedding:
+                return super().on_message_complete()
+            self._cancel_timer()
+            self._answer_shed(self.parser.should_keep_alive())
+
+        def _answer_shed(self, keep: bool):
+            self._shedding = False
+            self.transport.write(shed.answer(self.url, keep, self.server_state.default_headers))
+            if not keep:
+                self.transport.close()
+            self.on_response_complete()
+
+        def _body_late(self):
+            """A shed request's body not read within --body-timeout: answered, and closed."""
+            self._header_timer = None
+            if self._shedding:
+                self._answer_shed(False)
 
         def _light(self) -> bool:
             """A request of a client holding less than the others (Admission.light): read, not
@@ -223,6 +253,41 @@ def _count_503(metrics, path: str, expired: str | None = None) -> None:
             metrics.expired.labels(expired).inc()
 
 
+SHED = "this front end is running behind (over --shed-lag-ms): requests wait unread; retry later"
+
+
+class Shed:
+    """The 503 of a front end running behind, written straight to the connection: through an ASGI
+    cycle (a task, the app's send calls) a refusal cost a good part of an answer, so a saturated
+    front end fell further behind shedding. Its bytes are what _shed_app sends (the route's error
+    shape, Retry-After), made once per route; counted as _shed_app counts."""
+
+    def __init__(self, metrics=None):
+        self.metrics = metrics
+        self.made: dict[bytes, tuple[bytes, bytes, str]] = {}  # url -> (head, body, path)
+
+    def answer(self, url: bytes, keep_alive: bool, default_headers) -> bytes:
+        head, body, path = self.made.get(url) or self._make(url)
+        _count_503(self.metrics, path, "front_end_behind")
+        extra = b"".join(b"%s: %s\r\n" % kv for kv in default_headers)
+        return b"%s%s%s\r\n%s" % (head, extra, b"" if keep_alive else b"connection: close\r\n", body)
+
+    def _make(self, url: bytes) -> tuple[bytes, bytes, str]:
+        from http import HTTPStatus
+
+        from . import compat
+        from .http import endpoint
+
+        path = url.split(b"?", 1)[0].decode("latin-1")
+        status, body = compat.error_body(path, 503, SHED) or (503, json.dumps({"detail": SHED}).encode())
+        head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"retry-after: 1\r\n" % (status, HTTPStatus(status).phrase.encode(), len(body)))
+        made = head, body, path
+        if endpoint(path) != "other":  # routes only: a flood of made-up paths grows nothing
+            self.made[url] = made
+        return made
+
+
 def _shed_app(cfg, metrics=None):
     """The ASGI app that answers a compute request while the front end runs more than
     --shed-lag-ms behind: 503 + Retry-After without the app's work (Guard, parsing, admission:
@@ -242,8 +307,7 @@ def _shed_app(cfg, metrics=None):
                         break
         except TimeoutError:
             close = True
-        await send_json(send, 503, "this front end is running behind (over --shed-lag-ms): "
-                                   "requests wait unread; retry later", [(b"retry-after", b"1")],
+        await send_json(send, 503, SHED, [(b"retry-after", b"1")],
                         close=close, path=scope["path"])
         _count_503(metrics, scope["path"], "front_end_behind")
 

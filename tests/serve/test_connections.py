@@ -39,6 +39,23 @@ def response(s) -> tuple[int, dict, bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
+def responses(s, n) -> list[tuple[int, dict, bytes]]:
+    """n HTTP/1.1 responses read off s in order (pipelined: they may come in one packet)."""
+    data, out = b"", []
+    while len(out) < n:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        size = int(dict(line.lower().split(": ", 1) for line in lines[1:]).get("content-length", 0)) if sep else 0
+        if not sep or len(rest) < size:
+            chunk = s.recv(65536)
+            assert chunk, f"connection closed after {len(out)} responses: {data!r}"
+            data += chunk
+            continue
+        out.append((int(lines[0].split()[1]), dict(line.lower().split(": ", 1) for line in lines[1:]), rest[:size]))
+        data = rest[size:]
+    return out
+
+
 def closed(s, timeout=2.0) -> bool:
     """The server closed s (EOF or reset) within timeout; False while it stays open."""
     s.settimeout(timeout)
@@ -155,6 +172,49 @@ def test_a_front_end_behind_its_target_sheds_at_once(clf):
         assert httpx.get(base + "/healthz", timeout=5).status_code == 200
         text = httpx.get(base + "/metrics", timeout=5).text
         assert metric(text, 'prefixscore_expired_total{reason="front_end_behind"}') == 1
+
+
+def test_a_shed_answer_is_written_in_order_and_bounded(clf):
+    """The shed 503 is written by the protocol itself: two requests pipelined on one connection
+    are answered in order and the connection then serves; a body split across packets is read
+    before the answer; a client's `connection: close` is kept; a body that never comes is
+    answered and closed within --body-timeout. Each answer has the app's shape: JSON detail,
+    Retry-After, Date; each is counted."""
+    app = create_app(clf, shed_lag_ms=20.0, **{**SMALL, "body_timeout": 0.5})
+    with running(app) as (base, server):
+        port = int(base.rsplit(":", 1)[1])
+        loop = app.state.frontend.client.loop
+        piped, split, close, stall = (connect(port) for _ in range(4))
+        try:
+            loop.call_soon_threadsafe(time.sleep, 0.15)  # the loop held: every request waits unread
+            time.sleep(0.02)
+            piped.sendall(POST + BODY + POST + BODY)
+            split.sendall(POST + BODY[:5])
+            close.sendall(POST.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n", 1) + BODY)
+            stall.sendall(POST)
+            for status, headers, detail in responses(piped, 2):
+                assert status == 503 and headers["retry-after"] == "1" and "date" in headers, headers
+                assert headers["content-type"] == "application/json"
+                assert "running behind" in json.loads(detail)["detail"]
+            status, headers, _ = response(close)
+            assert status == 503 and headers["connection"] == "close" and closed(close)
+            time.sleep(0.2)
+            split.sendall(BODY[5:])
+            assert response(split)[0] == 503
+            t = time.monotonic()
+            status, headers, _ = response(stall)
+            assert status == 503 and headers["connection"] == "close" and closed(stall)
+            assert time.monotonic() - t < 1.0
+            piped.sendall(POST + BODY)  # caught up: the same connection is served
+            assert response(piped)[0] == 200
+            split.sendall(POST + BODY)
+            assert response(split)[0] == 200
+        finally:
+            for s in (piped, split, close, stall):
+                s.close()
+        text = httpx.get(base + "/metrics", timeout=5).text
+        assert metric(text, 'prefixscore_expired_total{reason="front_end_behind"}') == 5
+        assert metric(text, 'prefixscore_http_requests_total{endpoint="/v1/classify",status="503"}') == 5
 
 
 def test_a_front_end_behind_sheds_the_heavy_client_not_the_light_one(clf):
