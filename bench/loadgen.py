@@ -652,14 +652,17 @@ class LoadGen:
         return self._ask(self.conns[:len(specs)], "open", specs), duration
 
     def streams(self, port: int, streams: list[dict], timeout: float, max_conns: int, conns: int,
-                seed: int, spin_ms: float, lag_ms: float) -> dict:
+                seed: int, spin_ms: float, lag_ms: float, hold_s: float = 0.005) -> dict:
         """Streams at once (the `streams` driver), each split over the processes: a segment's
         arrivals and a closed stream's concurrency shared out, "at" sends dealt round. A stream:
         {"payloads": [bytes], "segments": [(t0, t1, rate)], "at": [t], "closed": k, "from": t,
         "until": t, "cap": n, "field": bytes}. -> every request of all processes as numpy arrays:
         t (scheduled, s from the phase start), lat (ms from t), status, late (ms), stream, retry,
         wrote (ms from t to its write on a connection, -1 never: no connection came free in time),
-        value, done (answered, s); "start" (monotonic) and "gen", the generator's figures."""
+        value, done (answered, s); "start" (monotonic) and "gen", the generator's figures.
+        hold_s: how long a request is expected to hold its connection (an overloaded server's
+        answers come up to the deadline late): connections for that concurrency are opened before
+        the first send, so no send waits for one to open mid-phase."""
         import numpy as np
 
         P = len(self.conns)
@@ -673,10 +676,10 @@ class LoadGen:
                    "until": st.get("until", 0.0), "cap": share(st.get("cap", 0), k)} for st in streams]
                  for k in range(P)]
         most = max(sum(n for st in mine for _, _, n in st["segments"]) for mine in specs)
-        # connections for the peak concurrency at ~5 ms per request (as open_loop), --conns at least
+        # connections for the peak concurrency at hold_s per request, --conns at least
         peak = sum(max((r for _, _, r in st.get("segments", ())), default=0) for st in streams) / P
         closed = sum(st.get("closed", 0) for st in streams) / P
-        preopen = max(1, min(max_conns // P, max(math.ceil(conns / P), math.ceil(peak * 0.005 + closed) + 1)))
+        preopen = max(1, min(max_conns // P, max(math.ceil(conns / P), math.ceil(peak * hold_s + closed) + 1)))
         # time to draw and sort the arrivals and to connect, before the first send
         start = monotonic() + 0.3 + 4e-6 * most + 0.002 * preopen
         outs = self._ask(self.conns, "streams", [

@@ -145,10 +145,10 @@ def classify_stream(queries, segments, deadline_s=None, priority=0, per_request=
     return {"payloads": [http_post("/v1/classify", {"query": q, **extra}, hdr) for q in qs], "segments": segments}
 
 
-def run(c, streams, seed, timeout=None, max_conns=None) -> dict:
+def run(c, streams, seed, timeout=None, max_conns=None, hold_s=0.005) -> dict:
     a = c.a
     return c.gen.streams(c.port, streams, timeout or a.timeout, max_conns or a.max_conns, a.conns, seed, a.spin_ms,
-                         a.lag_ms)
+                         a.lag_ms, hold_s)
 
 
 def note(R) -> str:
@@ -194,7 +194,7 @@ def phase_overload(c) -> dict:
         dur = min(a.overload_s, a.max_requests / rate)
         before = scrape(c.port) or {}
         R = run(c, [classify_stream(c.queries, [(0, dur, rate)], c.deadline_s)], 300 + k,
-                timeout=c.deadline_s + 5, max_conns=a.overload_conns)
+                timeout=c.deadline_s + 5, max_conns=a.overload_conns, hold_s=c.deadline_s + 0.01)
         after = scrape(c.port) or {}
         st, sent_ms, written = R["status"], R["lat"] - R["wrote"], R["wrote"] >= 0  # from the actual write
         ok, shed = st == 200, (st == 429) | (st == 503)
@@ -334,7 +334,7 @@ def phase_fair(c) -> dict:
     D = min(a.overload_s, a.max_requests / (a.fair_flood * c.cap))
     R = run(c, [classify_stream(c.queries, [(0, D, a.fair_flood * c.cap)], c.deadline_s, client="flood"),
                 classify_stream(c.queries, [(0, D, a.fair_light * c.cap)], c.deadline_s, client="light")],
-            700, timeout=c.deadline_s + 5, max_conns=a.overload_conns)
+            700, timeout=c.deadline_s + 5, max_conns=a.overload_conns, hold_s=c.deadline_s + 0.01)
     st, sent_ms = R["status"], R["lat"] - R["wrote"]
     row = {"duration_s": D, "gen": R["gen"]}
     for k, name in enumerate(("flood", "light")):
