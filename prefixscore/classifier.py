@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from . import collector
 from .batch import plan_classify
 from .engine import Engine
 from .kernels.label_head import rms_norm
@@ -188,7 +189,8 @@ class Classifier:
         return self.classify_encoded([self.encode(query)])[0]
 
     def classify_batch(self, queries, progress=None) -> list[Result]:
-        return [r for batch in self.classify_batch_iter(queries, progress) for r in batch]
+        with collector.paused():  # every result kept until the end: no full scans of them all
+            return [r for batch in self.classify_batch_iter(queries, progress) for r in batch]
 
     def classify_batch_iter(self, queries, progress=None):
         """classify_batch batch by batch, for streaming (the CLI writes each as it comes): yields

@@ -13,6 +13,7 @@ import gc
 import numpy as np
 import torch
 
+from . import collector
 from .batch import Plan
 from .model import Context
 
@@ -114,13 +115,8 @@ class GraphRunner:
         # mid-capture (CUDAGraph reset) invalidate the capture under way, the whole process's
         # in CUDA's global capture mode. Collect before, as SGLang's capture does.
         gc.collect()
-        was = gc.isenabled()
-        gc.disable()
-        try:
+        with collector.paused():
             self._capture_buckets(engine)
-        finally:
-            if was:
-                gc.enable()
 
     def _capture_buckets(self, engine):
         pool = engine.pool

@@ -82,6 +82,27 @@ def test_classify_batch_equals_one_at_a_time(clf, small_chunks):
     assert not workers()
 
 
+def test_classify_batch_pauses_the_collector_and_restores_it(clf, small_chunks):
+    """No cyclic collection while classify_batch holds every result (each full collection scanned
+    them all: prefixscore.collector), the collector's state restored after, also when it raises
+    and when the caller had it off."""
+    import gc
+
+    seen = []
+    assert gc.isenabled()
+    clf.classify_batch(random_queries(40, 3), progress=lambda n: seen.append(gc.isenabled()))
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(InputError):
+        clf.classify_batch(["red dress", "x" * 100_000])
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        clf.classify_batch(random_queries(10, 4))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_batches_ramp_up_and_keep_order(model, small_chunks, monkeypatch):
     """The first batch's budget starts small and doubles; a request without the cached prefix runs
     after the cached batch that passes it; results still come out in input order."""

@@ -101,6 +101,7 @@ def classifier_kwargs(a) -> dict:
 
 
 def make_classifier(a, graphs: bool = True):
+    from .. import collector
     from ..classifier import Classifier
 
     t0 = time.perf_counter()
@@ -108,6 +109,7 @@ def make_classifier(a, graphs: bool = True):
 
     with quiet_downloads(quiet()):  # a hub name downloads here (loading.resolve), bars on stderr
         clf = Classifier(spec=model_spec(a), graphs=graphs)
+    collector.settle()  # what loading built is never scanned again by a collection mid-run
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")

@@ -12,6 +12,7 @@ bytes. A chunk a stop cut short is read again from its first row and cut into th
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -23,6 +24,7 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .. import collector
 from ..errors import InputError
 from ..overlap import run_ahead
 from .io import Row, RowReader
@@ -266,7 +268,8 @@ class ClassifyJob:
             writer = ResultWriter(self.output, form, append=kept.end > 0)
         digest = self._partial_digest(kept, chunks) if kept.rows > kept.start else None
         commits = Commits(self, writer, kept, chunks if self.resumable else None)
-        return self._stream(clf, commits, kept, digest, err, warn or err)
+        with collector.paused():  # rows and results make no cycles: no full scans mid-run
+            return self._stream(clf, commits, kept, digest, err, warn or err)
 
     def _partial_digest(self, kept: Kept, chunks: list):
         """The digest of the bytes written of a chunk a stop cut short, which its rest extends."""
@@ -287,6 +290,7 @@ class ClassifyJob:
 
             def encoded():
                 for chunk in chunks:
+                    gc.collect(1)  # the young generations: the few cycles a chunk leaves (collector.paused)
                     if chunk.rows[0].n <= kept.rows:  # a chunk a stop cut short
                         self._resume_chunk(chunk, kept, digest)
                     handed.append(chunk)
