@@ -13,6 +13,7 @@ setting is another engine (bench/ builds one per A/B arm).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import weakref
 
@@ -270,7 +271,10 @@ class Engine:
             return {}
         torch.cuda.synchronize()
         # torch.cuda.graph() empties the allocator's cache on entry, which read as negative graph
-        # memory (-1.7 GB after the prefill's temporaries): empty it before the baseline too.
+        # memory (-1.7 GB after the prefill's temporaries): empty it before the baseline too, and
+        # collect first, as the capture does (a dead runner's graph pools freed then read as
+        # negative memory too).
+        gc.collect()
         torch.cuda.empty_cache()
         mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
         runner = GraphRunner(self, prefix_kv, weight, logprobs, min(max_tokens, GRAPH_MAX_TOKENS), ranges,
