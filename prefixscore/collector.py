@@ -3,8 +3,8 @@ every tracked object of the process: the loaded model's Python objects and every
 made. Over a million-row call they ran about thirty times, a third of the host's time, each pause
 leaving the GPU idle (BENCHMARKS.md, "The CLI on a query log"). Results and rows make no
 reference cycles, so pausing the collector for such a call frees nothing later than it would; a
-streaming job still collects its young generations once a chunk, for the few cycles threads and
-generators leave (about 40 objects a chunk of the CLI)."""
+streaming job still collects its young generations now and then (rows/stream.py, YOUNG_EVERY),
+for the few cycles threads and generators leave (about 40 objects a chunk of the CLI)."""
 from __future__ import annotations
 
 import contextlib
