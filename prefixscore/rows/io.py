@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from ..errors import InputError
 
 
@@ -135,6 +137,7 @@ def iter_jsonl(f, path: str):
 
 
 BLANK = "blank line"
+_decode = msgspec.json.Decoder().decode
 
 
 @dataclass(slots=True)
@@ -249,6 +252,14 @@ class RowReader:
 
     def _jsonl(self):
         for n, raw in self._lines():
+            try:  # msgspec: ~1 us a line less of the GIL; json for what it refuses (NaN, lone
+                obj = _decode(raw)  # surrogates, errors' wording), so both accept the same lines
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+            else:
+                if isinstance(obj, dict):
+                    yield self._checked(n, n, obj)
+                    continue
             try:
                 obj = json.loads(raw.decode("utf-8"))
             except UnicodeDecodeError:

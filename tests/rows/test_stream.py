@@ -843,3 +843,43 @@ def test_each_row_knows_where_it_ends(tmp_path):
         assert [r.end for r in rows] == list(itertools.accumulate(len(x) for x in raw)), fmt
 
 
+
+
+def test_jsonl_rows_as_the_json_module_reads_them(tmp_path):
+    """The JSONL reader decodes with msgspec and falls back to the json module for what msgspec
+    refuses: every line gives the row (fields, query, error) the json module's reading gives."""
+    import math
+
+    from prefixscore.rows import io as rows_io
+
+    def reference(raw: bytes):
+        raw += b"\n"  # as the reader has the line
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            return {}, None, "not valid UTF-8"
+        except json.JSONDecodeError as e:
+            return {}, None, "blank line" if not raw.strip() else f"invalid JSON ({e.msg})"
+        if not isinstance(obj, dict):
+            return {}, None, "expected a JSON object per line"
+        row = rows_io.query_row(1, 1, obj, "query", "jsonl")
+        return row.fields, row.query, row.error
+
+    rng = random.Random(5)
+    edge = [b'{"query": "a", "x": NaN}', b'{"query": "a", "x": 1e400}', b'{"query": "\\ud800 b"}',
+            b'{"query": "a", "id": 123456789012345678901234567890}', b'{"query": "a", "query": "b"}',
+            b'\xef\xbb\xbf{"query": "bom"}', b'\xff{"query": "x"}', b'[1, 2]', b'"text"', b'   ',
+            b'{"query": 7}', b'{"query": "unclosed', b'{"query": "  "}', b'{"q": "x"}']
+    rand = [json.dumps({"query": q, "n": rng.random(), "tags": [q[:3], None, True]}, ensure_ascii=rng.random() < 0.5)
+            .encode() for q in random_queries(200, 5)]
+    lines = edge + rand
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    with rows_io.RowReader(str(src), "jsonl") as reader:
+        got = list(reader)
+    assert len(got) == len(lines)
+    for raw, row in zip(lines, got):
+        fields, query, error = reference(raw)
+        same = json.dumps(row.fields, sort_keys=True) == json.dumps(fields, sort_keys=True)
+        assert same and row.query == query and row.error == error, (raw, row, fields, error)
+    assert math.isnan(got[0].fields["x"]) and got[1].fields["x"] == math.inf
