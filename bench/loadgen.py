@@ -137,14 +137,14 @@ class Recorder:
 # ---------------------------------------------------------------- HTTP/1.1 client
 
 class HttpConn(asyncio.Protocol):
-    """One keep-alive connection, one request at a time; responses parsed just enough (status,
-    content-length)."""
+    """One keep-alive connection: its requests in flight in order (one, or several pipelined);
+    responses parsed just enough (status, content-length)."""
 
     def __init__(self, pool: "HttpPool"):
         self.pool = pool
         self.transport = None
         self.buf = b""
-        self.req = -1  # the request in flight, -1 when idle
+        self.reqs: deque[int] = deque()  # the requests in flight, oldest first
         self.used = monotonic()
 
     def connection_made(self, transport):
@@ -152,30 +152,31 @@ class HttpConn(asyncio.Protocol):
         self.transport = transport
 
     def send(self, i: int, payload: bytes) -> None:
-        self.req = i
+        self.reqs.append(i)
         self.transport.write(payload)
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
-        end = buf.find(b"\r\n\r\n")
-        if end < 0:
-            self.buf = buf
-            return
-        head = buf[:end].lower()
-        k = head.find(b"\r\ncontent-length:")
-        if k < 0 or self.req < 0:  # chunked or unasked-for: not what this server sends
-            self.pool.finish(self, BAD_RESPONSE, None)
-            self.transport.abort()
-            return
-        e = head.find(b"\r\n", k + 2)
-        total = end + 4 + int(head[k + 17:e if e > 0 else end])
-        if len(buf) < total:
-            self.buf = buf
-            return
-        self.buf = buf[total:]
-        if b"\r\nconnection: close" in head:  # an error the server answers and hangs up on
-            self.transport.close()
-        self.pool.finish(self, int(buf[9:12]), buf[end + 4:total], head)
+        while buf:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                break
+            head = buf[:end].lower()
+            k = head.find(b"\r\ncontent-length:")
+            if k < 0 or not self.reqs:  # chunked or unasked-for: not what this server sends
+                self.buf = b""
+                self.pool.finish(self, BAD_RESPONSE, None)
+                self.transport.abort()
+                return
+            e = head.find(b"\r\n", k + 2)
+            total = end + 4 + int(head[k + 17:e if e > 0 else end])
+            if len(buf) < total:
+                break
+            if b"\r\nconnection: close" in head:  # an error the server answers and hangs up on
+                self.transport.close()
+            self.pool.finish(self, int(buf[9:12]), buf[end + 4:total], head)
+            buf = buf[total:]
+        self.buf = buf
 
     def connection_lost(self, exc) -> None:
         self.pool.lost(self)
@@ -183,13 +184,16 @@ class HttpConn(asyncio.Protocol):
 
 class HttpPool:
     """A process's connections to the server: dispatch(i) sends request i now on an idle
-    connection, or queues it until one is free (opening another while under the cap)."""
+    connection; with none idle, pipelined behind fewer than `pipeline` requests on a busy one
+    (pipeline > 1: an overloaded server holds connections longer than the generator can open
+    new ones), else queued until one is free (opening another while under the cap)."""
 
     def __init__(self, port: int, payloads: list[bytes], rec: Recorder, max_conns: int,
-                 offset: int = 0, keep_bodies: bool = False, payload_of=None, inspect=None):
+                 offset: int = 0, keep_bodies: bool = False, payload_of=None, inspect=None,
+                 pipeline: int = 1):
         self.loop = asyncio.get_running_loop()
         self.port, self.payloads, self.rec, self.max_conns = port, payloads, rec, max_conns
-        self.offset = offset  # each process starts at its own query
+        self.offset, self.pipeline = offset, pipeline  # each process starts at its own query
         # request i's bytes (default: the payloads in turn); inspect(i, head, body): each answer's
         # lower-cased head and body, before it is recorded (the streams driver's)
         self.payload_of = payload_of or (lambda i: payloads[(i + offset) % len(payloads)])
@@ -198,7 +202,7 @@ class HttpPool:
         self.busy: set[HttpConn] = set()
         self.pending: deque[int] = deque()
         self.conns = 0  # open or opening
-        self.opened = self.conn_limited = self.conn_errors = 0
+        self.opened = self.conn_limited = self.conn_errors = self.pipelined = 0
         self.bodies = [] if keep_bodies else None
 
     async def preopen(self, k: int) -> None:
@@ -213,6 +217,12 @@ class HttpPool:
                 c.send(i, self.payload_of(i))
                 return
             c.transport.close()  # the server may be closing it: never reuse a stale one
+        if self.pipeline > 1 and self.busy:
+            c = min(self.busy, key=lambda c: len(c.reqs))
+            if len(c.reqs) < self.pipeline and not c.transport.is_closing():
+                self.pipelined += 1
+                c.send(i, self.payload_of(i))
+                return
         self.pending.append(i)
         if self.conns < self.max_conns:
             self.loop.create_task(self._open())
@@ -245,14 +255,14 @@ class HttpPool:
         self.idle.append(c)
 
     def finish(self, c: HttpConn, status: int, body, head: bytes | None = None) -> None:
-        i, c.req = c.req, -1
+        i = c.reqs.popleft() if c.reqs else -1
         if i >= 0:
             if self.bodies is not None and body is not None:
                 self.bodies.append(body)
             if self.inspect is not None and not self.rec.status[i]:
                 self.inspect(i, head, body)
             self.rec.finish(i, status)
-        if status != BAD_RESPONSE and not c.transport.is_closing():
+        if status != BAD_RESPONSE and not c.transport.is_closing() and not c.reqs:
             self._free(c)
 
     def lost(self, c: HttpConn) -> None:
@@ -262,22 +272,26 @@ class HttpPool:
             self.idle.remove(c)
         except ValueError:
             pass
-        if c.req >= 0:
-            self.rec.finish(c.req, CONN_ERROR)
+        while c.reqs:
+            self.rec.finish(c.reqs.popleft(), CONN_ERROR)
         if self.pending and self.conns < self.max_conns:
             self.loop.create_task(self._open())
 
     def expire(self, timeout: float) -> None:
-        """Requests older than `timeout` (from their scheduled time): timed out; their connections
-        are aborted (the answer may still come, on a connection nobody reads)."""
+        """Requests older than `timeout` (from their scheduled time): timed out. A connection
+        with one request in flight is aborted (the answer may still come, on a connection nobody
+        reads); a pipelined one is kept for the requests behind, the late answer ignored."""
         limit = monotonic() - timeout
-        sched = self.rec.sched
+        sched, status = self.rec.sched, self.rec.status
         while self.pending and sched[self.pending[0]] < limit:
             self.rec.finish(self.pending.popleft(), TIMEOUT)
-        for c in [c for c in self.busy if c.req >= 0 and sched[c.req] < limit]:
-            i, c.req = c.req, -1
-            self.rec.finish(i, TIMEOUT)
-            c.transport.abort()
+        for c in [c for c in self.busy if c.reqs and sched[c.reqs[0]] < limit]:
+            for i in c.reqs:
+                if sched[i] < limit and not status[i]:
+                    self.rec.finish(i, TIMEOUT)
+            if self.pipeline == 1:
+                c.reqs.clear()
+                c.transport.abort()
 
     async def close(self) -> None:
         for c in list(self.idle) + list(self.busy):
@@ -338,7 +352,7 @@ class GrpcPool:
 def make_pool(spec: dict, payloads, rec, max_conns, offset=0, keep_bodies=False):
     if spec["proto"] == "grpc":
         return GrpcPool(spec["port"], payloads, rec, max_conns, spec["timeout"], offset, keep_bodies)
-    return HttpPool(spec["port"], payloads, rec, max_conns, offset, keep_bodies)
+    return HttpPool(spec["port"], payloads, rec, max_conns, offset, keep_bodies, pipeline=spec.get("pipeline", 1))
 
 
 def ticker(pool, timeout: float):
@@ -542,7 +556,7 @@ async def streams(spec) -> dict:
                                        ("late", late), ("wrote", wrote), ("stream", sid),
                                        ("retry", retry), ("value", value))},
             "n_open": n_open, "cpu_s": cpu, "last_send": last_send, "opened": pool.opened,
-            "conn_limited": pool.conn_limited, "conn_errors": pool.conn_errors}
+            "conn_limited": pool.conn_limited, "conn_errors": pool.conn_errors, "pipelined": pool.pipelined}
 
 
 # ---------------------------------------------------------------- the load processes
@@ -652,7 +666,7 @@ class LoadGen:
         return self._ask(self.conns[:len(specs)], "open", specs), duration
 
     def streams(self, port: int, streams: list[dict], timeout: float, max_conns: int, conns: int,
-                seed: int, spin_ms: float, lag_ms: float, hold_s: float = 0.005) -> dict:
+                seed: int, spin_ms: float, lag_ms: float, hold_s: float = 0.005, pipeline: int = 1) -> dict:
         """Streams at once (the `streams` driver), each split over the processes: a segment's
         arrivals and a closed stream's concurrency shared out, "at" sends dealt round. A stream:
         {"payloads": [bytes], "segments": [(t0, t1, rate)], "at": [t], "closed": k, "from": t,
@@ -662,7 +676,8 @@ class LoadGen:
         value, done (answered, s); "start" (monotonic) and "gen", the generator's figures.
         hold_s: how long a request is expected to hold its connection (an overloaded server's
         answers come up to the deadline late): connections for that concurrency are opened before
-        the first send, so no send waits for one to open mid-phase."""
+        the first send, so no send waits for one to open mid-phase. pipeline: with no connection
+        idle, a send goes out behind up to pipeline - 1 others on a busy one (HttpPool)."""
         import numpy as np
 
         P = len(self.conns)
@@ -684,7 +699,8 @@ class LoadGen:
         start = monotonic() + 0.3 + 4e-6 * most + 0.002 * preopen
         outs = self._ask(self.conns, "streams", [
             {"port": port, "grpc_port": None, "start": start, "timeout": timeout, "seed": seed * 1000 + k,
-             "max_conns": max(1, max_conns // P), "preopen": preopen, "spin_ms": spin_ms, "streams": specs[k]}
+             "max_conns": max(1, max_conns // P), "preopen": preopen, "spin_ms": spin_ms, "streams": specs[k],
+             "pipeline": pipeline}
             for k in range(P)])
         kinds = (("sched", np.float64), ("lat", np.float32), ("status", np.uint16), ("late", np.float32),
                  ("wrote", np.float32), ("stream", np.uint8), ("retry", np.uint8), ("value", np.int32))
@@ -698,7 +714,7 @@ class LoadGen:
         R["gen"] = {"late_p99_ms": p99, "late_max_ms": max((x[-1] for x in late if x), default=0.0),
                     "lagged": p99 > lag_ms, "sent": int((R["wrote"] >= 0).sum()), "not_sent": int((R["wrote"] < 0).sum()),
                     "cpu_s": [o["cpu_s"] for o in outs],
-                    **{k: sum(o[k] for o in outs) for k in ("opened", "conn_limited", "conn_errors")}}
+                    **{k: sum(o[k] for o in outs) for k in ("opened", "conn_limited", "conn_errors", "pipelined")}}
         return R
 
     def close(self) -> None:

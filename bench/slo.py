@@ -145,16 +145,17 @@ def classify_stream(queries, segments, deadline_s=None, priority=0, per_request=
     return {"payloads": [http_post("/v1/classify", {"query": q, **extra}, hdr) for q in qs], "segments": segments}
 
 
-def run(c, streams, seed, timeout=None, max_conns=None, hold_s=0.005) -> dict:
+def run(c, streams, seed, timeout=None, max_conns=None, hold_s=0.005, pipeline=1) -> dict:
     a = c.a
     return c.gen.streams(c.port, streams, timeout or a.timeout, max_conns or a.max_conns, a.conns, seed, a.spin_ms,
-                         a.lag_ms, hold_s)
+                         a.lag_ms, hold_s, pipeline)
 
 
 def note(R) -> str:
     g = R["gen"]
     return (f"generator late p99 {g['late_p99_ms']:.2f} ms{' LAGGED' if g['lagged'] else ''}"
             + (f", {g['conn_limited']} sends waited for a connection" if g["conn_limited"] else "")
+            + (f", {g['pipelined']} pipelined" if g.get("pipelined") else "")
             + (f", {g['not_sent']} never sent (no connection free in time)" if g["not_sent"] else ""))
 
 
@@ -194,7 +195,7 @@ def phase_overload(c) -> dict:
         dur = min(a.overload_s, a.max_requests / rate)
         before = scrape(c.port) or {}
         R = run(c, [classify_stream(c.queries, [(0, dur, rate)], c.deadline_s)], 300 + k,
-                timeout=c.deadline_s + 5, max_conns=a.overload_conns, hold_s=c.deadline_s + 0.01)
+                timeout=c.deadline_s + 5, max_conns=a.overload_conns, hold_s=c.deadline_s + 0.01, pipeline=a.pipeline)
         after = scrape(c.port) or {}
         st, sent_ms, written = R["status"], R["lat"] - R["wrote"], R["wrote"] >= 0  # from the actual write
         ok, shed = st == 200, (st == 429) | (st == 503)
@@ -334,7 +335,7 @@ def phase_fair(c) -> dict:
     D = min(a.overload_s, a.max_requests / (a.fair_flood * c.cap))
     R = run(c, [classify_stream(c.queries, [(0, D, a.fair_flood * c.cap)], c.deadline_s, client="flood"),
                 classify_stream(c.queries, [(0, D, a.fair_light * c.cap)], c.deadline_s, client="light")],
-            700, timeout=c.deadline_s + 5, max_conns=a.overload_conns, hold_s=c.deadline_s + 0.01)
+            700, timeout=c.deadline_s + 5, max_conns=a.overload_conns, hold_s=c.deadline_s + 0.01, pipeline=a.pipeline)
     st, sent_ms = R["status"], R["lat"] - R["wrote"]
     row = {"duration_s": D, "gen": R["gen"]}
     for k, name in enumerate(("flood", "light")):
@@ -496,6 +497,8 @@ def parse_args():
             ("--conns", int, 64, "keep-alive connections opened before a phase"),
             ("--max-conns", int, 1024, "client connections at most"),
             ("--overload-conns", int, 16384, "client connections at most, overload phases"),
+            ("--pipeline", int, 8, "overload and fair phases: with no connection idle, a send goes out "
+             "behind up to N - 1 others on a busy one (HTTP/1.1 pipelining) rather than wait for one"),
             ("--timeout", float, 10.0, "client timeout (s)"), ("--spin-ms", float, 1.0, "the pacer's spin"),
             ("--queries", str, None, "CSV with a query column"), ("--ready-timeout", float, 600.0, "s"),
             ("--score-softmax", int, 0, "1: score and step bodies ask apply_softmax (softmax over "
