@@ -8,9 +8,10 @@ Flags after `--` go to `prefixscore serve` and to the in-process classifier. Bef
 puts bench.http's --max-connections 32768, the server's own default --max-queue (bench.http raises
 it: here overload meets the server's admission as shipped), a --score-template (labels yes,no) when
 they name none, and --max-score-tokens 2 x --score-tokens: flags after `--` win. One load process
-per --load-cpus CPU by default. At 10x a fast server's capacity the generator may lag (HTTP/1.1,
-a connection per request in flight): its lateness, the sends that waited for a connection and
-those never sent are reported beside the figures.
+per --load-cpus CPU by default. At 10x a fast server's capacity the generator may lag (HTTP/1.1:
+connections are opened before a phase, and the overload phases pipeline up to --pipeline requests
+on a busy one): its lateness, the sends pipelined, those that waited for a connection and those
+never sent are reported beside the figures.
 
 Method: bench.http's (its docstring). Open loop, Poisson arrivals, latency from each request's
 scheduled send (no coordinated omission); the generator's lateness reported per phase; server and
