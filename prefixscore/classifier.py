@@ -6,14 +6,14 @@ import itertools
 
 import torch
 
-from . import collector
 from .batch import plan_classify
 from .engine import Engine
 from .kernels.label_head import rms_norm
 from .errors import ConfigError, InputError, numbered
 from .labels import LabelTrie, check_labels
 from .weights.loading import finish_load, obtain
-from .overlap import TOKENIZE_FIRST, TOKENIZE_MAX, doubling_spans, passes_in_order, run_ahead
+from .overlap import (TOKENIZE_FIRST, TOKENIZE_MAX, collector_paused, doubling_spans, passes_in_order,
+                      run_ahead)
 from .values import ModelSpec, Result
 from .prompt import SEED_LABELS, SEED_TEMPLATE, Encoded, Prompt, check_prefix_fits, check_template
 
@@ -189,7 +189,7 @@ class Classifier:
         return self.classify_encoded([self.encode(query)])[0]
 
     def classify_batch(self, queries, progress=None) -> list[Result]:
-        with collector.paused():  # every result kept until the end: no full scans of them all
+        with collector_paused():  # every result kept until the end: no full scans of them all
             return [r for batch in self.classify_batch_iter(queries, progress) for r in batch]
 
     def classify_batch_iter(self, queries, progress=None):

@@ -13,9 +13,9 @@ import gc
 import numpy as np
 import torch
 
-from . import collector
 from .batch import Plan
 from .model import Context
+from .overlap import collector_paused
 
 # Short requests get their own small buckets: the graph of a bucket does its padding tokens' work
 # too, so a request replays the smallest bucket that holds it (BENCHMARKS.md, the latency buckets).
@@ -115,7 +115,7 @@ class GraphRunner:
         # mid-capture (CUDAGraph reset) invalidate the capture under way, the whole process's
         # in CUDA's global capture mode. Collect before, as SGLang's capture does.
         gc.collect()
-        with collector.paused():
+        with collector_paused():
             self._capture_buckets(engine)
 
     def _capture_buckets(self, engine):

@@ -1,10 +1,12 @@
 """Host work overlapped with the engine (DESIGN.md §7): the batch APIs tokenize on one worker thread
 while the engine runs, in spans of queries that start small (the engine starts early) and double
-up to a cap (what is held ahead stays bounded); and on a GPU they plan and launch the next pass
-while the one before runs (passes_in_order)."""
+up to a cap (what is held ahead stays bounded); on a GPU they plan and launch the next pass while
+the one before runs (passes_in_order); and long calls pause the cyclic garbage collector
+(collector_paused), whose full scans of every result held up the engine."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 from collections import deque
@@ -126,3 +128,29 @@ def quick_gil_handoff():
             _Switch.open -= 1
             if _Switch.open == 0:
                 sys.setswitchinterval(_Switch.saved)
+
+
+# A full collection scans every tracked object of the process: the loaded model's Python objects
+# and every result already made. Over a million-row call they ran about thirty times, a third of
+# the host's time, each pause leaving the GPU idle (BENCHMARKS.md, "The CLI on a query log").
+# Results and rows make no reference cycles, so pausing the collector for such a call frees
+# nothing later than it would; a streaming job still collects its young generations now and then
+# (rows/stream.py, YOUNG_EVERY) for the few cycles threads and generators leave.
+@contextlib.contextmanager
+def collector_paused():
+    """No cyclic collection inside (reference counting still frees what it always frees); the
+    collector's state before is restored after."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def settle_collector() -> None:
+    """After loading: collect once, then keep what start-up built out of every later collection
+    (gc.freeze), as the server's processes do."""
+    gc.collect()
+    gc.freeze()

@@ -101,15 +101,15 @@ def classifier_kwargs(a) -> dict:
 
 
 def make_classifier(a, graphs: bool = True):
-    from .. import collector
     from ..classifier import Classifier
+    from ..overlap import settle_collector
 
     t0 = time.perf_counter()
     from ..weights.hub import quiet_downloads
 
     with quiet_downloads(quiet()):  # a hub name downloads here (loading.resolve), bars on stderr
         clf = Classifier(spec=model_spec(a), graphs=graphs)
-    collector.settle()  # what loading built is never scanned again by a collection mid-run
+    settle_collector()  # what loading built is never scanned again by a collection mid-run
     err(f"model ready in {time.perf_counter() - t0:.1f} s: {clf.loaded.name} on {clf.engine.device} "
          f"({str(clf.engine.dtype).removeprefix('torch.')}), prefix {clf.prefix_len} tokens cached, "
          f"{len(clf.labels)} labels")

@@ -24,9 +24,8 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .. import collector
 from ..errors import InputError
-from ..overlap import run_ahead
+from ..overlap import collector_paused, run_ahead
 from .io import Row, RowReader
 from .progress import EVERY, Shown, duration
 from .resume import CHUNK_ROWS, Kept, check_meta, chunk_ends, scan_output, verified, write_meta
@@ -85,7 +84,7 @@ def _clip(row: Row) -> None:
 # Rows read and tokenized in one go on the worker: closing the chunks (a stop) waits for the piece
 # being read, not for the whole chunk (with --chunk-rows in the millions, seconds).
 PIECE = 4096
-# The job runs with the collector paused (collector.paused); every this many chunks its young
+# The job runs with the collector paused (overlap.collector_paused); every this many chunks its young
 # generations are collected, for the few cycles threads and generators leave (each collection
 # scans everything in flight: once a chunk it cost ~3 us a row).
 YOUNG_EVERY = 16
@@ -272,7 +271,7 @@ class ClassifyJob:
             writer = ResultWriter(self.output, form, append=kept.end > 0)
         digest = self._partial_digest(kept, chunks) if kept.rows > kept.start else None
         commits = Commits(self, writer, kept, chunks if self.resumable else None)
-        with collector.paused():  # rows and results make no cycles: no full scans mid-run
+        with collector_paused():  # rows and results make no cycles: no full scans mid-run
             return self._stream(clf, commits, kept, digest, err, warn or err)
 
     def _partial_digest(self, kept: Kept, chunks: list):
@@ -294,7 +293,7 @@ class ClassifyJob:
 
             def encoded():
                 for k, chunk in enumerate(chunks):
-                    if k % YOUNG_EVERY == 0:  # the few cycles chunks leave (collector.paused)
+                    if k % YOUNG_EVERY == 0:  # the few cycles chunks leave (overlap.collector_paused)
                         gc.collect(1)
                     if chunk.rows[0].n <= kept.rows:  # a chunk a stop cut short
                         self._resume_chunk(chunk, kept, digest)
