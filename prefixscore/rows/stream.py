@@ -357,7 +357,7 @@ class Commits:
         self.done, self.end, self.errors, self.counts = kept.rows, kept.end, 0, Counter()
         self.progress = Progress(job.reader, kept.rows, quiet=job.quiet, pos=kept.pos)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="prefixscore-write")
-        self.pending = None  # (the write in flight, its chunk, its rows, their results)
+        self.pending = deque()  # (a write in flight, its chunk, its rows, their results), in order
         self.t0 = time.perf_counter()
 
     def answered(self, handed: deque, results: list) -> None:
@@ -382,10 +382,10 @@ class Commits:
         out = [None if row.error else next(got) for row in rows]
         if chunk.digest is None and self.digests is not None:
             chunk.digest = chunk_digest()
-        self.confirm()
+        self.confirm(keep=1)  # one write queued behind the one running: the engine waits for neither
         chunk.sent = upto
         write = self.pool.submit(self.writer.write_rows, rows, out, chunk.digest, upto == len(chunk.rows))
-        self.pending = write, chunk, rows, out
+        self.pending.append((write, chunk, rows, out))
         shown = rows[-1].n, self.errors + sum(r is None for r in out), rows[-1].end
 
         def landed(write):  # on the writer thread: the progress moves as the rows reach the file
@@ -394,18 +394,17 @@ class Commits:
 
         write.add_done_callback(landed)
 
-    def confirm(self) -> None:
-        """Wait for the write in flight; its rows are done."""
-        if self.pending is None:
-            return
-        (write, chunk, rows, out), self.pending = self.pending, None
-        self.end += write.result()  # its error (a full disk, a closed pipe) is raised here
-        log.debug("rows %d-%d written, %.2f s in", rows[0].n, rows[-1].n, time.perf_counter() - self.t0)
-        self.done = rows[-1].n
-        self.errors += sum(r is None for r in out)
-        self.counts.update(r.label for r in out if r is not None)
-        if rows[-1] is chunk.rows[-1]:
-            self.record(chunk)
+    def confirm(self, keep: int = 0) -> None:
+        """Wait for the writes in flight but the last `keep`, in order; their rows are done."""
+        while len(self.pending) > keep:
+            write, chunk, rows, out = self.pending.popleft()
+            self.end += write.result()  # its error (a full disk, a closed pipe) is raised here
+            log.debug("rows %d-%d written, %.2f s in", rows[0].n, rows[-1].n, time.perf_counter() - self.t0)
+            self.done = rows[-1].n
+            self.errors += sum(r is None for r in out)
+            self.counts.update(r.label for r in out if r is not None)
+            if rows[-1] is chunk.rows[-1]:
+                self.record(chunk)
 
     def record(self, chunk: Chunk) -> None:
         """The sidecar's record of a chunk's rows written: the whole chunk, or those a stop left
