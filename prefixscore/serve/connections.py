@@ -283,7 +283,7 @@ class Shed:
         head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"retry-after: 1\r\n" % (status, HTTPStatus(status).phrase.encode(), len(body)))
         made = head, body, path
-        if endpoint(path) != "other":  # routes only: a flood of made-up paths grows nothing
+        if endpoint(path) != "other" and b"?" not in url:  # routes only: made-up URLs grow nothing
             self.made[url] = made
         return made
 
