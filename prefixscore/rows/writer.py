@@ -94,6 +94,12 @@ class RowFormat:
             out += [self.labels[i], s[i]] + ([p[i]] if p else [])
         return out + [None]
 
+    def _plain(self, results) -> bool:
+        """JSONL's result keys are a Result's own: no top-k, no probabilities, and its scores'
+        keys are the labels in order (one classifier made them all: the first one tells)."""
+        first = next((r for r in results if r is not None), None)
+        return not self.top_k and not self.probs and first is not None and list(first.scores) == self.labels
+
     def result_object(self, r, row: Row) -> dict:
         """JSONL's result keys of a row."""
         if self.top_k:
@@ -140,8 +146,13 @@ class RowFormat:
     def lines(self, rows: list[Row], results) -> str:
         """Rows in input order and their Results (None for an error row); CSV's header first."""
         if self.fmt == "jsonl":
-            encode = _JSONL.encode
-            lines = [encode(self.input_part(row) | self.result_object(r, row)) for row, r in zip(rows, results)]
+            encode, part = _JSONL.encode, self.input_part
+            if self._plain(results):  # label, scores as the Result holds them (its label order), error
+                lines = [encode(part(row) | ({"label": r.label, "scores": r.scores, "error": None} if r else
+                                             {"label": None, "scores": None, "error": row.error}))
+                         for row, r in zip(rows, results)]
+            else:
+                lines = [encode(part(row) | self.result_object(r, row)) for row, r in zip(rows, results)]
             return (b"\n".join(lines) + b"\n").decode("utf-8") if lines else ""
         out = [self.header()] if self.set_names(rows) else []
         for row, r in zip(rows, results):

@@ -883,3 +883,24 @@ def test_jsonl_rows_as_the_json_module_reads_them(tmp_path):
         same = json.dumps(row.fields, sort_keys=True) == json.dumps(fields, sort_keys=True)
         assert same and row.query == query and row.error == error, (raw, row, fields, error)
     assert math.isnan(got[0].fields["x"]) and got[1].fields["x"] == math.inf
+
+
+def test_jsonl_lines_take_the_results_own_scores_only_in_label_order():
+    """RowFormat.lines writes a Result's own scores dict where its keys are the labels in order
+    (the fast path), and every line is what the general path writes, error rows included; scores
+    in another order are written in label order."""
+    from prefixscore.rows.io import Row
+    from prefixscore.rows.writer import RowFormat
+    from prefixscore.values import Result
+
+    rng = random.Random(3)
+    rows = [Row(i + 1, i + 1, {"query": f"q {i}", "id": i, "label": "x"}, f"q {i}", None if i % 7 else "bad")
+            for i in range(60)]
+    for order in (LABELS, LABELS[::-1]):
+        results = [None if row.error else Result(row.query, rng.choice(LABELS), {l: -10 * rng.random() for l in order})
+                   for row in rows]
+        form = RowFormat("jsonl", list(LABELS))
+        fast = form.lines(rows, results)
+        form._plain = lambda results: False
+        assert fast == form.lines(rows, results)
+        assert [list(json.loads(line)["scores"] or LABELS) for line in fast.splitlines()] == [list(LABELS)] * 60
