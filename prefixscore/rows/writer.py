@@ -147,10 +147,8 @@ class RowFormat:
         """Rows in input order and their Results (None for an error row); CSV's header first."""
         if self.fmt == "jsonl":
             encode, part = _JSONL.encode, self.input_part
-            if self._plain(results):  # label, scores as the Result holds them (its label order), error
-                lines = [encode(part(row) | ({"label": r.label, "scores": r.scores, "error": None} if r else
-                                             {"label": None, "scores": None, "error": row.error}))
-                         for row, r in zip(rows, results)]
+            if self._plain(results):  # the Result's own scores dict: already in label order
+                lines = [encode(part(row) | _result(r, row, None)) for row, r in zip(rows, results)]
             else:
                 lines = [encode(part(row) | self.result_object(r, row)) for row, r in zip(rows, results)]
             return (b"\n".join(lines) + b"\n").decode("utf-8") if lines else ""
@@ -251,9 +249,11 @@ def digest_text(digest) -> str:
 
 
 def _result(r, row: Row, labels) -> dict:
+    """JSONL's label, scores (in `labels`' order; None: the Result's own dict as it is) and error."""
     if r is None:
         return {"label": None, "scores": None, "error": row.error}
-    return {"label": r.label, "scores": {l: r.scores[l] for l in labels}, "error": None}
+    return {"label": r.label, "scores": r.scores if labels is None else {l: r.scores[l] for l in labels},
+            "error": None}
 
 
 def _cell(v) -> str:
