@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The kernels' GPU stages (issue 52), each logged under $OUT/<stage>.log with its JSON beside it:
+#
+#   tests       the GPU tests of the GEMMs, FP8, batch invariance and graphs (tests/gpu.sh's files
+#               that touch them)
+#   stream      bench.gluon_stream: can a TMA ring keep HBM busy across grid barriers?
+#   timeline    bench.gpu --ab BATCH_INVARIANT --profile: W1 with batch-invariant mode off and on,
+#               kernel by kernel
+#   fp8         bench.fp8_gpu: bf16, fp8 and fp8 with the fp16 dot (KernelOptions.fp8_fp16),
+#               fidelity against HF fp32, W1 / W4, the batch sweep (FP8_ARGS: e.g. --skip-7b)
+#   invariance  bench.invariance_gpu --e2e-only: W1, W2 and the bits, mode off and on
+#
+#   bash bench/kernels_gpu.sh [stage ...]      (default: tests stream timeline)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpu_env.sh
+[ -d .carry ] && export PREFIXSCORE_TEST_TOKENIZER=${PREFIXSCORE_TEST_TOKENIZER:-$PWD/.carry}
+
+stage() {  # name, command...
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $? after $((SECONDS - t0)) s"
+  tail -25 "$OUT/$name.log"
+}
+
+for s in "${@:-tests stream timeline}"; do
+  for name in $s; do
+    case $name in
+      tests) stage tests python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_kernels_gemm.py \
+               tests/kernels/test_kernels_fp8.py tests/test_invariance.py tests/test_fp8_model.py \
+               "tests/test_scorer.py::test_gpu_graph_copies_change_nothing" ;;
+      stream) stage stream python3 -m bench.gluon_stream ;;
+      timeline) stage timeline python3 -m bench.gpu --ab BATCH_INVARIANT --profile --ab-shapes 0.5B ;;
+      fp8) stage fp8 python3 -m bench.fp8_gpu ${FP8_ARGS:-} ;;
+      invariance) stage invariance python3 -m bench.invariance_gpu --e2e-only ;;
+      *) echo "no stage $name"; exit 2 ;;
+    esac
+  done
+done
