@@ -10,7 +10,9 @@
 #               fidelity against HF fp32, W1 / W4, the batch sweep (FP8_ARGS: e.g. --skip-7b)
 #   invariance  bench.invariance_gpu --e2e-only: W1, W2 and the bits, mode off and on
 #
-#   bash bench/kernels_gpu.sh [stage ...]      (default: tests stream timeline)
+#   timeline64  the same with 64 requests per replay (past the skinny GEMMs' T in the default mode)
+#
+#   bash bench/kernels_gpu.sh [stage ...]      (default: tests stream timeline; JSON in $OUT/<stage>/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
@@ -20,7 +22,8 @@ stage() {  # name, command...
   local name=$1; shift
   echo "== $name: $*"
   local t0=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
+  mkdir -p "$OUT/$name"
+  env OUT="$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - t0)) s"
   tail -25 "$OUT/$name.log"
 }
@@ -33,6 +36,8 @@ for s in "${@:-tests stream timeline}"; do
                "tests/test_scorer.py::test_gpu_graph_copies_change_nothing" ;;
       stream) stage stream python3 -m bench.gluon_stream ;;
       timeline) stage timeline python3 -m bench.gpu --ab BATCH_INVARIANT --profile --ab-shapes 0.5B ;;
+      timeline64) stage timeline64 python3 -m bench.gpu --ab BATCH_INVARIANT --profile --ab-shapes 0.5B \
+                    --ab-batch 64 ;;
       fp8) stage fp8 python3 -m bench.fp8_gpu ${FP8_ARGS:-} ;;
       invariance) stage invariance python3 -m bench.invariance_gpu --e2e-only ;;
       *) echo "no stage $name"; exit 2 ;;
