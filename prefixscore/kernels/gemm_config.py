@@ -18,9 +18,30 @@ def _np2(n):
 
 def config_rows(T: int, options: KernelOptions = DEFAULTS) -> int:
     """The T a launch config is chosen for: T, or in batch-invariant mode (options.batch_invariant)
-    always options.invariant_rows, whose config then runs over as many row tiles as T needs
-    (TGRID), so a row's arithmetic never depends on how many rows share the launch."""
+    always options.invariant_rows, whose K splits then hold for every T (wide_config past it), so
+    a row's arithmetic never depends on how many rows share the launch."""
     return options.invariant_rows if options.batch_invariant else T
+
+
+# Batch-invariant mode: RESID's per-row sums of squares in chunks of this many columns whatever the
+# column tile (the invariant_rows configs' BLOCK_N), each chunk summed in column order (SSQ_DOT).
+SSQ_COLS = 32
+
+
+def wide_config(cfg: dict, T: int, epi: int) -> dict:
+    """Batch-invariant mode past invariant_rows rows: the invariant_rows config's K splits (where a
+    row's sum changes: split boundaries and their order), in wide row and column tiles that read
+    each weight tile once per BLOCK_T rows instead of per 16; one program runs every split of its
+    tile in turn (SERIAL) and adds them in split order, as the split programs' last one does. On
+    the GPU the tensor cores round a row the same in every tile shape (bench.invariance_gpu:
+    alone_split_and_tile_of_T), which tests/test_invariance.py holds on the GPU."""
+    cfg = dict(cfg, BLOCK_T=min(128, max(16, triton.next_power_of_2(T))), PRE=0, num_stages=3)
+    if epi != 2:  # (RoPE's tile is half a head)
+        cfg["BLOCK_N"] = 64
+    cfg["SERIAL"] = True
+    accs = (2 if epi else 1) * (2 if cfg.get("SPLIT", 1) > 1 else 1)  # accumulators, running sums
+    cfg["num_warps"] = 8 if cfg["BLOCK_T"] * cfg["BLOCK_N"] * accs > 16384 else 4
+    return cfg
 
 
 # e4m3 weights of 7B-class layers (every role, gate/up too):

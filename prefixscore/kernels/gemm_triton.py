@@ -33,6 +33,11 @@ before the PDL wait, as one tile multiplied in one dot, and the loop runs the re
 next kernel launch right after the wait (2) or once the loop is done (1), so its own early loads
 overlap this kernel's work (kernels/pdl.py has the measurements).
 
+Batch-invariant mode (KernelOptions.batch_invariant): the invariant_rows config's K splits for every
+T; past invariant_rows rows one program of a wide tile runs all of them in turn (SERIAL) and adds
+them in split order, the sum the split programs' last one makes, without a workspace; RESID's sums
+of squares go in SSQ_COLS-column chunks, each summed in column order (SSQ_C).
+
 The inner product is tl.dot with T padded to BLOCK_T >= 16 (mma; tensor-core throughput is not
 the limit here) or, with DOT=False, an FMA broadcast-reduce for tiny T (BLOCK_T >= 1).
 
@@ -48,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .gemm_config import _finish_config, config_rows, gemm_config, tuned
+from .gemm_config import SSQ_COLS, _finish_config, config_rows, gemm_config, tuned, wide_config
 from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, trigger, wait
 from .triton_util import _counters
@@ -59,7 +64,7 @@ def _skinny_kernel(
     X, W, B, OUT, WS, CNT,
     COS, SIN, QN, KN, QO, KO, VO,
     SSQ_IN, R, SSQ_OUT, WSC,
-    T, TP, stride_xt, stride_ot, eps, norm_eps, xs,
+    T, TP, stride_xt, stride_ot, eps, norm_eps, xs, zero,
     N: tl.constexpr, K: tl.constexpr,
     EPI: tl.constexpr, HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr, NT: tl.constexpr, RESID: tl.constexpr,
@@ -68,10 +73,9 @@ def _skinny_kernel(
     DOT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
     PRE: tl.constexpr, TRIG: tl.constexpr, GDC: tl.constexpr, FP8: tl.constexpr,
-    TGRID: tl.constexpr, F16: tl.constexpr,
+    TGRID: tl.constexpr, F16: tl.constexpr, SERIAL: tl.constexpr, SSQ_C: tl.constexpr,
 ):
-    if TGRID:  # T past one row tile (batch-invariant mode): a third grid axis over row tiles of the
-        # same config, so every row is computed by the same instructions in the same order
+    if TGRID:  # T past one row tile (batch-invariant mode's wide tiles): a third grid axis
         pid_t = tl.program_id(2)
     else:
         pid_t = 0
@@ -175,6 +179,13 @@ def _skinny_kernel(
 
     acc_a = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    if SERIAL:  # (gemm_config.wide_config) this program runs every K split in turn: each from zero,
+        # added to the running sum in split order, as the split programs' last one adds theirs.
+        # `zero` is a 0.0 argument: from a constant zero Triton would fold tot + dot(x, w, 0) into
+        # dot(x, w, tot), another order.
+        split0 = tl.zeros([BLOCK_T, BLOCK_N], tl.float32) + zero
+        acc_a, acc_b, tot_a, tot_b = split0, split0, acc_a, acc_b
+    STEPS: tl.constexpr = SPLIT * ITERS if SERIAL else ITERS
     if PRE > 0:  # the preloaded K-steps as one dot (DOT only: gemm_config sets PRE = 0 otherwise)
         xp = tl.load(x_ptr + kp[None, :], mask=t_ok[:, None] & kp_ok[None, :], other=0.0)
         if F16:
@@ -194,7 +205,7 @@ def _skinny_kernel(
             if UPCAST:
                 wpb = wpb.to(tl.float32)
             acc_b = tl.dot(xp, tl.trans(wpb), acc_b, input_precision=DOT_PREC)
-    for i in range(PRE, ITERS):
+    for i in range(PRE, STEPS):
         k = k0 + i * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
             xv = tl.load(x_ptr + k[None, :], mask=t_ok[:, None], other=0.0)
@@ -233,10 +244,19 @@ def _skinny_kernel(
                 acc_b = tl.dot(xv, tl.trans(wb), acc_b, input_precision=DOT_PREC)
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
+        if SERIAL:  # a split's last step: its sum into the running sum
+            end = (i + 1) % ITERS == 0
+            tot_a = tl.where(end, tot_a + acc_a, tot_a)
+            acc_a = tl.where(end, split0, acc_a)
+            if TWO:
+                tot_b = tl.where(end, tot_b + acc_b, tot_b)
+                acc_b = tl.where(end, split0, acc_b)
+    if SERIAL:
+        acc_a, acc_b = tot_a, tot_b
 
     if TRIG == 1:  # the weight stream is done: let the next kernel's programs start their preloads
         tl.extra.cuda.gdc_launch_dependents()
-    if SPLIT > 1:
+    if SPLIT > 1 and not SERIAL:
         # Partials to the workspace [SPLIT, TP, N] (fp32; TP: the row tiles' rows), then count
         # arrivals.
         ws = WS + pid_k * (TP * N) + tc * N
@@ -280,7 +300,18 @@ def _skinny_kernel(
             if RESID:  # HF: residual + linear(x), both in the dtype, the sum rounded once
                 y = (y.to(tl.float32) + r_in.to(tl.float32)).to(dt)
                 yf = tl.where(m_out, y.to(tl.float32), 0.0)
-                tl.store(SSQ_OUT + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
+                if SSQ_C:  # (batch-invariant mode) each SSQ_C-column chunk summed in column order
+                    # by an fp32 dot (FMA, k in order) against a chunk indicator: tl.sum's order
+                    # follows the tile's layout, which follows BLOCK_T and the warps
+                    CH: tl.constexpr = BLOCK_N // SSQ_C
+                    cc = tl.arange(0, 16)[None, :]
+                    ind = tl.where(tl.arange(0, BLOCK_N)[:, None] // SSQ_C == cc, 1.0, 0.0)
+                    part = tl.dot(yf * yf, ind, input_precision="ieee")
+                    ch = pid_n * CH + cc
+                    tl.store(SSQ_OUT + ch * T + tc, part,
+                             mask=t_ok[:, None] & (cc < CH) & (ch < (N + SSQ_C - 1) // SSQ_C))
+                else:
+                    tl.store(SSQ_OUT + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
             tl.store(OUT + tc * stride_ot + cols_a[None, :], y, mask=m_out)
         elif EPI == 1:
             dt = OUT.dtype.element_ty
@@ -298,7 +329,15 @@ def _skinny_kernel(
             # Same math as fused_triton._rope_qk_kernel from here on.
             if QK_NORM:
                 if h < HQ + HKV:
-                    r = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / D + eps)[:, None]
+                    if SSQ_C:  # (batch-invariant mode) in column order, as RESID's sums of squares
+                        e0 = tl.where((tl.arange(0, BLOCK_N)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0),
+                                      1.0, 0.0)  # (a row's sum in column 0, exact zeros beside it)
+                        sa = tl.sum(tl.dot(a * a, e0, input_precision="ieee"), 1)
+                        sb = tl.sum(tl.dot(b * b, e0, input_precision="ieee"), 1)
+                    else:
+                        sa = tl.sum(a * a, 1)
+                        sb = tl.sum(b * b, 1)
+                    r = tl.rsqrt((sa + sb) / D + eps)[:, None]
                     if h < HQ:
                         wa = tl.load(QN + j).to(tl.float32)[None, :]
                         wb = tl.load(QN + BLOCK_N + j).to(tl.float32)[None, :]
@@ -336,11 +375,12 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     xs = w.x_scale if f16 and norm is None else 1.0
     w, wsc = (w.q, w.scale) if is_fp8(w) else (w, None)
     cfg = _finish_config(cfg, K, x.dtype, epi, w.numel() * w.element_size(), w.element_size(), options)
-    ntt = triton.cdiv(T, cfg["BLOCK_T"])  # row tiles: 1 unless batch-invariant (config_rows)
+    serial = cfg.pop("SERIAL", False)
+    ntt = triton.cdiv(T, cfg["BLOCK_T"])  # row tiles: 1 unless batch-invariant (wide_config)
     tiles = triton.cdiv(ncols, cfg["BLOCK_N"])
-    grid = (tiles, cfg["SPLIT"], ntt)
+    grid = (tiles, 1 if serial else cfg["SPLIT"], ntt)
     tp = ntt * cfg["BLOCK_T"]
-    if cfg["SPLIT"] > 1:
+    if cfg["SPLIT"] > 1 and not serial:
         ws = torch.empty((cfg["SPLIT"], tp, N), dtype=torch.float32, device=x.device)
         cnt = _counters(x.device, tiles * ntt)
         assert tiles * ntt <= cnt.numel()
@@ -363,20 +403,27 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         assert ssq_in.shape[1:] == (T,) and ssq_in.is_contiguous()
     if resid is not None:
         assert epi == 0 and r.shape == out.shape and r.stride() == out.stride()
-        assert ssq_out.shape == (tiles, T) and ssq_out.dtype == torch.float32
+        assert ssq_out.shape == (ssq_rows(ncols, cfg, options), T) and ssq_out.dtype == torch.float32
+        assert not options.batch_invariant or cfg["BLOCK_N"] % SSQ_COLS == 0
     _skinny_kernel[grid](
         x, w, bias if bias is not None else x, out, ws, cnt,
         cos, sin, qn, kn, qo, ko, vo,
         ssq_in, r, ssq_out, wsc if wsc is not None else x,
-        T, tp, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps, xs,
+        T, tp, x.stride(0), out.stride(0) if rope is None else 0, eps, norm_eps, xs, 0.0,
         N=N, K=K, EPI=epi, HAS_BIAS=bias is not None,
         NORM=norm is not None, NT=nt, RESID=resid is not None,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=_INTERPRETED,
         HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, FP8=wsc is not None, TGRID=ntt > 1,
-        F16=f16,
+        F16=f16, SERIAL=serial, SSQ_C=SSQ_COLS if options.batch_invariant else 0,
         TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi], options),
         **cfg, **launch_kwargs(x.device, options),
     )
+
+
+def ssq_rows(ncols: int, cfg: dict, options: KernelOptions) -> int:
+    """Rows of RESID's sums of squares: one per column tile, or in batch-invariant mode one per
+    SSQ_COLS columns whatever the tile (gemm_config.SSQ_COLS)."""
+    return triton.cdiv(ncols, SSQ_COLS if options.batch_invariant else cfg["BLOCK_N"])
 
 
 def _prep(x, w, bias):
@@ -421,11 +468,13 @@ def _plain_or_gated(x, w, bias, out, config, options, epi, norm=None, residual=N
     assert out.shape == (T, cols) and out.stride(-1) == 1
     cfg = gemm_config(config_rows(T, options), cols, K, epi, x.dtype, x.device, fp8=is_fp8(w))
     cfg.update(config or {})
+    if options.batch_invariant and T > options.invariant_rows:
+        cfg = wide_config(cfg, T, epi)
     tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear", options)
     resid = None
     if residual is not None:
-        tiles = triton.cdiv(cols, cfg["BLOCK_N"])
-        resid = (residual.contiguous(), torch.empty((tiles, T), dtype=torch.float32, device=x.device))
+        rows = ssq_rows(cols, cfg, options)
+        resid = (residual.contiguous(), torch.empty((rows, T), dtype=torch.float32, device=x.device))
         assert out.is_contiguous() and resid[0].shape == out.shape
     if T > 0:
         _launch(x, w, bias, epi, cols, cfg, out=out, norm=_norm_args(norm), resid=resid, options=options)
@@ -460,6 +509,8 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
     cfg = gemm_config(config_rows(T, options), H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2,
                       fp8=is_fp8(w_qkv))
     cfg.update(config or {})
+    if options.batch_invariant and T > options.invariant_rows:
+        cfg = wide_config(cfg, T, 2)
     tuned(cfg, "qkv", options)
     cfg["BLOCK_N"] = D // 2
     _launch(x, w_qkv, bias, 2, H * (D // 2), cfg,

@@ -34,11 +34,13 @@ class KernelOptions:
     head_one_tile: bool = True  # False: the label head's two looped passes even for one small program
     in_tile: bool = True  # False: attention + O scans the in-batch key ranges in loops, not one tile
     trigger: bool = True  # False: no kernel lets the next one launch before it ends (pdl.py; A/B)
-    # Batch-invariant scores (issue 23): every kernel runs the launch config of invariant_rows rows
-    # whatever the batch, over as many row tiles as it needs, and attention reduces each row's
-    # in-batch keys from its own request's start, so a query's scores are bitwise the same alone
-    # and inside any batch (on CUDA; the CPU path is torch's). Off: configs follow T (faster at
-    # large T). Default: PREFIXSCORE_BATCH_INVARIANT (from_env).
+    # Batch-invariant scores (issue 23): every GEMM sums each row's K splits of its invariant_rows
+    # config in one order whatever the batch (past invariant_rows rows in wide tiles that run
+    # their splits in turn: gemm_config.wide_config), the sums of squares go in fixed chunks,
+    # attention and the label head run one config over row tiles, and attention reduces each
+    # row's in-batch keys from its own request's start, so a query's scores are bitwise the same
+    # alone and inside any batch (on CUDA; the CPU path is torch's). Off: configs follow T (faster
+    # at large T). Default: PREFIXSCORE_BATCH_INVARIANT (from_env).
     batch_invariant: bool = False
     invariant_rows: int = 16  # (every T <= 16 already shares one config per kernel: the latency path)
     # bench/ A/B only: launch-config overrides by role (TUNE_ROLES), (("gu.num_stages", 4), ...);

@@ -66,24 +66,28 @@ def split_launch(cfg):
 
 
 def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           nt=28, trig=False, cfg=None, fp8=False, tgrid=False, f16=False):
+           nt=28, trig=False, cfg=None, fp8=False, wide=0, f16=False, inv=False):
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
-    fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). tgrid: over row tiles
-    (batch-invariant mode). f16: the dot in fp16 (KernelOptions.fp8_fp16; fp8 only)."""
+    fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). inv: batch-invariant mode (sums of
+    squares in SSQ_COLS chunks); wide: its config for that many rows (gemm_config.wide_config),
+    over row tiles. f16: the dot in fp16 (KernelOptions.fp8_fp16; fp8 only)."""
     cfg = cfg or C.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n, fp8=fp8)
+    if wide:
+        cfg = C.wide_config(cfg, wide, epi)
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     cfg = C._finish_config(cfg, K, BF16, epi, N * K * (1 if fp8 else 2), 1 if fp8 else None)
+    serial = cfg.pop("SERIAL", False)
     cfg, nw, ns = split_launch(cfg)
     types = {p: "*bf16" for p in ("X", "W", "B", "OUT", "COS", "SIN", "QN", "KN", "QO", "KO", "VO", "R")}
     types.update({"WS": "*fp32", "SSQ_IN": "*fp32", "SSQ_OUT": "*fp32", "CNT": "*i32",
-                  "eps": "fp32", "norm_eps": "fp32", "xs": "fp32"})
+                  "eps": "fp32", "norm_eps": "fp32", "xs": "fp32", "zero": "fp32"})
     if fp8:
         types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
                   DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, FP8=fp8,
-                  TGRID=tgrid, F16=f16, **cfg)
-    k = compile_kernel(f"skinny {name} fp8={fp8} tgrid={tgrid} f16={f16} {cfg}", G._skinny_kernel, types,
+                  TGRID=bool(wide), F16=f16, SERIAL=serial, SSQ_C=C.SSQ_COLS if inv or wide else 0, **cfg)
+    k = compile_kernel(f"skinny {name} fp8={fp8} wide={wide} f16={f16} {cfg}", G._skinny_kernel, types,
                        consts, nw, ns)
     if f16:  # e4m3 -> fp16 only, one conversion per two weights (gemm_triton.py, F16)
         ptx = k.asm["ptx"]
@@ -122,11 +126,13 @@ def main():
     skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=112, fp8=True, f16=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, fp8=True, f16=True)
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, f16=True)  # (x * x_scale)
-    # batch-invariant mode: the T = 16 configs over row tiles
-    skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, tgrid=True)
-    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=14, trig=True, tgrid=True)
-    skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, tgrid=True)
-    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, tgrid=True)
+    # batch-invariant mode: the T = 16 configs, and their K splits in wide tiles past 16 rows
+    skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, inv=True)
+    skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, wide=4096)
+    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=28, trig=True, wide=4096)
+    skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, wide=4096)
+    skinny("0.5B o+residual", 16, 896, 896, 0, 896, resid=True, wide=40)
+    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, wide=4096)
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
     at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, ROWS="*i64", qk_scale="fp32")
