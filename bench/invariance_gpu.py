@@ -10,7 +10,7 @@ largest difference. Pinned variants run the alone case with the launch config of
 attention (and attention + O) of one request alone and among others.
 
 Then the whole forward with batch-invariant mode off and on (KernelOptions.batch_invariant, an
-engine each; on with 16- and 64-row tiles, invariant_rows), the 0.5B shape, same weights: 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (differing score
+engine each), the 0.5B shape, same weights: 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (differing score
 rows; target 0), W1's GPU time and the batch sweep's requests/s (W2 = 4,096; target: on costs <=
 10% of off's W2 rate, else it stays a switch).
 
@@ -122,17 +122,15 @@ def attention_cases() -> dict:
 
 
 def end_to_end() -> dict:
-    """Batch-invariant mode off and on over the same 0.5B weights (bench.fp8_gpu's measures); on
-    with the 16-row configs (the default) and with 64-row ones (KernelOptions.invariant_rows: a row
-    tile of 64 reads the weights a quarter as often at large T, and batch 1 pays for the wider
-    tile). An engine per mode, its options fixed at its making."""
+    """Batch-invariant mode off and on over the same 0.5B weights (bench.fp8_gpu's measures): an
+    engine per mode, its options fixed at its making."""
     from bench.fp8_gpu import invariance, sweep
     from bench.synthetic import Synthetic, gpu_times, hf_model, random_suffixes, stats
 
     hf, out = hf_model("0.5B"), {}
     one = random_suffixes(1, seed=9)
-    for name, mode, rows in (("off", False, 16), ("on", True, 16), ("on64", True, 64)):
-        opts = KernelOptions(batch_invariant=mode, invariant_rows=rows)
+    for name, mode in (("off", False), ("on", True)):
+        opts = KernelOptions(batch_invariant=mode)
         ours = Synthetic(hf, max_tokens=8192, options=opts)
         r = out[name] = {"w1_gpu": stats(gpu_times(ours.replay_fn(one)))}
         r["sweep"] = sweep(ours, [1, 16, 64, 256, 1024, 4096])
@@ -142,7 +140,7 @@ def end_to_end() -> dict:
         torch.cuda.empty_cache()
     print(f"\n{'mode':<5} {'W1 gpu p50':>10} {'W2 req/s':>9} {'W2 cost':>8} {'differing 64/1024/4096':>24}")
     off = out["off"]["sweep"][4096]["req_per_s"]
-    for m in ("off", "on", "on64"):
+    for m in ("off", "on"):
         r = out[m]
         r["w2_cost"] = 1 - r["sweep"][4096]["req_per_s"] / off
         d = "/".join(str(r["invariance"][b]["queries_differing"]) for b in (64, 1024, 4096))
