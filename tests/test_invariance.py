@@ -237,6 +237,59 @@ def test_attention_rows_do_not_depend_on_the_batch(dtype):
         t0 += L
 
 
+@pytest.mark.parametrize("case", ["fp32", "bf16", "fp8"])
+def test_attention_o_fused_alone_equals_unfused_in_a_batch(case):
+    """Batch-invariant attention + O: each request alone (at most 16 rows: the fused kernel, its
+    attention in the unfused kernel's tiles and order) against its rows of a 45-row batch
+    (attention_triton, then the O GEMM split by heads in wide tiles, attention.head_split):
+    bitwise, the output and its sums of squares; the batch against attention_ref and the O
+    product. Under the interpreter one query head per kv head (the unfused kernel's rows are then
+    tokens, in the fused kernel's places) and only requests that start a 16-row tile. (fp32: the
+    attention's own rounding shows, where bf16's rounding of its output hides most of it.)"""
+    from prefixscore.kernels.attention import head_split
+    from prefixscore.kernels.attention_o_triton import attention_o_residual_small
+    from prefixscore.kernels.fp8 import Fp8Weight
+
+    gen = seed()
+    P, Hkv, D, N = 70, 2 if CUDA else 4, 32, 96
+    Hq = Hkv * (3 if CUDA else 1)
+    fp8, dtype = case == "fp8", F32 if case == "fp32" else BF
+    lengths = [16, 7, 9, 8, 5]
+    T = sum(lengths)
+    bs, be, own = _requests(lengths, gen)
+    q, k, v = (_rand(gen, T, h, D, dtype=dtype) for h in (Hq, Hkv, Hkv))
+    pk, pv = (_rand(gen, P, Hkv, D, dtype=dtype) for _ in range(2))
+    wo = _rand(gen, N, Hq * D, dtype=dtype, scale=(Hq * D) ** -0.5)
+    wo = Fp8Weight.quantize(wo) if fp8 else wo
+    r = _rand(gen, T, N, dtype=dtype, scale=2.0)
+    opts = KernelOptions(batch_invariant=True,
+                         tune=() if CUDA else {"down.BLOCK_T": 16, "down.BLOCK_N": 64})
+    scale = D ** -0.5
+    o = attention_triton(q, k, v, pk, pv, *(x.to(DEVICE) for x in (bs, be, own)), scale, options=opts)
+    whole, ssq = linear_residual_small(o.reshape(T, -1), wo, None, r, config=head_split(Hq, D),
+                                       options=opts)
+    t0 = 0
+    for L in lengths:
+        s = slice(t0, t0 + L)
+        if CUDA or t0 % 16 == 0:
+            ranges = [(x[s] - t0).to(DEVICE) for x in (bs, be, own)]
+            got, gs = attention_o_residual_small(q[s], k[s], v[s], pk, pv, *ranges, scale, wo, r[s],
+                                                 options=opts)
+            assert torch.equal(got, whole[s]), (t0, L, (got.float() - whole[s].float()).abs().max())
+            assert torch.equal(gs, ssq[:, s]), (t0, L)
+        t0 += L
+    w = wo.dequantize() if fp8 else wo
+    ref_o = attention_ref(q, k, v, pk, pv, *(x.to(DEVICE) for x in (bs, be, own)), scale).reshape(T, -1)
+    y = ref_o.float() @ w.float().t()
+    err = (whole.float() - (r.float() + y)).abs()
+    # o rounded to the dtype either way (bf16: <= 2^-8 relative per element, differing by one
+    # rounding where the kernel's fp32 attention differs from the reference's), carried through
+    # |o| @ |w|
+    S = ref_o.float().abs() @ w.float().abs().t()
+    tol = TOL[dtype]
+    assert (err <= tol * (1 + r.float().abs() + S)).all(), (err / (1 + r.float().abs() + S)).max()
+
+
 @pytest.mark.parametrize("dtype", [F32, BF], ids=["fp32", "bf16"])
 def test_label_head_rows_do_not_depend_on_the_batch(dtype):
     gen = seed()

@@ -23,7 +23,7 @@ import torch
 from .attention_cpu import attention_groups, group_layout
 from .fp8 import is_fp8
 from .gemm import SMALL_T_MAX, linear_residual
-from .options import KernelOptions, use_triton
+from .options import INVARIANT_ATTN_ROWS, KernelOptions, use_triton
 
 
 def attention_ref(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
@@ -94,17 +94,12 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
     one Triton kernel for few tokens on CUDA (kernels/attention_o_triton.py), else attention, then
     linear_residual. The fused kernel has no bias input: an O bias (Llama, Qwen3 with
     attention_bias) takes the two-kernel path."""
-    T = q.shape[0]
-    # Only for small O weights: on the H200 the fused kernel took 6-8 us against 7-8 for the two
-    # kernels with Qwen2.5-0.5B's 1.6 MB Wo, but 25-31 against 12-13 us with 7B's 26 MB
-    # (bench.kernels): there the O GEMM is a weight stream that the per-program
-    # attention only delays.
-    # (Not in batch-invariant mode: there attention reduces in the canonical order of
-    # attention_triton's CANON path, then the O GEMM runs its one config, kernels/options.py.)
-    if (use_triton(q, options) and options.fuse_attn_o and not options.batch_invariant and bias is None
-            and 0 < T <= SMALL_T_MAX
-            and q.dtype == residual.dtype and (wo.dtype == q.dtype or is_fp8(wo) and q.dtype != torch.float32)
-            and wo.numel() * wo.element_size() <= 8 << 20):
+    T, Hq, D = q.shape
+    fusable = _fusable(q, wo, bias, residual, options)
+    # Batch-invariant mode: fused up to INVARIANT_ATTN_ROWS rows (attention in the canonical order, the
+    # unfused kernel's row tile and warps), past them attention, then O split by heads as the fused kernel
+    # splits it (head_split), so a row's bits are the same either way.
+    if fusable and 0 < T <= (INVARIANT_ATTN_ROWS if options.batch_invariant else SMALL_T_MAX):
         from .attention_o_triton import attention_o_residual_small
 
         return attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end,
@@ -112,7 +107,24 @@ def attention_o(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, sc
                                           options=options)
     o = attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets,
                   layout, prefix_range, options=options)
-    return linear_residual(o.reshape(T, -1), wo, bias, residual, options=options, inplace=inplace)
+    config = head_split(Hq, D) if fusable and options.batch_invariant else None
+    return linear_residual(o.reshape(T, -1), wo, bias, residual, options=options, inplace=inplace,
+                           config=config)
+
+
+def _fusable(q, wo, bias, residual, options: KernelOptions) -> bool:
+    """Whether attention_o may take the fused kernel (attention_o_triton.py), but for T. Only for
+    small O weights: on the H200 the fused kernel took 6-8 us against 7-8 for the two kernels with
+    Qwen2.5-0.5B's 1.6 MB Wo, but 25-31 against 12-13 us with 7B's 26 MB (bench.kernels): there
+    the O GEMM is a weight stream that the per-program attention only delays. No bias input."""
+    return (use_triton(q, options) and options.fuse_attn_o and bias is None
+            and q.dtype == residual.dtype and (wo.dtype == q.dtype or is_fp8(wo) and q.dtype != torch.float32)
+            and wo.numel() * wo.element_size() <= 8 << 20)
+
+
+def head_split(Hq: int, D: int) -> dict:
+    """The O GEMM's K split by heads, one D-wide step each: the fused kernel's partial sums."""
+    return {"BLOCK_K": D, "SPLIT": Hq}
 
 
 def attention(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale, seg_offsets=None,

@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_triton import _attend, _prefix_ranges, _prefix_tile, _ranges
+from .attention_triton import _attend, _prefix_ranges, _prefix_tile, _ranges, invariant_attn_config
 from .fp8 import is_fp8
-from .gemm_config import tuned
+from .gemm_config import SSQ_COLS, tuned
 from .options import DEFAULTS, KernelOptions
 from .pdl import early, launch_kwargs, trigger, wait
 from .triton_util import _counters, _dot, _num_sms
@@ -38,6 +38,7 @@ def _attn_o_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_NI: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, EARLY: tl.constexpr, IN_TILE: tl.constexpr,
     TRIG: tl.constexpr, GDC: tl.constexpr, RANGES: tl.constexpr, FP8: tl.constexpr,
+    CANON: tl.constexpr, SSQ_C: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     grp = tl.program_id(1)
@@ -90,7 +91,7 @@ def _attn_o_kernel(
         o, l_i = _attend(q, tok, bs, be, os_, b_lo, b_hi, o_lo, o_hi, PK + kvh * spk_h,
                          PV + kvh * spv_h, spk_t, spv_t, K + kvh * sk_h, V + kvh * sv_h, sk_t, sv_t,
                          P, qk_scale, kt0, v0, kin_t, vin, T, ps, pe, p_lo, p_hi, BLOCK_T, D,
-                         BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST, PRE, IN_TILE, RANGES)
+                         BLOCK_P, BLOCK_NI, DOT_PREC, UPCAST, PRE, IN_TILE, RANGES, CANON)
         o = (o / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(dt)  # the attention output, as stored
         acc = _dot(o, tl.trans(wo), acc, DOT_PREC, UPCAST)
     if TRIG == 1:  # Wo is read: let the next kernel's programs start their preloads
@@ -114,7 +115,15 @@ def _attn_o_kernel(
             acc *= sc
         y = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
         yf = tl.where(m_out, y.to(tl.float32), 0.0)
-        tl.store(SSQ + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
+        if SSQ_C:  # (batch-invariant mode) as gemm_triton's RESID: SSQ_C-column chunks in order
+            CH: tl.constexpr = BLOCK_N // SSQ_C
+            cc = tl.arange(0, 16)[None, :]
+            ind = tl.where(tl.arange(0, BLOCK_N)[:, None] // SSQ_C == cc, 1.0, 0.0)
+            part = tl.dot(yf * yf, ind, input_precision="ieee")
+            ch = pid_n * CH + cc
+            tl.store(SSQ + ch * T + tc, part, mask=t_ok[:, None] & (cc < CH) & (ch < (N + SSQ_C - 1) // SSQ_C))
+        else:
+            tl.store(SSQ + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
         tl.store(OUT + tc * N + cols[None, :], y, mask=m_out)
 
 
@@ -130,11 +139,17 @@ def attn_o_config(T: int, Hq: int, N: int, D: int, dtype, device, w_elem=None,
     while block_n < 128 and triton.cdiv(N, block_n) * Hq > 3 * _num_sms(device):
         block_n *= 2
     pre = early(N * Hq * D * (w_elem or (4 if dtype == torch.float32 else 2)), options)
+    if options.batch_invariant:  # attention as the unfused kernel does it (invariant_attn_config):
+        # its row tile, key tiles, canonical in-batch order and warps, so the same layouts
+        inv = invariant_attn_config(D)
+        return dict(BLOCK_T=inv["BLOCK_M"], BLOCK_N=block_n, HPP=1, BLOCK_P=inv["BLOCK_N"],
+                    BLOCK_NI=inv["BLOCK_NI"], num_warps=inv["num_warps"], num_stages=2, EARLY=pre,
+                    IN_TILE=False, CANON=True)
     # 8 warps where Wo loads early (H200, W1 in place: attention + O 7.65 -> 6.78 us, span 524.2 ->
     # 520.4 us, bench.gpu --ab; 2 warps: +50 us)
     return dict(BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_N=block_n, HPP=1,
                 BLOCK_P=64 if D <= 64 else 32, BLOCK_NI=16, num_warps=8 if pre else 4, num_stages=2,
-                EARLY=pre, IN_TILE=bool(options.in_tile))
+                EARLY=pre, IN_TILE=bool(options.in_tile), CANON=False)
 
 
 def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end, own_start, scale,
@@ -162,7 +177,8 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
     ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     tiles, split = triton.cdiv(N, cfg["BLOCK_N"]), Hq // cfg["HPP"]
     out = torch.empty((T, N), dtype=q.dtype, device=q.device)
-    ssq = torch.empty((tiles, T), dtype=torch.float32, device=q.device)
+    ssq_c = SSQ_COLS if options.batch_invariant else 0  # (gemm_triton.ssq_rows)
+    ssq = torch.empty((triton.cdiv(N, ssq_c or cfg["BLOCK_N"]), T), dtype=torch.float32, device=q.device)
     if split > 1:
         ws = torch.empty((split, cfg["BLOCK_T"], N), dtype=torch.float32, device=q.device)
         cnt = _counters(q.device)
@@ -177,7 +193,7 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o", options),
-        RANGES=prefix_range is not None, FP8=wsc is not None,
+        RANGES=prefix_range is not None, FP8=wsc is not None, SSQ_C=ssq_c,
         **cfg, **launch_kwargs(q.device, options),
     )
     return out, ssq

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .gemm_config import tuned
-from .options import DEFAULTS, KernelOptions
+from .options import DEFAULTS, INVARIANT_ATTN_ROWS, KernelOptions
 from .pdl import launch_kwargs, wait
 from .triton_util import _dot, _num_sms
 
@@ -299,8 +299,8 @@ def invariant_attn_config(D: int) -> dict:
     """Batch-invariant mode (KernelOptions.batch_invariant): one config whatever T (the prefix's dots
     then run the same instructions for every row) and the canonical in-batch order (CANON); the
     gathered [16, NI, D] key and value tiles kept to 8K elements."""
-    return dict(BLOCK_M=16, BLOCK_N=64 if D <= 128 else 32, BLOCK_NI=max(2, 8192 // (16 * D)),
-                CANON=True, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=INVARIANT_ATTN_ROWS, BLOCK_N=64 if D <= 128 else 32,
+                BLOCK_NI=max(2, 8192 // (INVARIANT_ATTN_ROWS * D)), CANON=True, num_warps=4, num_stages=2)
 
 
 def _last_dim_contiguous(x):

@@ -93,16 +93,18 @@ def _fp8_input(x, w, options: KernelOptions):
     return None
 
 
-def linear_residual(x, w, bias, residual, *, options: KernelOptions, inplace: bool = False):
+def linear_residual(x, w, bias, residual, *, options: KernelOptions, inplace: bool = False,
+                    config: dict | None = None):
     """-> (residual + x @ w^T (+ bias), ssq): the new residual stream and, from the skinny kernel,
     its per-row sums of squares by column tile for the next Normed (None on the other paths).
     inplace: past the skinny kernels the sum is written over `residual` (the model's own stream,
     read by nothing after): addmm into a new tensor first copies the residual there, a [T, hidden]
-    device copy per call (W3 on the H200: 48 copies, 0.8 ms of a 21 ms request)."""
+    device copy per call (W3 on the H200: 48 copies, 0.8 ms of a 21 ms request).
+    config: the skinny kernel's launch-config entries (attention_o's head_split)."""
     if _small(x, w, options):
         from .gemm_triton import linear_residual_small
 
-        return linear_residual_small(x, w, bias, residual, options=options)
+        return linear_residual_small(x, w, bias, residual, config=config, options=options)
     if bias is None and not fp8.is_fp8(w):  # cuBLAS adds the residual in its epilogue (one
         # rounding instead of HF's two)
         return torch.addmm(residual, x, w.t(), out=residual if inplace else None), None

@@ -75,6 +75,10 @@ class KernelOptions:
         return cls(**{**kw, **changes})
 
 
+# Batch-invariant attention's row tile (attention_triton.invariant_attn_config), which the fused
+# attention + O kernel matches up to that many rows (attention.attention_o).
+INVARIANT_ATTN_ROWS = 16
+
 DEFAULTS = KernelOptions()  # the documented values, without the environment (tests, bench, AOT)
 
 

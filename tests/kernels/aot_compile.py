@@ -171,12 +171,19 @@ def main():
         compile_kernel(f"attention+O T={T} trigger={trig} ranges={ranges} fp8={fp8} {cfg}",
                        AO._attn_o_kernel, types, dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32",
                                                       UPCAST=False, TRIG=trig, RANGES=ranges, FP8=fp8,
-                                                      **cfg), nw, ns)
+                                                      SSQ_C=0, **cfg), nw, ns)
+    for fp8 in (False, True):  # batch-invariant mode: the unfused attention's tiles and order
+        cfg, nw, ns = split_launch(AO.attn_o_config(16, 14, 896, 64, BF16, CPU, 1 if fp8 else None,
+                                                    KernelOptions(batch_invariant=True)))
+        types = {**ao_types, "WO": "*fp8e4nv", "WSC": "*fp32"} if fp8 else ao_types
+        compile_kernel(f"attention+O batch-invariant fp8={fp8} {cfg}", AO._attn_o_kernel, types,
+                       dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, TRIG=True,
+                            RANGES=False, FP8=fp8, SSQ_C=C.SSQ_COLS, **cfg), nw, ns)
 
     cfg, nw, ns = split_launch(AO.attn_o_config(1, 14, 896, 64, BF16, CPU))
     compile_kernel(f"attention+O P=1 T=1 {cfg}", AO._attn_o_kernel, ao_types,
                    dict(N=896, HQ=14, G=7, D=64, DOT_PREC="tf32", UPCAST=False, P=1, T=1, RANGES=False,
-                        FP8=False, **cfg), nw, ns)
+                        FP8=False, SSQ_C=0, **cfg), nw, ns)
 
     for R, N in ((1, 19), (512, 19), (1, 9)):  # (1, 9): W1's one tile (ONE)
         cfg, nw, ns = split_launch(LH.head_config(R, N, 896, CPU))
