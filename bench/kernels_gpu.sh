@@ -12,7 +12,8 @@
 #
 #   timeline64  the same with 64 requests per replay (past the skinny GEMMs' T in the default mode)
 #
-#   bash bench/kernels_gpu.sh [stage ...]      (default: tests stream timeline; JSON in $OUT/<stage>/)
+#   bash bench/kernels_gpu.sh [stage ...]      (default: tests stream timeline; JSON in $OUT/<stage>/;
+#                                               STAGE_S: seconds a stage may take, default 600)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpu_env.sh
@@ -23,7 +24,7 @@ stage() {  # name, command...
   echo "== $name: $*"
   local t0=$SECONDS
   mkdir -p "$OUT/$name"
-  env OUT="$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+  env OUT="$OUT/$name" timeout "${STAGE_S:-600}" "$@" >"$OUT/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - t0)) s"
   tail -25 "$OUT/$name.log"
 }
@@ -31,8 +32,9 @@ stage() {  # name, command...
 for s in "${@:-tests stream timeline}"; do
   for name in $s; do
     case $name in
-      tests) stage tests python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_kernels_gemm.py \
-               tests/kernels/test_kernels_fp8.py tests/test_invariance.py tests/test_fp8_model.py \
+      tests) stage tests python3 -m pytest -q -p no:cacheprovider -rfE tests/test_invariance.py \
+               tests/kernels/test_kernels_gemm.py tests/kernels/test_kernels_triton.py \
+               tests/kernels/test_kernels_fp8.py tests/test_fp8_model.py \
                "tests/test_scorer.py::test_gpu_graph_copies_change_nothing" ;;
       stream) stage stream python3 -m bench.gluon_stream ;;
       timeline) stage timeline python3 -m bench.gpu --ab BATCH_INVARIANT --profile --ab-shapes 0.5B ;;
