@@ -28,17 +28,28 @@ def config_rows(T: int, options: KernelOptions = DEFAULTS) -> int:
 SSQ_COLS = 32
 
 
-def wide_config(cfg: dict, T: int, epi: int) -> dict:
+# Shared memory the wide tiles' pipeline may take (an H100/H200 SM has 228 KB).
+WIDE_SMEM = 200 << 10
+
+
+def wide_config(cfg: dict, T: int, epi: int, x_bytes: int = 2, w_bytes: int = 2) -> dict:
     """Batch-invariant mode past invariant_rows rows: the invariant_rows config's K splits (where a
     row's sum changes: split boundaries and their order), in wide row and column tiles that read
     each weight tile once per BLOCK_T rows instead of per 16; one program runs every split of its
     tile in turn (SERIAL) and adds them in split order, as the split programs' last one does. On
     the GPU the tensor cores round a row the same in every tile shape (bench.invariance_gpu:
-    alone_split_and_tile_of_T), which tests/test_invariance.py holds on the GPU."""
-    cfg = dict(cfg, BLOCK_T=min(128, max(16, triton.next_power_of_2(T))), PRE=0, num_stages=3)
+    alone_split_and_tile_of_T), which tests/test_invariance.py holds on the GPU. x_bytes, w_bytes:
+    element sizes (the pipeline's stages fit WIDE_SMEM)."""
+    cfg = dict(cfg, BLOCK_T=min(128, max(16, triton.next_power_of_2(T))), PRE=0, SERIAL=True)
     if epi != 2:  # (RoPE's tile is half a head)
         cfg["BLOCK_N"] = 64
-    cfg["SERIAL"] = True
+    bk = cfg["BLOCK_K"]
+    while True:
+        stage = (cfg["BLOCK_T"] * x_bytes + (2 if epi else 1) * cfg["BLOCK_N"] * w_bytes) * bk
+        cfg["num_stages"] = min(3, WIDE_SMEM // stage)
+        if cfg["num_stages"] >= 2 or cfg["BLOCK_T"] == 16:
+            break
+        cfg["BLOCK_T"] //= 2
     accs = (2 if epi else 1) * (2 if cfg.get("SPLIT", 1) > 1 else 1)  # accumulators, running sums
     cfg["num_warps"] = 8 if cfg["BLOCK_T"] * cfg["BLOCK_N"] * accs > 16384 else 4
     return cfg

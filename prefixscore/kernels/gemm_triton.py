@@ -426,6 +426,10 @@ def ssq_rows(ncols: int, cfg: dict, options: KernelOptions) -> int:
     return triton.cdiv(ncols, SSQ_COLS if options.batch_invariant else cfg["BLOCK_N"])
 
 
+def _w_bytes(w) -> int:
+    return w.q.element_size() if is_fp8(w) else w.element_size()
+
+
 def _prep(x, w, bias):
     assert x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1]
     if x.stride(-1) != 1:
@@ -469,7 +473,7 @@ def _plain_or_gated(x, w, bias, out, config, options, epi, norm=None, residual=N
     cfg = gemm_config(config_rows(T, options), cols, K, epi, x.dtype, x.device, fp8=is_fp8(w))
     cfg.update(config or {})
     if options.batch_invariant and T > options.invariant_rows:
-        cfg = wide_config(cfg, T, epi)
+        cfg = wide_config(cfg, T, epi, x.element_size(), _w_bytes(w))
     tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear", options)
     resid = None
     if residual is not None:
@@ -510,7 +514,7 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
                       fp8=is_fp8(w_qkv))
     cfg.update(config or {})
     if options.batch_invariant and T > options.invariant_rows:
-        cfg = wide_config(cfg, T, 2)
+        cfg = wide_config(cfg, T, 2, x.element_size(), _w_bytes(w_qkv))
     tuned(cfg, "qkv", options)
     cfg["BLOCK_N"] = D // 2
     _launch(x, w_qkv, bias, 2, H * (D // 2), cfg,

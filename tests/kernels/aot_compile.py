@@ -32,6 +32,7 @@ from prefixscore.kernels import label_head_triton as LH  # noqa: E402
 from prefixscore.kernels.options import KernelOptions  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+SMEM_PER_BLOCK = 227 << 10  # sm_90's most shared memory per block
 CPU = torch.device("cpu")  # config heuristics: the interpreter's stand-in for an H200 (132 SMs)
 BF16 = torch.bfloat16
 
@@ -55,6 +56,8 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     k = triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages,
                                                     "launch_pdl": True})
     assert k.asm.get("cubin"), f"{name}: no cubin"
+    # (a build over an SM's shared memory compiles, and fails only at launch)
+    assert k.metadata.shared <= SMEM_PER_BLOCK, f"{name}: {k.metadata.shared} B of shared memory"
     assert "griddepcontrol.wait" in k.asm["ptx"], f"{name}: no PDL wait"
     print(f"ok {name}", flush=True)
     return k
@@ -73,7 +76,9 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
     over row tiles. f16: the dot in fp16 (KernelOptions.fp8_fp16; fp8 only)."""
     cfg = cfg or C.gemm_config(T, ncols, K, epi, BF16, CPU, block_n=block_n, fp8=fp8)
     if wide:
-        cfg = C.wide_config(cfg, wide, epi)
+        cfg = C.wide_config(cfg, wide, epi, 2, 1 if fp8 else 2)
+        if block_n is None:
+            assert cfg["num_stages"] >= 2, cfg
     if block_n is not None:
         cfg["BLOCK_N"] = block_n
     cfg = C._finish_config(cfg, K, BF16, epi, N * K * (1 if fp8 else 2), 1 if fp8 else None)
@@ -131,8 +136,10 @@ def main():
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, wide=4096)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=28, trig=True, wide=4096)
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, wide=4096)
-    skinny("0.5B o+residual", 16, 896, 896, 0, 896, resid=True, wide=40)
+    skinny("0.5B o+residual, split by heads", 16, 896, 896, 0, 896, resid=True, wide=40,
+           cfg=dict(C.gemm_config(16, 896, 896, 0, BF16, CPU), BLOCK_K=64, SPLIT=14))
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, wide=4096)
+    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, wide=4096)
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
     at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, ROWS="*i64", qk_scale="fp32")
