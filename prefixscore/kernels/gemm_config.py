@@ -1,7 +1,7 @@
 """Launch configuration of the skinny GEMMs (kernels/gemm_triton.py): from shapes only, no
 autotuning (it would time kernels during graph capture), each choice with the H200 sweep behind
-it; KernelOptions.tune overrides by role for bench/ A/Bs; batch-invariant mode (config_rows) fixes
-the config of every T to the invariant_rows one."""
+it; KernelOptions.tune overrides by role for bench/ A/Bs; batch-invariant mode keeps the K splits of
+the invariant_rows config for every T (config_rows, wide_config)."""
 from __future__ import annotations
 
 import torch
