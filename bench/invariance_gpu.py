@@ -10,8 +10,8 @@ largest difference. Pinned variants run the alone case with the launch config of
 attention (and attention + O) of one request alone and among others.
 
 Then the whole forward with batch-invariant mode off and on (KernelOptions.batch_invariant, an
-engine each), the 0.5B shape, same weights: 500 queries alone vs inside batches of 64 / 1,024 / 4,096 (differing score
-rows; target 0), W1's GPU time and the batch sweep's requests/s (W2 = 4,096; target: on costs <=
+engine each), the 0.5B shape, same weights: 500 queries alone vs inside batches of 64 / 1,024 /
+4,096 (differing score rows; target 0), W1's GPU time and the batch sweep's requests/s (W2 = 4,096; target: on costs <=
 10% of off's W2 rate, else it stays a switch).
 
     device run:  python -m bench.invariance_gpu [--e2e-only]   (writes $OUT/invariance_gpu.json)

@@ -121,7 +121,8 @@ def _attn_o_kernel(
             ind = tl.where(tl.arange(0, BLOCK_N)[:, None] // SSQ_C == cc, 1.0, 0.0)
             part = tl.dot(yf * yf, ind, input_precision="ieee")
             ch = pid_n * CH + cc
-            tl.store(SSQ + ch * T + tc, part, mask=t_ok[:, None] & (cc < CH) & (ch < (N + SSQ_C - 1) // SSQ_C))
+            tl.store(SSQ + ch * T + tc, part,
+                     mask=t_ok[:, None] & (cc < CH) & (ch < (N + SSQ_C - 1) // SSQ_C))
         else:
             tl.store(SSQ + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
         tl.store(OUT + tc * N + cols[None, :], y, mask=m_out)

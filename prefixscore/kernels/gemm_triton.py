@@ -330,8 +330,8 @@ def _skinny_kernel(
             if QK_NORM:
                 if h < HQ + HKV:
                     if SSQ_C:  # (batch-invariant mode) in column order, as RESID's sums of squares
-                        e0 = tl.where((tl.arange(0, BLOCK_N)[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0),
-                                      1.0, 0.0)  # (a row's sum in column 0, exact zeros beside it)
+                        # (a row's sum in column 0, exact zeros beside it)
+                        e0 = tl.where((j[:, None] >= 0) & (tl.arange(0, 16)[None, :] == 0), 1.0, 0.0)
                         sa = tl.sum(tl.dot(a * a, e0, input_precision="ieee"), 1)
                         sb = tl.sum(tl.dot(b * b, e0, input_precision="ieee"), 1)
                     else:

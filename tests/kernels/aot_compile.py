@@ -69,7 +69,7 @@ def split_launch(cfg):
 
 
 def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=14, hkv=2, d=64,
-           nt=28, trig=False, cfg=None, fp8=False, wide=0, f16=False, inv=False):
+           nt=28, trig=False, cfg=None, fp8=False, wide=0, f16=False, inv=False, qk_norm=False):
     """nt: the producer's column tiles, whose sums of squares a NORM prologue adds (unrolled).
     fp8: e4m3 weights with per-row fp32 scales (kernels/fp8.py). inv: batch-invariant mode (sums of
     squares in SSQ_COLS chunks); wide: its config for that many rows (gemm_config.wide_config),
@@ -90,7 +90,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
     if fp8:
         types.update(W="*fp8e4nv", WSC="*fp32")
     consts = dict(N=N, K=K, EPI=epi, HAS_BIAS=epi == 2, NORM=norm, NT=nt, RESID=resid,
-                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=False, TRIG=trig, FP8=fp8,
+                  DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trig, FP8=fp8,
                   TGRID=bool(wide), F16=f16, SERIAL=serial, SSQ_C=C.SSQ_COLS if inv or wide else 0, **cfg)
     k = compile_kernel(f"skinny {name} fp8={fp8} wide={wide} f16={f16} {cfg}", G._skinny_kernel, types,
                        consts, nw, ns)
@@ -134,6 +134,8 @@ def main():
     # batch-invariant mode: the T = 16 configs, and their K splits in wide tiles past 16 rows
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, inv=True)
     skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, wide=4096)
+    skinny("0.5B qkv+rope+norm, Qwen3's head norms", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True,
+           wide=4096, qk_norm=True)
     skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=28, trig=True, wide=4096)
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, wide=4096)
     skinny("0.5B o+residual, split by heads", 16, 896, 896, 0, 896, resid=True, wide=40,
