@@ -99,8 +99,7 @@ class Synthetic:
             self.loaded.model.quantize_fp8()
         self.engine = Engine(self.loaded, options)
         self.trie = LabelTrie([str(t) for t in LABELS], [[t] for t in LABELS], None)
-        g = torch.Generator().manual_seed(1)
-        self.prefix_ids = torch.randint(100, 30000, (PREFIX,), generator=g).tolist()
+        self.prefix_ids = prefix_ids()
         self._pin(max_tokens)
         p = sum(x.numel() for n, x in hf.named_parameters() if "embed" not in n and "lm_head" not in n)
         self.nonemb_params = p
@@ -145,6 +144,11 @@ class Synthetic:
         self.weight = self.engine.label_weight(self.trie.columns)
         self.capture = self.engine.capture(self.prefix, self.weight, True, max_tokens)
         self.runner = self.engine.graphs[(id(self.prefix), id(self.weight), True)]
+
+
+def prefix_ids() -> list:
+    """The synthetic form's pinned prefix (the same in every run)."""
+    return torch.randint(100, 30000, (PREFIX,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 def random_suffixes(n, seed):
