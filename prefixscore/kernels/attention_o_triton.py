@@ -23,10 +23,10 @@ import triton.language as tl
 
 from .attention_triton import _attend, _prefix_ranges, _prefix_tile, _ranges, invariant_attn_config
 from .fp8 import is_fp8
-from .gemm_config import SSQ_COLS, tuned
+from .gemm_config import SSQ_COLS, ssq_rows, tuned
 from .options import DEFAULTS, KernelOptions
 from .pdl import early, launch_kwargs, trigger, wait
-from .triton_util import _counters, _dot, _num_sms
+from .triton_util import _counters, _dot, _num_sms, _store_ssq_chunks
 
 
 @triton.jit
@@ -115,14 +115,8 @@ def _attn_o_kernel(
             acc *= sc
         y = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt)
         yf = tl.where(m_out, y.to(tl.float32), 0.0)
-        if SSQ_C:  # (batch-invariant mode) as gemm_triton's RESID: SSQ_C-column chunks in order
-            CH: tl.constexpr = BLOCK_N // SSQ_C
-            cc = tl.arange(0, 16)[None, :]
-            ind = tl.where(tl.arange(0, BLOCK_N)[:, None] // SSQ_C == cc, 1.0, 0.0)
-            part = tl.dot(yf * yf, ind, input_precision="ieee")
-            ch = pid_n * CH + cc
-            tl.store(SSQ + ch * T + tc, part,
-                     mask=t_ok[:, None] & (cc < CH) & (ch < (N + SSQ_C - 1) // SSQ_C))
+        if SSQ_C:  # (batch-invariant mode) as gemm_triton's RESID: fixed chunks in column order
+            _store_ssq_chunks(SSQ, yf, pid_n, T, tc, t_ok, N, BLOCK_N, SSQ_C)
         else:
             tl.store(SSQ + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
         tl.store(OUT + tc * N + cols[None, :], y, mask=m_out)
@@ -178,8 +172,7 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
     ps, pe = (x.contiguous() for x in prefix_range) if prefix_range is not None else (base_start,) * 2
     tiles, split = triton.cdiv(N, cfg["BLOCK_N"]), Hq // cfg["HPP"]
     out = torch.empty((T, N), dtype=q.dtype, device=q.device)
-    ssq_c = SSQ_COLS if options.batch_invariant else 0  # (gemm_triton.ssq_rows)
-    ssq = torch.empty((triton.cdiv(N, ssq_c or cfg["BLOCK_N"]), T), dtype=torch.float32, device=q.device)
+    ssq = torch.empty((ssq_rows(N, cfg, options), T), dtype=torch.float32, device=q.device)
     if split > 1:
         ws = torch.empty((split, cfg["BLOCK_T"], N), dtype=torch.float32, device=q.device)
         cnt = _counters(q.device)
@@ -194,7 +187,8 @@ def attention_o_residual_small(q, k, v, prefix_k, prefix_v, base_start, base_end
         T, P, scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         N=N, HQ=Hq, G=Hq // Hkv, D=D, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=_INTERPRETED, TRIG=trigger(q.device, wo, "attn_o", options),
-        RANGES=prefix_range is not None, FP8=wsc is not None, SSQ_C=ssq_c,
+        RANGES=prefix_range is not None, FP8=wsc is not None,
+        SSQ_C=SSQ_COLS if options.batch_invariant else 0,
         **cfg, **launch_kwargs(q.device, options),
     )
     return out, ssq

@@ -24,8 +24,15 @@ def config_rows(T: int, options: KernelOptions = DEFAULTS) -> int:
 
 
 # Batch-invariant mode: RESID's per-row sums of squares in chunks of this many columns whatever the
-# column tile (the invariant_rows configs' BLOCK_N), each chunk summed in column order (SSQ_DOT).
+# column tile (the invariant_rows configs' BLOCK_N), each chunk summed in column order
+# (triton_util._store_ssq_chunks).
 SSQ_COLS = 32
+
+
+def ssq_rows(ncols: int, cfg: dict, options: KernelOptions) -> int:
+    """Rows of a RESID epilogue's sums of squares (gemm_triton, attention_o_triton): one per column
+    tile, or in batch-invariant mode one per SSQ_COLS columns whatever the tile."""
+    return triton.cdiv(ncols, SSQ_COLS if options.batch_invariant else cfg["BLOCK_N"])
 
 
 # Shared memory the wide tiles' pipeline may take (an H100/H200 SM has 228 KB).

@@ -53,10 +53,11 @@ import triton
 import triton.language as tl
 
 from .fp8 import is_fp8
-from .gemm_config import SSQ_COLS, _finish_config, config_rows, gemm_config, tuned, wide_config
+from .gemm_config import (SSQ_COLS, _finish_config, config_rows, gemm_config, ssq_rows, tuned,
+                          wide_config)
 from .options import DEFAULTS, KernelOptions
 from .pdl import launch_kwargs, trigger, wait
-from .triton_util import _counters
+from .triton_util import _counters, _store_ssq_chunks
 
 
 @triton.jit
@@ -300,16 +301,8 @@ def _skinny_kernel(
             if RESID:  # HF: residual + linear(x), both in the dtype, the sum rounded once
                 y = (y.to(tl.float32) + r_in.to(tl.float32)).to(dt)
                 yf = tl.where(m_out, y.to(tl.float32), 0.0)
-                if SSQ_C:  # (batch-invariant mode) each SSQ_C-column chunk summed in column order
-                    # by an fp32 dot (FMA, k in order) against a chunk indicator: tl.sum's order
-                    # follows the tile's layout, which follows BLOCK_T and the warps
-                    CH: tl.constexpr = BLOCK_N // SSQ_C
-                    cc = tl.arange(0, 16)[None, :]
-                    ind = tl.where(tl.arange(0, BLOCK_N)[:, None] // SSQ_C == cc, 1.0, 0.0)
-                    part = tl.dot(yf * yf, ind, input_precision="ieee")
-                    ch = pid_n * CH + cc
-                    tl.store(SSQ_OUT + ch * T + tc, part,
-                             mask=t_ok[:, None] & (cc < CH) & (ch < (N + SSQ_C - 1) // SSQ_C))
+                if SSQ_C:  # (batch-invariant mode) in fixed chunks, each in column order
+                    _store_ssq_chunks(SSQ_OUT, yf, pid_n, T, tc, t_ok, N, BLOCK_N, SSQ_C)
                 else:
                     tl.store(SSQ_OUT + pid_n * T + t, tl.sum(yf * yf, 1), mask=t_ok)
             tl.store(OUT + tc * stride_ot + cols_a[None, :], y, mask=m_out)
@@ -418,12 +411,6 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
         TRIG=trigger(x.device, w, ("linear", "gate_up", "qkv")[epi], options),
         **cfg, **launch_kwargs(x.device, options),
     )
-
-
-def ssq_rows(ncols: int, cfg: dict, options: KernelOptions) -> int:
-    """Rows of RESID's sums of squares: one per column tile, or in batch-invariant mode one per
-    SSQ_COLS columns whatever the tile (gemm_config.SSQ_COLS)."""
-    return triton.cdiv(ncols, SSQ_COLS if options.batch_invariant else cfg["BLOCK_N"])
 
 
 def _w_bytes(w) -> int:

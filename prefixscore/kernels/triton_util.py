@@ -18,6 +18,22 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
+@triton.jit
+def _store_ssq_chunks(SSQ, yf, pid_n, T, tc, t_ok, N: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SSQ_C: tl.constexpr):
+    """Batch-invariant mode's per-row sums of squares of column tile pid_n (yf: [rows, BLOCK_N]
+    fp32, masked) in SSQ_C-column chunks, each summed in column order by an fp32 dot (FMA, k in
+    order) against a chunk indicator: tl.sum's order follows the tile's layout, which follows its
+    rows and warps. Chunk c of the tile goes to SSQ[pid_n * BLOCK_N / SSQ_C + c, row]."""
+    CH: tl.constexpr = BLOCK_N // SSQ_C
+    cc = tl.arange(0, 16)[None, :]
+    ind = tl.where(tl.arange(0, BLOCK_N)[:, None] // SSQ_C == cc, 1.0, 0.0)
+    part = tl.dot(yf * yf, ind, input_precision="ieee")
+    ch = pid_n * CH + cc
+    tl.store(SSQ + ch * T + tc, part,
+             mask=t_ok[:, None] & (cc < CH) & (ch < (N + SSQ_C - 1) // SSQ_C))
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device) -> int:
     if device.type != "cuda":
