@@ -47,7 +47,10 @@ def wide_config(cfg: dict, T: int, epi: int, x_bytes: int = 2, w_bytes: int = 2)
     the GPU the tensor cores round a row the same in every tile shape (bench.invariance_gpu:
     alone_split_and_tile_of_T), which tests/test_invariance.py holds on the GPU. x_bytes, w_bytes:
     element sizes (the pipeline's stages fit WIDE_SMEM)."""
-    cfg = dict(cfg, BLOCK_T=min(128, max(16, triton.next_power_of_2(T))), PRE=0, SERIAL=True)
+    # e4m3 weights in two tiles (gate/up, RoPE's halves): their bf16 conversions sit in registers
+    # beside the accumulators, and 128-row tiles spill (sm_90 ptxas; aot_compile checks each build)
+    rows = 64 if w_bytes == 1 and epi else 128
+    cfg = dict(cfg, BLOCK_T=min(rows, max(16, triton.next_power_of_2(T))), PRE=0, SERIAL=True)
     if epi != 2:  # (RoPE's tile is half a head)
         cfg["BLOCK_N"] = 64
     bk = cfg["BLOCK_K"]
@@ -57,8 +60,9 @@ def wide_config(cfg: dict, T: int, epi: int, x_bytes: int = 2, w_bytes: int = 2)
         if cfg["num_stages"] >= 2 or cfg["BLOCK_T"] == 16:
             break
         cfg["BLOCK_T"] //= 2
-    accs = (2 if epi else 1) * (2 if cfg.get("SPLIT", 1) > 1 else 1)  # accumulators, running sums
-    cfg["num_warps"] = 8 if cfg["BLOCK_T"] * cfg["BLOCK_N"] * accs > 16384 else 4
+    # Two warpgroups from 64 rows: one holds 128 rows' accumulators (and running sums) only by
+    # spilling them, every role of both model shapes (sm_90 ptxas)
+    cfg["num_warps"] = 8 if cfg["BLOCK_T"] >= 64 else 4
     return cfg
 
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -35,10 +38,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 SMEM_PER_BLOCK = 227 << 10  # sm_90's most shared memory per block
 CPU = torch.device("cpu")  # config heuristics: the interpreter's stand-in for an H200 (132 SMs)
 BF16 = torch.bfloat16
+# Batch-invariant wide tiles (gemm_config.wide_config): a few registers' worth of stack at most;
+# accumulators that do not fit spill by the hundred bytes inside the K loop
+WIDE_STACK = 16
 
 
-def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
-    """types: parameter -> Triton type ("*bf16", "fp32", ...), the rest i32; consts: constexprs."""
+def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2, max_stack=None):
+    """types: parameter -> Triton type ("*bf16", "fp32", ...), the rest i32; consts: constexprs.
+    max_stack: most bytes of stack frame (registers spilled to local memory) allowed."""
     params = list(inspect.signature(fn.fn).parameters)
     unknown = (set(consts) | set(types)) - set(params)
     assert not unknown, f"{name}: no parameters {unknown}"
@@ -59,8 +66,22 @@ def compile_kernel(name, fn, types, consts, num_warps=4, num_stages=2):
     # (a build over an SM's shared memory compiles, and fails only at launch)
     assert k.metadata.shared <= SMEM_PER_BLOCK, f"{name}: {k.metadata.shared} B of shared memory"
     assert "griddepcontrol.wait" in k.asm["ptx"], f"{name}: no PDL wait"
-    print(f"ok {name}", flush=True)
+    regs, stack = resources(k.asm["cubin"])
+    assert max_stack is None or stack <= max_stack, f"{name}: spills ({stack} B of stack, {regs} registers)"
+    print(f"ok {name} [{regs} registers, {stack} B stack]", flush=True)
     return k
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """Registers a thread and bytes of stack frame (spills) of a build, as cuobjdump reads them
+    (the build's ptxas log is gone once Triton caches it)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return int(m[1]), int(m[2])
 
 
 def split_launch(cfg):
@@ -93,7 +114,7 @@ def skinny(name, T, ncols, K, epi, N, block_n=None, norm=False, resid=False, hq=
                   DOT_PREC="tf32", UPCAST=False, HQ=hq, HKV=hkv, D=d, QK_NORM=qk_norm, TRIG=trig, FP8=fp8,
                   TGRID=bool(wide), F16=f16, SERIAL=serial, SSQ_C=C.SSQ_COLS if inv or wide else 0, **cfg)
     k = compile_kernel(f"skinny {name} fp8={fp8} wide={wide} f16={f16} {cfg}", G._skinny_kernel, types,
-                       consts, nw, ns)
+                       consts, nw, ns, max_stack=WIDE_STACK if wide else None)
     if f16:  # e4m3 -> fp16 only, one conversion per two weights (gemm_triton.py, F16)
         ptx = k.asm["ptx"]
         assert "cvt.bf16.f16" not in ptx and ".f32.f16.f16.f32" in ptx, f"{name}: e4m3 not multiplied in fp16"
@@ -133,15 +154,21 @@ def main():
     skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, f16=True)  # (x * x_scale)
     # batch-invariant mode: the T = 16 configs, and their K splits in wide tiles past 16 rows
     skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, inv=True)
-    skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, wide=4096)
-    skinny("0.5B qkv+rope+norm, Qwen3's head norms", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True,
-           wide=4096, qk_norm=True)
-    skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=28, trig=True, wide=4096)
-    skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, wide=4096)
-    skinny("0.5B o+residual, split by heads", 16, 896, 896, 0, 896, resid=True, wide=40,
-           cfg=dict(C.gemm_config(16, 896, 896, 0, BF16, CPU), BLOCK_K=64, SPLIT=14))
-    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=True, wide=4096)
-    skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, wide=4096)
+    for fp8 in (False, True):  # each role of both shapes, none spilling (WIDE_STACK)
+        skinny("0.5B qkv+rope+norm", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True, fp8=fp8, wide=4096)
+        skinny("0.5B qkv+rope+norm, Qwen3's head norms", 16, 18 * 32, 896, 2, 1152, block_n=32, norm=True,
+               fp8=fp8, wide=4096, qk_norm=True)
+        skinny("0.5B gate/up+norm", 16, 4864, 896, 1, 9728, norm=True, nt=28, trig=True, fp8=fp8, wide=4096)
+        skinny("0.5B down+residual", 16, 896, 4864, 0, 896, resid=True, trig=True, fp8=fp8, wide=4096)
+        for T in (40, 4096):
+            skinny("0.5B o+residual, split by heads", 16, 896, 896, 0, 896, resid=True, fp8=fp8, wide=T,
+                   cfg=dict(C.gemm_config(16, 896, 896, 0, BF16, CPU, fp8=fp8), BLOCK_K=64, SPLIT=14))
+        skinny("7B qkv+rope+norm", 16, 36 * 64, 3584, 2, 4608, block_n=64, norm=True, hq=28, hkv=4, d=128,
+               nt=56, fp8=fp8, wide=4096)
+        skinny("7B gate/up+norm", 16, 18944, 3584, 1, 37888, norm=True, nt=56, fp8=fp8, wide=4096)
+        skinny("7B down+residual", 16, 3584, 18944, 0, 3584, resid=True, fp8=fp8, wide=4096)
+        skinny("7B o+residual, split by heads", 16, 3584, 3584, 0, 3584, resid=True, fp8=fp8, wide=4096,
+               cfg=dict(C.gemm_config(16, 3584, 3584, 0, BF16, CPU, fp8=fp8), BLOCK_K=128, SPLIT=28))
 
     at_types = {p: "*bf16" for p in ("Q", "K", "V", "PK", "PV", "O")}
     at_types.update({p: "*i32" for p in ("BS", "BE", "OS", "PS", "PE")}, ROWS="*i64", qk_scale="fp32")

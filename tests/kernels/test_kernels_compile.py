@@ -30,6 +30,8 @@ def test_kernels_compile_for_sm90():
                    "attention+O", "label head",
                    "rms_norm", "rope_qk", "silu_mul", "embed_rope"):
         assert any(l.startswith("ok " + family) for l in compiled), family
+    # batch-invariant wide tiles, checked against spills, for both weight formats
+    assert {"fp8=False", "fp8=True"} <= {w for l in compiled if "wide=4096" in l for w in l.split()}
 
 
 @pytest.mark.skipif(PTXAS is None or not PTXAS.exists(), reason="no triton, or its wheel ships no ptxas")
