@@ -21,7 +21,7 @@ from .synthetic import OUT, Synthetic, gpu_times, hf_model, random_suffixes, sta
 
 
 def kind(name: str) -> str:
-    for k in ("_skinny_kernel", "_attn_o_kernel", "_label_head", "_embed_rope"):
+    for k in ("_skinny_kernel", "_attn_o_kernel", "_prefix_attn_kernel", "_label_head", "_embed_rope"):
         if k in name:
             return k
     return name[:48]
@@ -69,20 +69,31 @@ def summarize(ev, n):
             "skinny_by_role": by_position(ev, n)}
 
 
+# The skinny GEMMs after each attention kernel, in a layer's order: attention fused with O (up to
+# 64 tokens), or attention alone with O a GEMM of its own
+AFTER = {"_attn_o_kernel": ("gate_up", "down"), "_prefix_attn_kernel": ("o", "gate_up", "down")}
+
+
 def by_position(ev, n):
-    """The skinny GEMMs split by their role (the order in a layer is qkv, attn_o, gate_up, down)."""
+    """The skinny GEMMs split by their role: qkv launches just before attention, the rest after
+    it in a layer's order (AFTER)."""
     per = len(ev) // n
     roles = defaultdict(list)
     for r in range(n):
         rep = ev[r * per:(r + 1) * per]
+        after, seen = (), 0
         for i, (name, s, e) in enumerate(rep):
-            if kind(name) != "_skinny_kernel":
+            k = kind(name)
+            if k in AFTER:
+                after, seen = AFTER[k], 0
+            if k != "_skinny_kernel":
                 continue
-            prev = kind(rep[i - 1][0]) if i else ""
-            nxt = kind(rep[i + 1][0]) if i + 1 < per else ""
-            role = ("qkv" if nxt == "_attn_o_kernel" else "gate_up" if prev == "_attn_o_kernel"
-                    else "down")
-            roles[role].append((e - s, s - rep[i - 1][2]))
+            if i + 1 < per and kind(rep[i + 1][0]) in AFTER:
+                role = "qkv"
+            else:
+                role = after[seen] if seen < len(after) else "other"
+                seen += 1
+            roles[role].append((e - s, s - rep[i - 1][2] if i else 0.0))
     return {k: {"median_us": statistics.median(d for d, _ in v),
                 "median_gap_before_us": statistics.median(g for _, g in v), "n": len(v) // n}
             for k, v in roles.items()}
