@@ -92,8 +92,10 @@ def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows, block_k):
     """Rows t0..t0+n of a launch of 45 (16-row tiles) or 150 rows (64-row tiles, the other
     invariant_rows bench/invariance_gpu measures: three row tiles either way) against the same rows
     launched alone (qk-norm: Qwen3's per-head norms in the RoPE epilogue; test_kernels_gemm has
-    its reference). Under the interpreter K = 96 in two splits of one 64-wide step each, or of two
-    32-wide steps (the second split's second step past K); on CUDA the configs themselves."""
+    its reference). Under the interpreter K = 96 in two splits of one 64-wide step each (the second
+    past K), or K = 112 in two of two 32-wide steps (the last partly past K: where numpy's dot
+    chains like the tensor cores, only splits of two steps tell their sums added in split order
+    from one running sum); on CUDA the configs themselves."""
     if CUDA and block_k != 64:
         pytest.skip("the interpreter's split shapes")
     opts = inv(rows)
@@ -101,7 +103,7 @@ def test_gemm_rows_do_not_depend_on_the_batch(epi, dtype, rows, block_k):
     # steps' dots in turn; the tensor cores and the fp32 FMA dot chain them in k order alike)
     small = None if CUDA else dict(SMALL, BLOCK_K=block_k, PRE=0)
     gen = seed()
-    T, K, N = 3 * rows - 3, 96, 112
+    T, K, N = 3 * rows - 3, 96 if block_k == 64 else 112, 112
     x = _rand(gen, T, K, dtype=dtype)
     w = _rand(gen, N, K, dtype=dtype, scale=K ** -0.5)
     b = _rand(gen, N, dtype=dtype)

@@ -245,13 +245,14 @@ def _skinny_kernel(
                 acc_b = tl.dot(xv, tl.trans(wb), acc_b, input_precision=DOT_PREC)
             else:
                 acc_b += tl.sum(xf * wb.to(tl.float32)[None, :, :], axis=2)
-        if SERIAL:  # a split's last step: its sum into the running sum
-            end = (i + 1) % ITERS == 0
-            tot_a = tl.where(end, tot_a + acc_a, tot_a)
-            acc_a = tl.where(end, split0, acc_a)
-            if TWO:
-                tot_b = tl.where(end, tot_b + acc_b, tot_b)
-                acc_b = tl.where(end, split0, acc_b)
+        if SERIAL:  # a split's last step: its sum into the running sum. (A branch, not tl.where:
+            # Triton then waits for the MMAs only there, not after every step; sm_90 PTX)
+            if (i + 1) % ITERS == 0:
+                tot_a = tot_a + acc_a
+                acc_a = split0
+                if TWO:
+                    tot_b = tot_b + acc_b
+                    acc_b = split0
     if SERIAL:
         acc_a, acc_b = tot_a, tot_b
 
