@@ -11,8 +11,8 @@
 #   invariance  bench.invariance_gpu --e2e-only: W1, W2 and the bits, mode off and on
 #
 #   timeline64  the same with 64 requests per replay (past the skinny GEMMs' T in the default mode)
-#   w2          the same at W2 (4,096 requests per replay), with the wide tiles' columns at 128 as
-#               well (down and O; gate/up in 2 stages): the batch-invariant GEMMs against cuBLAS
+#   w2          the same at W2 (4,096 requests per replay), and with down's and O's wide tiles 128
+#               columns wide: the batch-invariant GEMMs against cuBLAS
 #
 #   bash bench/kernels_gpu.sh [stage ...]      (default: tests stream timeline; JSON in $OUT/<stage>/;
 #                                               STAGE_S: seconds a stage may take, default 600)
@@ -43,7 +43,7 @@ for s in "${@:-tests stream timeline}"; do
       timeline64) stage timeline64 python3 -m bench.gpu --ab BATCH_INVARIANT --profile --ab-shapes 0.5B \
                     --ab-batch 64 ;;
       w2) stage w2 python3 -m bench.gpu --ab-shapes 0.5B --ab-batch 4096 --profile --ab \
-            "BATCH_INVARIANT;batch_invariant=1,down.BLOCK_N=128;batch_invariant=1,gu.BLOCK_N=128,gu.num_stages=2" ;;
+            "BATCH_INVARIANT;batch_invariant=1,down.BLOCK_N=128" ;;
       fp8) stage fp8 python3 -m bench.fp8_gpu ${FP8_ARGS:-} ;;
       invariance) stage invariance python3 -m bench.invariance_gpu --e2e-only ;;
       *) echo "no stage $name"; exit 2 ;;
