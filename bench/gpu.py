@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from prefixscore.batch import plan_classify
+from prefixscore.graphs import GRAPH_MAX_TOKENS
 from prefixscore.kernels.options import TUNE_ROLES, KernelOptions
 
 # (the synthetic form and the timing helpers are bench/synthetic.py's; other workloads import
@@ -439,8 +440,12 @@ def main(argv=None):
     ap.add_argument("--ab-shapes", nargs="*", default=None, help="with --ab: these shapes (default "
                     "0.5B and, without --skip-7b, 7B)")
     ap.add_argument("--ab-batch", type=int, default=1, metavar="N",
-                    help="with --ab: N copies of the W1 request per replay (4: the 32-token bucket)")
+                    help="with --ab: N copies of the W1 request per replay (4: the 32-token bucket; "
+                         f"at most {GRAPH_MAX_TOKENS // SUFFIX}, the largest graph)")
     a = ap.parse_args(argv)
+    if not 1 <= a.ab_batch * SUFFIX <= GRAPH_MAX_TOKENS:
+        ap.error(f"--ab-batch: 1 to {GRAPH_MAX_TOKENS // SUFFIX} requests (the largest graph holds "
+                 f"{GRAPH_MAX_TOKENS} tokens, {SUFFIX} a request)")
     OUT.mkdir(parents=True, exist_ok=True)
     if a.ab == "COPIES":
         hf = hf_model("0.5B")
