@@ -20,6 +20,7 @@ import argparse
 import copy
 import json
 import statistics
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,7 +107,8 @@ def real_form(quick: bool) -> dict:
     from prefixscore import Classifier
 
     folder = str(real_form_model())
-    with open(".carry/intent_dev.csv", newline="", encoding="utf-8") as f:
+    with open(Path(__file__).resolve().parents[1] / "tests" / "data" / "intent_dev.csv", newline="",
+              encoding="utf-8") as f:
         queries = [r["query"] for r in csv.DictReader(f)][: 100 if quick else 500]
     res, labels = {}, {}
     for dtype in ("bfloat16", "fp8"):
