@@ -414,8 +414,18 @@ def _launch(x, w, bias, epi, ncols, cfg, out=None, rope=None, norm=None, resid=N
     )
 
 
-def _w_bytes(w) -> int:
-    return w.q.element_size() if is_fp8(w) else w.element_size()
+def _config(x, w, ncols, epi, config, role, options, block_n=None) -> dict:
+    """The launch config of x @ w^T: gemm_config's for x's rows (batch-invariant mode: for
+    invariant_rows, in wide tiles past them), the caller's entries over it, then options.tune's
+    for role."""
+    T, K = x.shape
+    cfg = gemm_config(config_rows(T, options), ncols, K, epi, x.dtype, x.device, block_n=block_n,
+                      fp8=is_fp8(w))
+    cfg.update(config or {})
+    if options.batch_invariant and T > options.invariant_rows:
+        w_bytes = w.q.element_size() if is_fp8(w) else w.element_size()
+        cfg = wide_config(cfg, T, epi, x.element_size(), w_bytes)
+    return tuned(cfg, role, options)
 
 
 def _prep(x, w, bias):
@@ -453,16 +463,13 @@ def gate_up_silu_small(x, w_gu, bias=None, out=None, config=None, norm=None,
 
 def _plain_or_gated(x, w, bias, out, config, options, epi, norm=None, residual=None):
     x, w, bias = _prep(x, w, bias)
-    T, K = x.shape
+    T = x.shape[0]
     cols = w.shape[0] // (2 if epi == 1 else 1)  # output columns: N, or I for [Wg; Wu]
     if out is None:
         out = torch.empty((T, cols), dtype=x.dtype, device=x.device)
     assert out.shape == (T, cols) and out.stride(-1) == 1
-    cfg = gemm_config(config_rows(T, options), cols, K, epi, x.dtype, x.device, fp8=is_fp8(w))
-    cfg.update(config or {})
-    if options.batch_invariant and T > options.invariant_rows:
-        cfg = wide_config(cfg, T, epi, x.element_size(), _w_bytes(w))
-    tuned(cfg, "gu" if epi == 1 else "down" if residual is not None else "linear", options)
+    cfg = _config(x, w, cols, epi, config, "gu" if epi == 1 else "down" if residual is not None else "linear",
+                  options)
     resid = None
     if residual is not None:
         rows = ssq_rows(cols, cfg, options)
@@ -486,7 +493,7 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
     fused.rope_qk_ref after a plain linear -> q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D].
     norm: as gate_up_silu_small's."""
     x, w_qkv, bias = _prep(x, w_qkv, bias)
-    T, K = x.shape
+    T = x.shape[0]
     H = Hq + 2 * Hkv
     assert w_qkv.shape[0] == H * D and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0
     kw = dict(dtype=x.dtype, device=x.device)
@@ -498,12 +505,7 @@ def qkv_rope_small(x, w_qkv, bias, cos, sin, Hq, Hkv, D, q_norm=None, k_norm=Non
     cos, sin = cos.contiguous(), sin.contiguous()
     if q_norm is not None:
         q_norm, k_norm = q_norm.contiguous(), k_norm.contiguous()
-    cfg = gemm_config(config_rows(T, options), H * (D // 2), K, 2, x.dtype, x.device, block_n=D // 2,
-                      fp8=is_fp8(w_qkv))
-    cfg.update(config or {})
-    if options.batch_invariant and T > options.invariant_rows:
-        cfg = wide_config(cfg, T, 2, x.element_size(), _w_bytes(w_qkv))
-    tuned(cfg, "qkv", options)
+    cfg = _config(x, w_qkv, H * (D // 2), 2, config, "qkv", options, block_n=D // 2)
     cfg["BLOCK_N"] = D // 2
     _launch(x, w_qkv, bias, 2, H * (D // 2), cfg,
             rope=(cos, sin, q_norm, k_norm, q, k, v, Hq, Hkv, D, eps), norm=_norm_args(norm),
